@@ -1,0 +1,309 @@
+"""Process groups for tensor, pipeline and data parallelism, and the rank queries on them.
+
+Rank order is Megatron's: tensor-parallel ranks are adjacent, then data-parallel, then
+pipeline-parallel, i.e. ``global_rank = tp_rank + dp_rank * TP + pp_rank * TP * DP``. Adjacent
+ranks share a node, so the chattiest groups (TP) stay on the fastest links.
+"""
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+from megatron.core import device
+
+# Process groups this rank belongs to, and the global ranks of each.
+_GROUPS: Dict[str, dist.ProcessGroup] = {}
+_GROUP_RANKS: Dict[str, List[int]] = {}
+_OWNED_GROUPS: List[dist.ProcessGroup] = []
+
+_VIRTUAL_PIPELINE_RANK: Optional[int] = None
+_VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
+
+_TENSOR = "tensor"
+_PIPELINE = "pipeline"
+_DATA = "data"
+_DATA_GLOO = "data_gloo"
+_MODEL = "model"
+_EMBEDDING = "embedding"
+_POSITION_EMBEDDING = "position_embedding"
+_TENSOR_AND_DATA = "tensor_and_data"
+
+
+def rank_layout(world_size: int, tensor_model_parallel_size: int,
+                pipeline_model_parallel_size: int) -> Dict[str, List[List[int]]]:
+    """Every group of every kind as lists of global ranks (pure; no communication)."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    dp = world_size // (tp * pp)
+
+    def rank(t, d, p):
+        return t + d * tp + p * tp * dp
+
+    pipeline = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    # Sort so every kind lists its groups in ascending order of first rank.
+    pipeline.sort()
+    embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
+    return {
+        _TENSOR: [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        _DATA: [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        _PIPELINE: pipeline,
+        _MODEL: [sorted(rank(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
+        _EMBEDDING: embedding,
+        _POSITION_EMBEDDING: [[ranks[0]] for ranks in pipeline],
+        _TENSOR_AND_DATA: [[rank(t, d, p) for d in range(dp) for t in range(tp)]
+                           for p in range(pp)],
+    }
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
+    """Create all process groups. Every rank must call this with the same arguments."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel() needs torch.distributed: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)."
+        )
+    if model_parallel_is_initialized():
+        raise RuntimeError("model parallel groups are already initialized; call "
+                           "destroy_model_parallel() before initializing them again.")
+    world_size = dist.get_world_size()
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) model parallel sizes must be >= 1.")
+    if world_size % (tp * pp) != 0:
+        raise RuntimeError(
+            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+            f"pipeline-model-parallel-size {pp} = {tp * pp}; choose sizes whose product divides "
+            f"the number of processes."
+        )
+    if virtual_pipeline_model_parallel_size is not None:
+        if pp < 2:
+            raise RuntimeError(
+                "virtual pipeline parallelism (interleaved schedule) needs "
+                f"pipeline-model-parallel-size > 1, got {pp}; drop "
+                "--num-layers-per-virtual-pipeline-stage or raise the pipeline size."
+            )
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError("virtual pipeline model parallel size must be >= 1.")
+
+    me = dist.get_rank()
+    need_gloo_copy = device.dist_backend() != "gloo"
+    for kind, groups in rank_layout(world_size, tp, pp).items():
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            gloo_group = dist.new_group(ranks, backend="gloo") if (
+                kind == _DATA and need_gloo_copy) else group
+            if me in ranks:
+                _GROUPS[kind] = group
+                _GROUP_RANKS[kind] = ranks
+                _OWNED_GROUPS.append(group)
+                if kind == _DATA:
+                    _GROUPS[_DATA_GLOO] = gloo_group
+                    _GROUP_RANKS[_DATA_GLOO] = ranks
+                    if gloo_group is not group:
+                        _OWNED_GROUPS.append(gloo_group)
+
+    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
+    if virtual_pipeline_model_parallel_size is not None:
+        _VIRTUAL_PIPELINE_RANK = 0
+        _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TENSOR in _GROUPS
+
+
+def destroy_model_parallel() -> None:
+    """Forget and destroy every group created by initialize_model_parallel()."""
+    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
+    if dist.is_initialized():
+        for group in _OWNED_GROUPS:
+            dist.destroy_process_group(group)
+    _OWNED_GROUPS.clear()
+    _GROUPS.clear()
+    _GROUP_RANKS.clear()
+    _VIRTUAL_PIPELINE_RANK = None
+    _VIRTUAL_PIPELINE_WORLD_SIZE = None
+
+
+def _group(kind: str) -> dist.ProcessGroup:
+    try:
+        return _GROUPS[kind]
+    except KeyError:
+        raise RuntimeError(
+            "model parallel groups are not initialized; call "
+            "parallel_state.initialize_model_parallel(...) first."
+        ) from None
+
+
+def _ranks(kind: str) -> List[int]:
+    _group(kind)
+    return _GROUP_RANKS[kind]
+
+
+def _rank_in(kind: str) -> int:
+    return _ranks(kind).index(dist.get_rank())
+
+
+# --- groups -------------------------------------------------------------------------------
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return _group(_TENSOR)
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return _group(_PIPELINE)
+
+
+def get_data_parallel_group(with_gloo: bool = False) -> dist.ProcessGroup:
+    """The DP group; ``with_gloo`` gives a gloo copy for CPU-side traffic (e.g. checkpoints)."""
+    return _group(_DATA_GLOO if with_gloo else _DATA)
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    """All TP x PP ranks that hold one replica of the model."""
+    return _group(_MODEL)
+
+
+def get_embedding_group() -> dist.ProcessGroup:
+    """First and last pipeline stage: they hold the two copies of a tied embedding."""
+    return _group(_EMBEDDING)
+
+
+def get_position_embedding_group() -> dist.ProcessGroup:
+    return _group(_POSITION_EMBEDDING)
+
+
+def get_tensor_and_data_parallel_group() -> dist.ProcessGroup:
+    return _group(_TENSOR_AND_DATA)
+
+
+# --- global ranks of groups -------------------------------------------------------------------
+
+def get_tensor_model_parallel_ranks() -> List[int]:
+    return list(_ranks(_TENSOR))
+
+
+def get_pipeline_model_parallel_ranks() -> List[int]:
+    return list(_ranks(_PIPELINE))
+
+
+def get_data_parallel_ranks() -> List[int]:
+    return list(_ranks(_DATA))
+
+
+def get_model_parallel_ranks() -> List[int]:
+    return list(_ranks(_MODEL))
+
+
+def get_embedding_ranks() -> List[int]:
+    return list(_ranks(_EMBEDDING))
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's TP group (the source of broadcasts)."""
+    return _ranks(_TENSOR)[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _ranks(_PIPELINE)[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _ranks(_PIPELINE)[-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next pipeline stage (wrapping around, as interleaving needs)."""
+    ranks = _ranks(_PIPELINE)
+    return ranks[(_rank_in(_PIPELINE) + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _ranks(_PIPELINE)
+    return ranks[(_rank_in(_PIPELINE) - 1) % len(ranks)]
+
+
+# --- sizes and ranks --------------------------------------------------------------------------
+
+def get_tensor_model_parallel_world_size() -> int:
+    return len(_ranks(_TENSOR))
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _rank_in(_TENSOR)
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return len(_ranks(_PIPELINE))
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _rank_in(_PIPELINE)
+
+
+def get_data_parallel_world_size() -> int:
+    return len(_ranks(_DATA))
+
+
+def get_data_parallel_rank() -> int:
+    return _rank_in(_DATA)
+
+
+def get_model_parallel_world_size() -> int:
+    return len(_ranks(_MODEL))
+
+
+def get_model_parallel_rank() -> int:
+    return _rank_in(_MODEL)
+
+
+# --- virtual pipeline stages ------------------------------------------------------------------
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return _VIRTUAL_PIPELINE_WORLD_SIZE
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return _VIRTUAL_PIPELINE_RANK
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+    """The schedule sets which model chunk runs next; stage queries below depend on it."""
+    global _VIRTUAL_PIPELINE_RANK
+    if _VIRTUAL_PIPELINE_WORLD_SIZE is None:
+        raise RuntimeError("virtual pipeline parallelism is not enabled; pass "
+                           "virtual_pipeline_model_parallel_size to initialize_model_parallel().")
+    if not 0 <= rank < _VIRTUAL_PIPELINE_WORLD_SIZE:
+        raise ValueError(f"virtual pipeline rank {rank} out of range "
+                         f"[0, {_VIRTUAL_PIPELINE_WORLD_SIZE}).")
+    _VIRTUAL_PIPELINE_RANK = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the stage that holds the input embedding (virtual chunk 0 of PP rank 0)."""
+    if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None \
+            and _VIRTUAL_PIPELINE_RANK != 0:
+        return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the stage that holds the output layer (last virtual chunk of the last PP rank)."""
+    if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None \
+            and _VIRTUAL_PIPELINE_RANK != _VIRTUAL_PIPELINE_WORLD_SIZE - 1:
+        return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """True where this rank (and, unless ignored, its current virtual chunk) holds an embedding
+    copy that takes part in the tied-embedding gradient sum."""
+    ranks = _ranks(_EMBEDDING)
+    me = dist.get_rank()
+    if me not in ranks:
+        return False
+    if ignore_virtual:
+        return True
+    if me == ranks[0] and is_pipeline_first_stage():
+        return True
+    return me == ranks[-1] and is_pipeline_last_stage()

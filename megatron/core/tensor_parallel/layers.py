@@ -1,0 +1,274 @@
+"""Column- and row-parallel linear layers and the vocab-parallel embedding.
+
+Weights are initialised as one full fp32 master weight drawn from the CPU generator (which is
+seeded alike on every TP rank) and then sliced, so a model starts from the same full weights
+whatever its TP size. Layers return ``(output, bias)``: ``bias`` is not None only with
+``skip_bias_add``, so the caller can fuse the add into what follows.
+"""
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn import Parameter
+
+from megatron.core import device, parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.mappings import (
+    gather_along_first_dim,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along_first_dim,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.utils import vocab_range_for_rank
+from megatron.core.utils import divide
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
+                                         partition_dim: int, stride: int = 1) -> None:
+    """Mark how a parameter is sharded (read by grad clipping, checkpoint conversion)."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def param_is_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True on TP ranks > 0 for parameters that every TP rank holds in full."""
+    return not getattr(param, "tensor_model_parallel", False) and \
+        parallel_state.get_tensor_model_parallel_rank() > 0
+
+
+def initialize_affine_weight(weight: torch.Tensor, output_size: int, input_size: int,
+                             partition_dim: int, init_method: Callable, stride: int = 1) -> None:
+    """Fill ``weight`` (this rank's shard) from a full master weight.
+
+    With ``stride`` s the master is cut into s * TP blocks along ``partition_dim`` and rank r
+    takes blocks r, r + TP, ...: e.g. SwiGLU's [gate; up] weight (stride 2) gives each rank its
+    own gate and up rows, and the full weight is the same whatever the TP size.
+    """
+    master = torch.empty(output_size, input_size, dtype=torch.float32)
+    init_method(master)
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    block = divide(weight.shape[partition_dim], stride, "partition by stride")
+    blocks = torch.split(master, block, dim=partition_dim)
+    with torch.no_grad():
+        weight.copy_(torch.cat(blocks[rank::size], dim=partition_dim))
+
+
+def _new_weight(rows: int, cols: int, config: ModelParallelConfig) -> Parameter:
+    return Parameter(device.empty(rows, cols, dtype=config.params_dtype))
+
+
+def _new_bias(size: int, config: ModelParallelConfig) -> Parameter:
+    return Parameter(device.zeros(size, dtype=config.params_dtype))
+
+
+class LinearWithGradAllReduce(torch.autograd.Function):
+    """``input @ weight.T + bias`` whose input gradient is summed over TP ranks in backward.
+
+    Under sequence parallelism the input arrives as this rank's sequence shard: it is
+    all-gathered in forward, only the shard is kept for backward (re-gathered there, overlapped
+    with the input-gradient GEMM), and the input gradient is reduce-scattered back to shards
+    (overlapped with the weight-gradient GEMM). Otherwise the input gradient is all-reduced,
+    overlapped with the weight-gradient GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, sequence_parallel, reduce_input_grad):
+        ctx.save_for_backward(input_, weight)
+        ctx.use_bias = bias is not None
+        ctx.sequence_parallel = sequence_parallel
+        ctx.reduce_input_grad = reduce_input_grad
+        total_input = gather_along_first_dim(input_) if sequence_parallel else input_
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gather_handle = None
+        total_input = input_
+        if ctx.sequence_parallel and need_weight_grad:
+            total_input, gather_handle = gather_along_first_dim(input_, async_op=True)
+
+        grad_input = reduce_handle = None
+        if need_input_grad:
+            grad_input = grad_output.matmul(weight)
+        if gather_handle is not None:
+            gather_handle.wait()
+        if need_input_grad:
+            if ctx.sequence_parallel:
+                grad_input, reduce_handle = reduce_scatter_along_first_dim(grad_input, async_op=True)
+            elif ctx.reduce_input_grad:
+                reduce_handle = dist.all_reduce(
+                    grad_input, group=parallel_state.get_tensor_model_parallel_group(),
+                    async_op=True)
+
+        grad_weight = grad_bias = None
+        if need_weight_grad:
+            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_weight = grad_2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+        if ctx.use_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split by columns: rank r computes Y_r = X A_r + b_r.
+
+    ``gather_output`` all-gathers Y along its last dim; otherwise the output stays sharded for a
+    following RowParallelLinear. Under sequence parallelism X arrives sharded along the sequence
+    (first) dimension and is all-gathered. ``skip_weight_param_allocation`` lets the caller pass
+    the weight to ``forward`` (an output layer tied to the embedding).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: Callable, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, stride: int = 1,
+                 skip_weight_param_allocation: bool = False):
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(
+            output_size, world_size, "ColumnParallelLinear output size by TP size")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and world_size > 1
+        if self.sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output is incompatible with "
+                             "sequence parallelism (the output would be gathered twice).")
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = _new_weight(self.output_size_per_partition, input_size, config)
+            if config.perform_initialization:
+                initialize_affine_weight(self.weight, output_size, input_size, 0,
+                                         init_method, stride)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if bias:
+            self.bias = _new_bias(self.output_size_per_partition, config)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("ColumnParallelLinear was built with "
+                                   "skip_weight_param_allocation; pass weight to forward().")
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise ValueError(f"weight of shape {tuple(weight.shape)} given, expected "
+                             f"{(self.output_size_per_partition, self.input_size)}.")
+        bias = None if self.skip_bias_add else self.bias
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        output = LinearWithGradAllReduce.apply(
+            input_, weight, bias, self.sequence_parallel, tp_size > 1)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split by rows and X split by columns: Y = sum_r X_r A_r, then + b once.
+
+    The sum is an all-reduce, or a reduce-scatter along the sequence dimension under sequence
+    parallelism. The bias is replicated; under sequence parallelism each rank's bias gradient
+    covers only its sequence shard, so it is marked ``sequence_parallel`` for the TP all-reduce
+    that finalising gradients performs.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: Callable, bias: bool = True, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, stride: int = 1):
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(
+            input_size, world_size, "RowParallelLinear input size by TP size")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and world_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence parallelism needs "
+                             "input_is_parallel=True.")
+
+        self.weight = _new_weight(output_size, self.input_size_per_partition, config)
+        if config.perform_initialization:
+            initialize_affine_weight(self.weight, output_size, input_size, 1, init_method, stride)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if bias:
+            self.bias = _new_bias(output_size, config)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_)
+        partial = F.linear(input_, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding whose rows (the vocabulary) are split across TP ranks.
+
+    Each rank looks up the tokens in its row range, zeroes the others, and the partial results
+    are summed: an all-reduce giving [batch, seq, hidden], or with ``reduce_scatter_embeddings``
+    a reduce-scatter into this rank's sequence shard of the transposed [seq, batch, hidden]
+    (what sequence parallelism wants next).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, config: ModelParallelConfig,
+                 init_method: Callable, reduce_scatter_embeddings: bool = False):
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        if num_embeddings % world_size != 0:
+            raise ValueError(
+                f"vocabulary of {num_embeddings} rows is not divisible by tensor-model-parallel "
+                f"size {world_size}; pad it with tensor_parallel.vocab_size_with_padding() "
+                f"(--make-vocab-size-divisible-by).")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.vocab_start_index, self.vocab_end_index = vocab_range_for_rank(
+            num_embeddings, parallel_state.get_tensor_model_parallel_rank(), world_size)
+        rows = self.vocab_end_index - self.vocab_start_index
+        self.weight = _new_weight(rows, embedding_dim, config)
+        if config.perform_initialization:
+            initialize_affine_weight(self.weight, num_embeddings, embedding_dim, 0, init_method)
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if tp_size > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+            partial = F.embedding(local_ids, self.weight)
+            partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            partial = F.embedding(input_ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1).contiguous())
+        return reduce_from_tensor_model_parallel_region(partial)
+
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "LinearWithGradAllReduce", "initialize_affine_weight",
+    "set_tensor_model_parallel_attributes", "param_is_tensor_parallel_duplicate",
+]

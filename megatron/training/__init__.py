@@ -1,0 +1,1 @@
+"""The script framework (flags, training loop, checkpointing); see the training issue."""
