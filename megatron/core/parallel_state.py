@@ -86,6 +86,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             raise ValueError("virtual pipeline model parallel size must be >= 1.")
 
     me = dist.get_rank()
+    # Ranks on middle pipeline stages belong to no embedding group.
+    _GROUPS[_EMBEDDING], _GROUP_RANKS[_EMBEDDING] = None, []
     need_gloo_copy = device.dist_backend() != "gloo"
     for kind, groups in rank_layout(world_size, tp, pp).items():
         for ranks in groups:
@@ -164,8 +166,9 @@ def get_model_parallel_group() -> dist.ProcessGroup:
     return _group(_MODEL)
 
 
-def get_embedding_group() -> dist.ProcessGroup:
-    """First and last pipeline stage: they hold the two copies of a tied embedding."""
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    """First and last pipeline stage: they hold the two copies of a tied embedding.
+    None on ranks of the middle stages."""
     return _group(_EMBEDDING)
 
 
@@ -300,7 +303,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
     copy that takes part in the tied-embedding gradient sum."""
     ranks = _ranks(_EMBEDDING)
     me = dist.get_rank()
-    if me not in ranks:
+    if not ranks:
         return False
     if ignore_virtual:
         return True

@@ -1,0 +1,193 @@
+"""parallel_state against layouts written out by hand (Megatron's rank order:
+global = tp_rank + dp_rank * TP + pp_rank * TP * DP)."""
+import pytest
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+
+# (TP, PP) on 8 ranks -> every group of each kind, literally.
+EXPECTED = {
+    (2, 2): dict(
+        tensor=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        data=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        pipeline=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        model=[[0, 1, 4, 5], [2, 3, 6, 7]],
+        embedding=[[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
+    (2, 4): dict(
+        tensor=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        data=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        pipeline=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        model=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        embedding=[[0, 6], [1, 7]],
+    ),
+    (4, 2): dict(
+        tensor=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        data=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        pipeline=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        model=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        embedding=[[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
+    (1, 8): dict(
+        tensor=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        data=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        pipeline=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        model=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        embedding=[[0, 7]],
+    ),
+    (8, 1): dict(
+        tensor=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        data=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        pipeline=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        model=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        embedding=[[0], [1], [2], [3], [4], [5], [6], [7]],
+    ),
+}
+
+GETTERS = {
+    "tensor": ps.get_tensor_model_parallel_group,
+    "data": ps.get_data_parallel_group,
+    "pipeline": ps.get_pipeline_model_parallel_group,
+    "model": ps.get_model_parallel_group,
+    "embedding": ps.get_embedding_group,
+}
+
+
+def _mine(groups, rank):
+    """The group holding ``rank``, or None (middle stages are in no embedding group)."""
+    mine = [g for g in groups if rank in g]
+    assert len(mine) <= 1
+    return mine[0] if mine else None
+
+
+def _ranks_of(group):
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _check_all_layouts():
+    """Runs on each of 8 ranks; returns the failures it saw (empty when all match)."""
+    me = dist.get_rank()
+    errors = []
+
+    def check(what, got, want):
+        if got != want:
+            errors.append(f"rank {me} {what}: got {got}, expected {want}")
+
+    for (tp, pp), expected in EXPECTED.items():
+        ps.initialize_model_parallel(tp, pp)
+        where = f"TP={tp} PP={pp}"
+        for kind, groups in expected.items():
+            want = _mine(groups, me)
+            check(f"{where} {kind} group", _ranks_of(GETTERS[kind]()), want)
+        tp_ranks = _mine(expected["tensor"], me)
+        dp_ranks = _mine(expected["data"], me)
+        pp_ranks = _mine(expected["pipeline"], me)
+        check(f"{where} data gloo group",
+              dist.get_process_group_ranks(ps.get_data_parallel_group(with_gloo=True)), dp_ranks)
+        check(f"{where} tp size/rank", (ps.get_tensor_model_parallel_world_size(),
+                                         ps.get_tensor_model_parallel_rank()),
+              (len(tp_ranks), tp_ranks.index(me)))
+        check(f"{where} dp size/rank", (ps.get_data_parallel_world_size(),
+                                         ps.get_data_parallel_rank()),
+              (len(dp_ranks), dp_ranks.index(me)))
+        check(f"{where} pp size/rank", (ps.get_pipeline_model_parallel_world_size(),
+                                         ps.get_pipeline_model_parallel_rank()),
+              (len(pp_ranks), pp_ranks.index(me)))
+        check(f"{where} mp size", ps.get_model_parallel_world_size(), tp * pp)
+        stage = pp_ranks.index(me)
+        check(f"{where} next/prev", (ps.get_pipeline_model_parallel_next_rank(),
+                                     ps.get_pipeline_model_parallel_prev_rank()),
+              (pp_ranks[(stage + 1) % pp], pp_ranks[(stage - 1) % pp]))
+        check(f"{where} first/last", (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()),
+              (stage == 0, stage == pp - 1))
+        check(f"{where} first/last rank", (ps.get_pipeline_model_parallel_first_rank(),
+                                           ps.get_pipeline_model_parallel_last_rank()),
+              (pp_ranks[0], pp_ranks[-1]))
+        check(f"{where} tp src", ps.get_tensor_model_parallel_src_rank(), tp_ranks[0])
+        check(f"{where} in embedding group", ps.is_rank_in_embedding_group(),
+              stage in (0, pp - 1))
+        ps.destroy_model_parallel()
+        check(f"{where} destroyed", ps.model_parallel_is_initialized(), False)
+    return errors
+
+
+def test_groups_match_hand_written_layouts_on_8_ranks():
+    from tests.distributed import run_distributed
+
+    errors = sum(run_distributed(_check_all_layouts, world_size=8), [])
+    assert errors == []
+
+
+def _virtual_stages():
+    """PP=4 with 3 virtual chunks: first/last stage depend on the chunk being run."""
+    seen = []
+    for chunk in range(3):
+        ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        seen.append((ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
+                     ps.is_pipeline_first_stage(ignore_virtual=True),
+                     ps.is_pipeline_last_stage(ignore_virtual=True),
+                     ps.is_rank_in_embedding_group()))
+    return (ps.get_virtual_pipeline_model_parallel_world_size(), seen)
+
+
+def test_virtual_pipeline_stages():
+    from tests.distributed import run_distributed
+
+    got = run_distributed(_virtual_stages, world_size=4, pp=4, vpp=3)
+    F, T = False, True
+    assert got == [
+        (3, [(T, F, T, F, T), (F, F, T, F, F), (F, F, T, F, F)]),  # PP rank 0: chunk 0 is first
+        (3, [(F, F, F, F, F)] * 3),
+        (3, [(F, F, F, F, F)] * 3),
+        (3, [(F, F, F, T, F), (F, F, F, T, F), (F, T, F, T, T)]),  # PP rank 3: chunk 2 is last
+    ]
+
+
+def _bad_inputs():
+    messages = []
+    for args in [(3, 1), (2, 3), (1, 1, 2), (0, 1)]:
+        try:
+            ps.initialize_model_parallel(*args)
+        except (RuntimeError, ValueError) as exc:
+            messages.append(str(exc))
+        else:
+            messages.append(None)
+        ps.destroy_model_parallel()
+    try:
+        ps.get_tensor_model_parallel_group()
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    ps.initialize_model_parallel(2, 2)
+    try:
+        ps.initialize_model_parallel(2, 2)
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    try:
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_clear_errors():
+    from tests.distributed import run_distributed
+
+    messages = run_distributed(_bad_inputs, world_size=4)[0]
+    assert "world size 4 is not divisible by tensor-model-parallel-size 3" in messages[0]
+    assert "pipeline-model-parallel-size 3 = 6" in messages[1]
+    assert "needs pipeline-model-parallel-size > 1" in messages[2]
+    assert "must be >= 1" in messages[3]
+    assert "not initialized; call parallel_state.initialize_model_parallel" in messages[4]
+    assert "already initialized" in messages[5]
+    assert "virtual pipeline parallelism is not enabled" in messages[6]
+
+
+def test_needs_torch_distributed():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ps.initialize_model_parallel(1, 1)
+
+
+def test_rank_layout_tensor_and_data_group():
+    layout = ps.rank_layout(8, 2, 2)
+    assert layout["tensor_and_data"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout["position_embedding"] == [[0], [1], [2], [3]]

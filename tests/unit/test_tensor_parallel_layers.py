@@ -1,0 +1,221 @@
+"""Tensor-parallel layers equal the unsharded torch ops on the gathered weights.
+
+Every rank builds the same full tensors from one seed, loads its shard into the parallel layer,
+and compares outputs and input/weight/bias gradients with nn.Linear / nn.Embedding /
+F.cross_entropy on the full tensors. fp32; the sharded sums (all-reduce, reduce-scatter) add
+partial products in another order, so results differ by rounding only: max abs error <= 1e-6.
+Inputs and output gradients are scaled by 1/2 so that outputs and every gradient (a sum over
+SEQ*BATCH=16 products) stay of order one, where fp32 rounding is ~1e-7.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state as ps
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+    vocab_size_with_padding,
+)
+from megatron.core.utils import init_method_normal
+from tests.distributed import run_distributed
+
+TOL = 1e-6
+SEQ, BATCH, HIDDEN, FFN = 8, 2, 12, 16
+TP_SIZES = [1, 2, 4]
+
+
+def _err(a, b):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def _tp():
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _shard(t, dim):
+    size, rank = _tp()
+    return t.chunk(size, dim=dim)[rank]
+
+
+def _reduce_sequence_parallel_grads(module):
+    """What finalize_model_grads does: sum grads of params marked sequence_parallel over TP."""
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+def _column_case(sequence_parallel, gather_output, skip_bias_add):
+    g = torch.Generator().manual_seed(7)
+    x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 0.5
+    w_full = torch.randn(FFN, HIDDEN, generator=g) * 0.2
+    b_full = torch.randn(FFN, generator=g) * 0.2
+    dy_full = torch.randn(SEQ, BATCH, FFN, generator=g) * 0.5
+
+    ref = torch.nn.Linear(HIDDEN, FFN)
+    with torch.no_grad():
+        ref.weight.copy_(w_full)
+        ref.bias.copy_(b_full)
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(dy_full)
+
+    layer = ColumnParallelLinear(
+        HIDDEN, FFN, config=ModelParallelConfig(sequence_parallel=sequence_parallel),
+        init_method=init_method_normal(0.02), gather_output=gather_output,
+        skip_bias_add=skip_bias_add)
+    with torch.no_grad():
+        layer.weight.copy_(_shard(w_full, 0))
+        layer.bias.copy_(_shard(b_full, 0))
+    x = (_shard(x_full, 0) if sequence_parallel else x_full).clone().requires_grad_()
+    y, bias = layer(x)
+    assert (bias is not None) == skip_bias_add
+    if skip_bias_add:
+        y = y + bias
+    y.backward(dy_full if gather_output else _shard(dy_full, -1))
+    return {
+        "output": _err(y, y_ref if gather_output else _shard(y_ref, -1)),
+        "input_grad": _err(x.grad, _shard(x_ref.grad, 0) if sequence_parallel else x_ref.grad),
+        "weight_grad": _err(layer.weight.grad, _shard(ref.weight.grad, 0)),
+        "bias_grad": _err(layer.bias.grad, _shard(ref.bias.grad, 0)),
+    }
+
+
+def _row_case(sequence_parallel, input_is_parallel, skip_bias_add):
+    g = torch.Generator().manual_seed(8)
+    x_full = torch.randn(SEQ, BATCH, FFN, generator=g) * 0.5
+    w_full = torch.randn(HIDDEN, FFN, generator=g) * 0.2
+    b_full = torch.randn(HIDDEN, generator=g) * 0.2
+    dy_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 0.5
+
+    ref = torch.nn.Linear(FFN, HIDDEN)
+    with torch.no_grad():
+        ref.weight.copy_(w_full)
+        ref.bias.copy_(b_full)
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(dy_full)
+
+    layer = RowParallelLinear(
+        FFN, HIDDEN, config=ModelParallelConfig(sequence_parallel=sequence_parallel),
+        init_method=init_method_normal(0.02), input_is_parallel=input_is_parallel,
+        skip_bias_add=skip_bias_add)
+    with torch.no_grad():
+        layer.weight.copy_(_shard(w_full, 1))
+        layer.bias.copy_(b_full)
+    x = (_shard(x_full, -1) if input_is_parallel else x_full).clone().requires_grad_()
+    y, bias = layer(x)
+    if skip_bias_add:
+        y = y + bias
+    y.backward(_shard(dy_full, 0) if sequence_parallel else dy_full)
+    _reduce_sequence_parallel_grads(layer)
+    tp_size, _ = _tp()
+    assert getattr(layer.bias, "sequence_parallel", False) == (sequence_parallel and tp_size > 1)
+    return {
+        "output": _err(y, _shard(y_ref, 0) if sequence_parallel else y_ref),
+        "input_grad": _err(x.grad, _shard(x_ref.grad, -1) if input_is_parallel else x_ref.grad),
+        "weight_grad": _err(layer.weight.grad, _shard(ref.weight.grad, 1)),
+        "bias_grad": _err(layer.bias.grad, ref.bias.grad),
+    }
+
+
+def _embedding_case(vocab, reduce_scatter_embeddings):
+    tp_size, _ = _tp()
+    padded = vocab_size_with_padding(vocab, 1, tp_size)
+    g = torch.Generator().manual_seed(9)
+    table = torch.randn(padded, HIDDEN, generator=g)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    ids[0, :2] = torch.tensor([0, vocab - 1])  # both ends of the vocabulary
+    dy_full = torch.randn(BATCH, SEQ, HIDDEN, generator=g)
+
+    ref = torch.nn.Embedding(vocab, HIDDEN)
+    with torch.no_grad():
+        ref.weight.copy_(table[:vocab])
+    y_ref = ref(ids)
+    y_ref.backward(dy_full)
+    ref_grad = torch.zeros(padded, HIDDEN)
+    ref_grad[:vocab] = ref.weight.grad  # padding rows get no gradient
+
+    layer = VocabParallelEmbedding(
+        padded, HIDDEN, config=ModelParallelConfig(), init_method=init_method_normal(0.02),
+        reduce_scatter_embeddings=reduce_scatter_embeddings)
+    with torch.no_grad():
+        layer.weight.copy_(_shard(table, 0))
+    y = layer(ids)
+    if reduce_scatter_embeddings:  # [s/tp, b, h]: this rank's sequence shard
+        want, dy = _shard(y_ref.transpose(0, 1), 0), _shard(dy_full.transpose(0, 1), 0)
+    else:
+        want, dy = y_ref, dy_full
+    y.backward(dy)
+    return {"output": _err(y, want), "weight_grad": _err(layer.weight.grad, _shard(ref_grad, 0))}
+
+
+def _cross_entropy_case(vocab, label_smoothing):
+    tp_size, _ = _tp()
+    padded = vocab_size_with_padding(vocab, 1, tp_size)
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(SEQ, BATCH, padded, generator=g)
+    logits[..., vocab:] = 50.0  # padding columns: would dominate the softmax if counted
+    target = torch.randint(0, vocab, (SEQ, BATCH), generator=g)
+    target[0, 0], target[1, 0] = 0, vocab - 1
+    dloss = torch.rand(SEQ, BATCH, generator=g)
+
+    ref_logits = logits[..., :vocab].clone().requires_grad_()
+    loss_ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1),
+                               reduction="none", label_smoothing=label_smoothing)
+    loss_ref = loss_ref.view(SEQ, BATCH)
+    loss_ref.backward(dloss)
+    ref_grad = torch.zeros(SEQ, BATCH, padded)
+    ref_grad[..., :vocab] = ref_logits.grad
+
+    local = _shard(logits, -1).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, label_smoothing,
+                                        vocab_size=vocab if padded != vocab else None)
+    loss.backward(dloss)
+    return {"loss": _err(loss, loss_ref), "logits_grad": _err(local.grad, _shard(ref_grad, -1))}
+
+
+def _assert_close(results):
+    for rank, errors in enumerate(results):
+        for name, err in errors.items():
+            assert err <= TOL, f"rank {rank}: {name} max abs error {err:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("sequence_parallel,gather_output,skip_bias_add", [
+    (False, False, False), (False, True, False), (False, False, True), (True, False, False)])
+def test_column_parallel_linear(tp, sequence_parallel, gather_output, skip_bias_add):
+    _assert_close(run_distributed(_column_case, world_size=tp, tp=tp,
+                                  sequence_parallel=sequence_parallel,
+                                  gather_output=gather_output, skip_bias_add=skip_bias_add))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("sequence_parallel,input_is_parallel,skip_bias_add", [
+    (False, True, False), (False, False, False), (False, True, True), (True, True, False)])
+def test_row_parallel_linear(tp, sequence_parallel, input_is_parallel, skip_bias_add):
+    _assert_close(run_distributed(_row_case, world_size=tp, tp=tp,
+                                  sequence_parallel=sequence_parallel,
+                                  input_is_parallel=input_is_parallel,
+                                  skip_bias_add=skip_bias_add))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("vocab", [16, 13])  # divisible by every TP size / by none but 1
+@pytest.mark.parametrize("reduce_scatter_embeddings", [False, True])
+def test_vocab_parallel_embedding(tp, vocab, reduce_scatter_embeddings):
+    _assert_close(run_distributed(_embedding_case, world_size=tp, tp=tp, vocab=vocab,
+                                  reduce_scatter_embeddings=reduce_scatter_embeddings))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("vocab", [16, 13])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_vocab_parallel_cross_entropy(tp, vocab, label_smoothing):
+    _assert_close(run_distributed(_cross_entropy_case, world_size=tp, tp=tp, vocab=vocab,
+                                  label_smoothing=label_smoothing))
