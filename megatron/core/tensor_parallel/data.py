@@ -24,24 +24,27 @@ def broadcast_data(keys: List[str], data: Optional[Dict[str, torch.Tensor]],
     group = parallel_state.get_tensor_model_parallel_group()
     src = parallel_state.get_tensor_model_parallel_src_rank()
 
-    sizes = device.zeros(len(keys), _MAX_DIMS, dtype=torch.long)
+    # Row 0 is a status flag, so a bad batch on the source fails every rank instead of
+    # leaving the others waiting in the next broadcast.
+    sizes = device.zeros(len(keys) + 1, _MAX_DIMS, dtype=torch.long)
+    problem = None
     if is_source:
-        missing = [k for k in keys if data is None or k not in data]
-        if missing:
-            raise KeyError(f"broadcast_data: keys {missing} are not in the batch.")
-        for i, key in enumerate(keys):
-            shape = data[key].shape
-            if 0 in shape:
-                raise ValueError(f"broadcast_data: {key!r} has an empty dimension {tuple(shape)}.")
-            if len(shape) > _MAX_DIMS:
-                raise ValueError(f"broadcast_data: {key!r} has {len(shape)} dims; "
-                                 f"at most {_MAX_DIMS} are supported.")
-            sizes[i, :len(shape)] = torch.tensor(shape, dtype=torch.long)
+        problem = _check_batch(keys, data)
+        if problem is None:
+            for i, key in enumerate(keys):
+                sizes[i + 1, :data[key].dim()] = torch.tensor(data[key].shape, dtype=torch.long)
+        else:
+            sizes[0, 0] = 1
     dist.broadcast(sizes, src, group=group)
+    if problem is not None:
+        raise ValueError(f"broadcast_data: {problem}")
+    if sizes[0, 0].item() != 0:
+        raise RuntimeError(f"broadcast_data: TP source rank {src} could not send its batch "
+                           f"(see the error on that rank).")
 
     shapes = []
-    for row in sizes.tolist():
-        # A dimension of size 0 would end the shape early; tensors in a batch have none.
+    for row in sizes[1:].tolist():
+        # Rows are zero-padded; a batch has no empty dimension (checked on the source).
         shapes.append(tuple(d for d in row if d > 0))
     numels = [int(torch.Size(s).numel()) for s in shapes]
 
@@ -57,3 +60,16 @@ def broadcast_data(keys: List[str], data: Optional[Dict[str, torch.Tensor]],
         out[key] = flat.narrow(0, offset, numel).view(shape)
         offset += numel
     return out
+
+
+def _check_batch(keys: List[str], data: Optional[Dict[str, torch.Tensor]]) -> Optional[str]:
+    missing = [k for k in keys if data is None or k not in data]
+    if missing:
+        return f"keys {missing} are not in the batch."
+    for key in keys:
+        shape = tuple(data[key].shape)
+        if 0 in shape:
+            return f"{key!r} has an empty dimension {shape}."
+        if len(shape) > _MAX_DIMS:
+            return f"{key!r} has {len(shape)} dims; at most {_MAX_DIMS} are supported."
+    return None
