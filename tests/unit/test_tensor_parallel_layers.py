@@ -50,21 +50,25 @@ def _reduce_sequence_parallel_grads(module):
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
-def _column_case(sequence_parallel, gather_output, skip_bias_add):
-    g = torch.Generator().manual_seed(7)
-    x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 0.5
-    w_full = torch.randn(FFN, HIDDEN, generator=g) * 0.2
-    b_full = torch.randn(FFN, generator=g) * 0.2
-    dy_full = torch.randn(SEQ, BATCH, FFN, generator=g) * 0.5
-
-    ref = torch.nn.Linear(HIDDEN, FFN)
+def _reference_linear(in_features, out_features, seed):
+    """Full input, weight, bias and output gradient, and nn.Linear's forward/backward on them."""
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(SEQ, BATCH, in_features, generator=g) * 0.5
+    w_full = torch.randn(out_features, in_features, generator=g) * 0.2
+    b_full = torch.randn(out_features, generator=g) * 0.2
+    dy_full = torch.randn(SEQ, BATCH, out_features, generator=g) * 0.5
+    ref = torch.nn.Linear(in_features, out_features)
     with torch.no_grad():
         ref.weight.copy_(w_full)
         ref.bias.copy_(b_full)
     x_ref = x_full.clone().requires_grad_()
     y_ref = ref(x_ref)
     y_ref.backward(dy_full)
+    return x_full, w_full, b_full, dy_full, ref, x_ref, y_ref
 
+
+def _column_case(sequence_parallel, gather_output, skip_bias_add):
+    x_full, w_full, b_full, dy_full, ref, x_ref, y_ref = _reference_linear(HIDDEN, FFN, 7)
     layer = ColumnParallelLinear(
         HIDDEN, FFN, config=ModelParallelConfig(sequence_parallel=sequence_parallel),
         init_method=init_method_normal(0.02), gather_output=gather_output,
@@ -87,20 +91,7 @@ def _column_case(sequence_parallel, gather_output, skip_bias_add):
 
 
 def _row_case(sequence_parallel, input_is_parallel, skip_bias_add):
-    g = torch.Generator().manual_seed(8)
-    x_full = torch.randn(SEQ, BATCH, FFN, generator=g) * 0.5
-    w_full = torch.randn(HIDDEN, FFN, generator=g) * 0.2
-    b_full = torch.randn(HIDDEN, generator=g) * 0.2
-    dy_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 0.5
-
-    ref = torch.nn.Linear(FFN, HIDDEN)
-    with torch.no_grad():
-        ref.weight.copy_(w_full)
-        ref.bias.copy_(b_full)
-    x_ref = x_full.clone().requires_grad_()
-    y_ref = ref(x_ref)
-    y_ref.backward(dy_full)
-
+    x_full, w_full, b_full, dy_full, ref, x_ref, y_ref = _reference_linear(FFN, HIDDEN, 8)
     layer = RowParallelLinear(
         FFN, HIDDEN, config=ModelParallelConfig(sequence_parallel=sequence_parallel),
         init_method=init_method_normal(0.02), input_is_parallel=input_is_parallel,

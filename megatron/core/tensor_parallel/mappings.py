@@ -78,9 +78,8 @@ def _gather_along_last_dim(x: torch.Tensor) -> torch.Tensor:
     size = _tp_size()
     if size == 1:
         return x
-    # Gather along dim 0 (one flat collective), then move the rank chunks to the last dim.
-    gathered = gather_along_first_dim(x.movedim(-1, 0))
-    return torch.cat(gathered.chunk(size, dim=0), dim=0).movedim(0, -1).contiguous()
+    # One flat all-gather along dim 0, with the last dim moved there and back.
+    return gather_along_first_dim(x.movedim(-1, 0)).movedim(0, -1).contiguous()
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
