@@ -8,6 +8,13 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     # torch: any release from 2.4 on (2.13.0 included); scripts install it only when missing,
     # because a bare requirement would pull the CUDA wheels onto CPU-only machines.
-    install_requires=["torch>=2.4", "numpy>=1.24"],
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        "tokenizers>=0.15",  # GPT-2 BPE in Rust
+        "sentencepiece>=0.1.99",  # LLaMA tokenizers
+        "transformers>=4.40",  # HF tokenizers and checkpoints (loaded from local paths only)
+        "safetensors>=0.4",
+    ],
     extras_require={"dev": ["pytest>=7.4"]},
 )

@@ -1,0 +1,1 @@
+"""Datasets: the indexed .bin/.idx format, GPT sample indices, blending."""
