@@ -1,0 +1,104 @@
+"""Decoder-only language model (GPT; LLaMA is the same class with another config).
+
+A model chunk holds layers ``layer_range`` and, with ``pre_process``, the embedding; with
+``post_process``, the final norm and the output layer. It returns vocab-parallel logits
+[b, s, vocab/TP], or the per-token loss [b, s] when labels are given, or (on a stage without
+``post_process``) the hidden states [s, b, h] for the next pipeline stage.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.models.embedding import LanguageModelEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from megatron.core.transformer.init_rng import (
+    EMBEDDING_OFFSET,
+    OUTPUT_LAYER_OFFSET,
+    draw_base_seed,
+    init_rng,
+)
+from megatron.core.transformer.rope import RotaryEmbedding
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import init_method_normal
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, vocab_size: int,
+                 padded_vocab_size: Optional[int] = None, pre_process: bool = True,
+                 post_process: bool = True, share_embeddings_and_output_weights: bool = True,
+                 layer_range: Optional[Tuple[int, int]] = None):
+        super().__init__()
+        self.config = config
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size or vocab_size
+        if self.padded_vocab_size < vocab_size:
+            raise ValueError(f"padded vocab size {self.padded_vocab_size} < vocab size "
+                             f"{vocab_size}.")
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.input_tensor = None
+        base_seed = draw_base_seed()
+
+        if pre_process:
+            with init_rng(base_seed + EMBEDDING_OFFSET):
+                self.embedding = LanguageModelEmbedding(
+                    config, self.padded_vocab_size,
+                    add_position_embedding=config.position_embedding_type == "learned_absolute")
+        self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" \
+            else None
+        self.decoder = TransformerBlock(config, base_seed, layer_range, post_process)
+        if post_process:
+            tied_here = share_embeddings_and_output_weights and pre_process
+            with init_rng(base_seed + (EMBEDDING_OFFSET if share_embeddings_and_output_weights
+                                       else OUTPUT_LAYER_OFFSET)):
+                # A tied output layer on a stage without the embedding gets the embedding's
+                # initial weights (same seed); the pipeline keeps the two in sync.
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, self.padded_vocab_size, config=config, bias=False,
+                    init_method=init_method_normal(config.init_method_std),
+                    skip_weight_param_allocation=tied_here)
+            if share_embeddings_and_output_weights and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """Hidden states from the previous pipeline stage (used when not pre_process)."""
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process and self.share_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            hidden = self.input_tensor
+        cos = sin = None
+        if self.rotary is not None:
+            if position_ids is None:
+                seq_len = hidden.shape[0]
+                if self.config.sequence_parallel:
+                    seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+                position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+            cos, sin = self.rotary(position_ids)
+        hidden = self.decoder(hidden, attention_mask, cos, sin)
+        if not self.post_process:
+            return hidden
+
+        weight = None
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            weight = self.embedding.word_embeddings.weight
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/TP]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1),
+            vocab_size=self.vocab_size if self.padded_vocab_size != self.vocab_size else None)
+        return loss.transpose(0, 1).contiguous()

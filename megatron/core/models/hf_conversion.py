@@ -1,0 +1,212 @@
+"""Hugging Face <-> this project: configs and full (unsharded) state dicts.
+
+Supported: ``LlamaForCausalLM`` (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope scaling, tied or
+untied embeddings; Mistral shares the layout) and ``GPT2LMHeadModel``. Combine with
+``tp_sharding`` for a TP rank's or a pipeline stage's share.
+"""
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+LLAMA, GPT2 = "llama", "gpt2"
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def architecture_of(hf_config) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in ("llama", "mistral"):
+        return LLAMA
+    if model_type == "gpt2":
+        return GPT2
+    raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: llama, "
+                     f"mistral, gpt2.")
+
+
+def _rope_settings(hf_config) -> dict:
+    """Rope theta and scaling from either transformers' old (rope_theta, rope_scaling) or new
+    (rope_parameters) config fields."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or params
+    theta = getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0)
+    out = {"rotary_base": float(theta)}
+    rope_type = (scaling or {}).get("rope_type", scaling.get("type") if scaling else None)
+    if rope_type in (None, "default"):
+        return out
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only 'llama3').")
+    out.update(rope_scaling_factor=float(scaling["factor"]),
+               rope_low_freq_factor=float(scaling["low_freq_factor"]),
+               rope_high_freq_factor=float(scaling["high_freq_factor"]),
+               rope_original_max_position_embeddings=int(
+                   scaling["original_max_position_embeddings"]))
+    return out
+
+
+def config_from_hf(hf_config, **overrides) -> Tuple[TransformerConfig, dict]:
+    """(TransformerConfig, model kwargs: vocab_size, share_embeddings_and_output_weights)."""
+    arch = architecture_of(hf_config)
+    if arch == LLAMA:
+        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+            raise ValueError("LLaMA checkpoints with attention_bias or mlp_bias are not "
+                             "supported.")
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        kwargs = dict(
+            num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+            num_attention_heads=heads, ffn_hidden_size=hf_config.intermediate_size,
+            num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+            kv_channels=head_dim, normalization="RMSNorm",
+            layernorm_epsilon=hf_config.rms_norm_eps, activation="swiglu",
+            add_bias_linear=False, position_embedding_type="rope",
+            max_position_embeddings=hf_config.max_position_embeddings,
+            attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+            hidden_dropout=0.0, scaled_output_init=False,
+            init_method_std=getattr(hf_config, "initializer_range", 0.02),
+            **_rope_settings(hf_config))
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    else:
+        if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False) or \
+                getattr(hf_config, "reorder_and_upcast_attn", False):
+            raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or "
+                             "reorder_and_upcast_attn are not supported.")
+        activation = _GPT2_ACTIVATIONS.get(hf_config.activation_function)
+        if activation is None:
+            raise ValueError(f"GPT-2 activation {hf_config.activation_function!r} is not "
+                             f"supported; use one of {sorted(_GPT2_ACTIVATIONS)}.")
+        kwargs = dict(
+            num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
+            num_attention_heads=hf_config.n_head,
+            ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
+            normalization="LayerNorm", layernorm_epsilon=hf_config.layer_norm_epsilon,
+            activation=activation, add_bias_linear=True,
+            position_embedding_type="learned_absolute",
+            max_position_embeddings=hf_config.n_positions,
+            attention_dropout=hf_config.attn_pdrop, hidden_dropout=hf_config.resid_pdrop,
+            init_method_std=hf_config.initializer_range)
+        tied = True
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs), {"vocab_size": hf_config.vocab_size,
+                                         "share_embeddings_and_output_weights": tied}
+
+
+def _fuse_qkv(q, k, v, groups):
+    """[q; k; v] rows (HF) -> per query group [q heads of g; k_g; v_g] rows (ours)."""
+    shape = q.shape[1:]
+    q, k, v = (t.reshape(groups, -1, *shape) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *shape)
+
+
+def _split_qkv(qkv, config: TransformerConfig):
+    groups, d = config.num_query_groups, config.kv_channels
+    per_group_q = config.num_attention_heads // groups * d
+    grouped = qkv.reshape(groups, per_group_q + 2 * d, *qkv.shape[1:])
+    q, k, v = grouped.split([per_group_q, d, d], dim=1)
+    return (t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v))
+
+
+def _pad_rows(t, rows):
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        raise ValueError(f"vocabulary of {t.shape[0]} rows does not fit in {rows}.")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def hf_to_megatron(hf_state: Dict[str, torch.Tensor], hf_config,
+                   padded_vocab_size: int = None) -> Dict[str, torch.Tensor]:
+    """A HF state dict -> our full state dict (all layers, unsharded, vocab padded)."""
+    arch = architecture_of(hf_config)
+    config, model_kwargs = config_from_hf(hf_config)
+    rows = padded_vocab_size or model_kwargs["vocab_size"]
+    out = {}
+    if arch == LLAMA:
+        out["embedding.word_embeddings.weight"] = _pad_rows(hf_state["model.embed_tokens.weight"],
+                                                            rows)
+        for i in range(config.num_layers):
+            src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+            attn = src + "self_attn."
+            out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
+            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+                hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"],
+                hf_state[attn + "v_proj.weight"], config.num_query_groups)
+            out[dst + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
+            out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]])
+            out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
+        out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
+        if not model_kwargs["share_embeddings_and_output_weights"]:
+            out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], rows)
+    else:
+        out["embedding.word_embeddings.weight"] = _pad_rows(hf_state["transformer.wte.weight"],
+                                                            rows)
+        out["embedding.position_embeddings.weight"] = hf_state["transformer.wpe.weight"]
+        for i in range(config.num_layers):
+            src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
+            # GPT-2's Conv1D stores [in, out]; ours (nn.Linear) [out, in].
+            qkv_w = hf_state[src + "attn.c_attn.weight"].t()
+            qkv_b = hf_state[src + "attn.c_attn.bias"]
+            heads = config.num_attention_heads
+            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(*qkv_w.chunk(3), heads)
+            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(*qkv_b.chunk(3), heads)
+            out[dst + "self_attention.linear_proj.weight"] = hf_state[src + "attn.c_proj.weight"].t()
+            out[dst + "self_attention.linear_proj.bias"] = hf_state[src + "attn.c_proj.bias"]
+            out[dst + "mlp.linear_fc1.weight"] = hf_state[src + "mlp.c_fc.weight"].t()
+            out[dst + "mlp.linear_fc1.bias"] = hf_state[src + "mlp.c_fc.bias"]
+            out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.c_proj.weight"].t()
+            out[dst + "mlp.linear_fc2.bias"] = hf_state[src + "mlp.c_proj.bias"]
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[dst + ours + ".weight"] = hf_state[src + theirs + ".weight"]
+                out[dst + ours + ".bias"] = hf_state[src + theirs + ".bias"]
+        out["decoder.final_layernorm.weight"] = hf_state["transformer.ln_f.weight"]
+        out["decoder.final_layernorm.bias"] = hf_state["transformer.ln_f.bias"]
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def megatron_to_hf(state: Dict[str, torch.Tensor], hf_config) -> Dict[str, torch.Tensor]:
+    """Our full state dict -> a HF state dict (vocab padding dropped)."""
+    arch = architecture_of(hf_config)
+    config, model_kwargs = config_from_hf(hf_config)
+    vocab = model_kwargs["vocab_size"]
+    out = {}
+    embedding = state["embedding.word_embeddings.weight"][:vocab]
+    if arch == LLAMA:
+        out["model.embed_tokens.weight"] = embedding
+        for i in range(config.num_layers):
+            src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+            q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
+            out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                        dst + "self_attn.v_proj.weight": v})
+            out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
+            out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
+            out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
+            gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
+            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+            out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
+        out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+        out["lm_head.weight"] = (embedding if model_kwargs["share_embeddings_and_output_weights"]
+                                 else state["output_layer.weight"][:vocab])
+    else:
+        out["transformer.wte.weight"] = embedding
+        out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
+        for i in range(config.num_layers):
+            src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
+            out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+            qb, kb, vb = _split_qkv(state[src + "self_attention.linear_qkv.bias"], config)
+            out[dst + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
+            out[dst + "attn.c_proj.weight"] = state[src + "self_attention.linear_proj.weight"].t()
+            out[dst + "attn.c_proj.bias"] = state[src + "self_attention.linear_proj.bias"]
+            out[dst + "mlp.c_fc.weight"] = state[src + "mlp.linear_fc1.weight"].t()
+            out[dst + "mlp.c_fc.bias"] = state[src + "mlp.linear_fc1.bias"]
+            out[dst + "mlp.c_proj.weight"] = state[src + "mlp.linear_fc2.weight"].t()
+            out[dst + "mlp.c_proj.bias"] = state[src + "mlp.linear_fc2.bias"]
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[dst + theirs + ".weight"] = state[src + ours + ".weight"]
+                out[dst + theirs + ".bias"] = state[src + ours + ".bias"]
+        out["transformer.ln_f.weight"] = state["decoder.final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = state["decoder.final_layernorm.bias"]
+        out["lm_head.weight"] = embedding
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}

@@ -1,0 +1,90 @@
+"""Everything that shapes a transformer, in one dataclass (Megatron-core's TransformerConfig)."""
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    num_layers: int = 1
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    # Grouped-query attention: key/value heads shared by groups of query heads (None = MHA).
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None  # per-head dimension; default hidden / heads
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"  # gelu (exact), gelu_tanh (GPT-2's), swiglu (LLaMA's)
+    add_bias_linear: bool = True
+    add_qkv_bias: Optional[bool] = None  # default add_bias_linear
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    position_embedding_type: str = "learned_absolute"
+    max_position_embeddings: int = 2048
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    # LLaMA-3 style frequency scaling of the rotary embedding (None = off).
+    rope_scaling_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    init_method_std: float = 0.02
+    # Scale the init of output projections by 1/sqrt(2 * num_layers) (GPT-2 / Megatron).
+    scaled_output_init: bool = True
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    distribute_saved_activations: bool = False
+
+    def __post_init__(self):
+        def need(cond, message):
+            if not cond:
+                raise ValueError(f"TransformerConfig: {message}")
+
+        need(self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}.")
+        need(self.num_attention_heads >= 1, "num_attention_heads must be >= 1.")
+        if self.kv_channels is None:
+            need(self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                 f"{self.num_attention_heads}; change one of them or set kv_channels.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        need(self.num_attention_heads % self.num_query_groups == 0,
+             f"num_attention_heads {self.num_attention_heads} is not divisible by "
+             f"num_query_groups {self.num_query_groups}.")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+        need(self.normalization in NORMALIZATIONS,
+             f"normalization {self.normalization!r} not in {NORMALIZATIONS}.")
+        need(self.activation in ACTIVATIONS, f"activation {self.activation!r} not in {ACTIVATIONS}.")
+        need(self.position_embedding_type in POSITION_EMBEDDINGS,
+             f"position_embedding_type {self.position_embedding_type!r} not in "
+             f"{POSITION_EMBEDDINGS}.")
+        need(0.0 < self.rotary_percent <= 1.0, "rotary_percent must be in (0, 1].")
+        need(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
+             f"recompute_granularity {self.recompute_granularity!r} not in "
+             f"{RECOMPUTE_GRANULARITIES}.")
+        if self.recompute_granularity == "full":
+            need(self.recompute_method in ("uniform", "block"),
+                 "full recomputation needs recompute_method 'uniform' or 'block'.")
+            need(self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
+                 "full recomputation needs recompute_num_layers >= 1.")
+        else:
+            need(self.recompute_method is None,
+                 f"recompute_method {self.recompute_method!r} is only used with "
+                 f"recompute_granularity 'full'.")
+        need(not self.distribute_saved_activations or self.recompute_granularity == "full",
+             "distribute_saved_activations needs recompute_granularity 'full'.")
+        need(not (self.distribute_saved_activations and self.sequence_parallel),
+             "distribute_saved_activations is redundant with sequence_parallel; use one.")

@@ -1,0 +1,43 @@
+"""Pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import get_rng_tracker
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.norms import build_norm
+
+
+def hidden_dropout_rng(config):
+    """Under sequence parallelism activations are sharded across TP ranks, so their dropout
+    draws from the per-TP-rank stream; otherwise they are replicated and use the shared one."""
+    if config.sequence_parallel and config.hidden_dropout > 0:
+        return get_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
+class TransformerLayer(torch.nn.Module):
+    def __init__(self, config, layer_number: int):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number  # 1-based, global across pipeline stages
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config)
+
+    def _residual(self, residual, output, bias):
+        if bias is not None:
+            output = output + bias
+        with hidden_dropout_rng(self.config):
+            output = F.dropout(output, self.config.hidden_dropout, self.training)
+        return residual + output
+
+    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None):
+        out, bias = self.self_attention(self.input_layernorm(hidden), attention_mask,
+                                        rotary_cos, rotary_sin)
+        hidden = self._residual(hidden, out, bias)
+        out, bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        return self._residual(hidden, out, bias)
