@@ -13,7 +13,7 @@ setup(
         "numpy>=1.24",
         "tokenizers>=0.15",  # GPT-2 BPE in Rust
         "sentencepiece>=0.1.99",  # LLaMA tokenizers
-        "transformers>=4.40",  # HF tokenizers and checkpoints (loaded from local paths only)
+        "transformers>=5.0",  # HF tokenizers and checkpoints (loaded from local paths only)
         "safetensors>=0.4",
     ],
     extras_require={"dev": ["pytest>=7.4"]},
