@@ -158,3 +158,32 @@ def test_bad_configurations_fail_at_construction():
                           num_query_groups=3)
     with pytest.raises(ValueError, match="full recomputation needs recompute_method"):
         TransformerConfig(recompute_granularity="full")
+
+
+def _explicit_mask_and_positions():
+    torch.manual_seed(5)
+    out = {}
+    for kind in ("llama", "gpt"):
+        if kind == "llama":
+            model = LlamaModel(_llama(), VOCAB).eval()
+        else:
+            model = GPTModel(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                               max_position_embeddings=32), VOCAB).eval()
+        tokens = torch.randint(0, VOCAB, (2, 16))
+        causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
+        positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+        implicit = model(tokens)
+        explicit = model(tokens, position_ids=positions, attention_mask=causal)
+        # A mask that also hides token 0 from everyone after it changes the result.
+        blocked = causal.clone()
+        blocked[..., 1:, 0] = True
+        out[kind] = ((implicit - explicit).abs().max().item(),
+                     (implicit - model(tokens, attention_mask=blocked)).abs().max().item())
+    return out
+
+
+def test_explicit_causal_mask_and_positions_equal_the_defaults():
+    for kind, (same, different) in run_distributed(_explicit_mask_and_positions, world_size=2,
+                                                   tp=2)[0].items():
+        assert same <= 1e-6, kind
+        assert different > 1e-3, kind
