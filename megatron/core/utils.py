@@ -26,3 +26,16 @@ def init_method_normal(std: float):
 def scaled_init_method_normal(std: float, num_layers: int):
     """N(0, (std / sqrt(2 * num_layers))^2) for the output projections of residual branches."""
     return init_method_normal(std / (2.0 * num_layers) ** 0.5)
+
+
+def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                            tensor_model_parallel_size: int = 1) -> int:
+    """Pad the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP`` so every TP
+    rank holds an equal slice (and GEMMs get friendly shapes)."""
+    if orig_vocab_size < 1 or make_vocab_size_divisible_by < 1 or tensor_model_parallel_size < 1:
+        raise ValueError(
+            f"vocab size ({orig_vocab_size}), make-vocab-size-divisible-by "
+            f"({make_vocab_size_divisible_by}) and TP size ({tensor_model_parallel_size}) "
+            f"must all be positive.")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-orig_vocab_size // multiple) * multiple

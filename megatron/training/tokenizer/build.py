@@ -3,7 +3,7 @@ import argparse
 import logging
 from typing import Optional
 
-from megatron.core.tensor_parallel import vocab_size_with_padding
+from megatron.core.utils import vocab_size_with_padding  # torch-free: keeps tool start-up fast
 from megatron.training.tokenizer.base import MegatronTokenizer
 from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.training.tokenizer.huggingface import HuggingFaceTokenizer

@@ -1,0 +1,97 @@
+"""Concatenate `.bin/.idx` datasets into one, as if they had been built in one go.
+
+    python tools/merge_datasets.py --input data/parts --output-prefix data/all_text_document
+    python tools/merge_datasets.py --input data/a_text_document data/b_text_document \\
+        --output-prefix data/ab_text_document
+
+`--input` is either one directory (every `.bin/.idx` pair in it, in sorted name order, as
+Megatron's merge_datasets does) or a list of dataset prefixes (merged in the order given). The
+`.bin` bytes are copied and the indices offset, so merging is I/O-bound. All inputs must share
+one dtype. The output appears under its real name only when complete.
+"""
+import argparse
+import os
+import sys
+
+# Run from a clone without installing, as Megatron's tools allow.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    data_file_path,
+    index_file_path,
+)
+
+
+def prefixes_in_directory(directory):
+    """Sorted dataset prefixes in a directory; an unpaired .bin or .idx is an error."""
+    stems = {}
+    for name in os.listdir(directory):
+        stem, ext = os.path.splitext(name)
+        if ext in (".bin", ".idx") and os.path.isfile(os.path.join(directory, name)):
+            stems.setdefault(stem, set()).add(ext)
+    for stem, exts in sorted(stems.items()):
+        if len(exts) != 2:
+            missing = ({".bin", ".idx"} - exts).pop()
+            raise IndexedDatasetError(f"{os.path.join(directory, stem + missing)}: file not "
+                                      f"found (its {exts.pop()} is in --input {directory})")
+    return [os.path.join(directory, stem) for stem in sorted(stems)]
+
+
+def resolve_inputs(inputs):
+    if len(inputs) == 1 and os.path.isdir(inputs[0]):
+        prefixes = prefixes_in_directory(inputs[0])
+        if not prefixes:
+            raise IndexedDatasetError(f"--input {inputs[0]}: no .bin/.idx datasets in directory")
+        return prefixes
+    for prefix in inputs:
+        for path in (index_file_path(prefix), data_file_path(prefix)):
+            if not os.path.isfile(path):
+                raise IndexedDatasetError(f"{path}: file not found (give --input as one "
+                                          f"directory or as dataset prefixes, without .bin/.idx)")
+    return list(inputs)
+
+
+def merge(prefixes, output_prefix):
+    """Merge datasets at `prefixes` into `output_prefix`; returns the merged dataset."""
+    dtype = IndexedDataset(prefixes[0]).dtype
+    builder = IndexedDatasetBuilder(data_file_path(output_prefix), dtype=dtype)
+    try:
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(index_file_path(output_prefix))
+    except BaseException:
+        builder.abort()
+        raise
+    return IndexedDataset(output_prefix)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="a directory of datasets, or dataset prefixes")
+    parser.add_argument("--output-prefix", required=True, help="writes {prefix}.bin/.idx")
+    args = parser.parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    try:
+        if not os.path.isdir(out_dir):
+            raise IndexedDatasetError(f"--output-prefix {args.output_prefix}: directory "
+                                      f"{out_dir} does not exist; create it first")
+        prefixes = resolve_inputs(args.input)
+        out = os.path.abspath(args.output_prefix)
+        if any(os.path.abspath(p) == out for p in prefixes):
+            raise IndexedDatasetError(f"--output-prefix {args.output_prefix} is also an input")
+        merged = merge(prefixes, args.output_prefix)
+    except IndexedDatasetError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: {len(merged)} "
+          f"sequences, {len(merged.document_indices) - 1} documents, {merged.dtype}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
