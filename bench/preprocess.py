@@ -95,14 +95,50 @@ def same_files(prefix_a, prefix_b):
     return all(read(prefix_a + ext) == read(prefix_b + ext) for ext in (".bin", ".idx"))
 
 
-def time_gpt_dataset_indices():
-    # TODO(lead): time building the GPT dataset indices (document, sample, shuffle) for 1e8
-    # tokens of documents once megatron/core/datasets/gpt_dataset.py exists; it did not when
-    # this benchmark was written, so this step is skipped.
-    if os.path.exists(os.path.join(REPO, "megatron", "core", "datasets", "gpt_dataset.py")):
-        print("gpt_dataset.py exists now: fill in time_gpt_dataset_indices() (TODO)")
-    else:
-        print("GPT dataset indices: skipped (TODO: megatron/core/datasets/gpt_dataset.py missing)")
+def python_sample_index(lengths, document_index, seq_length):
+    """The peer: the per-sample loop that Megatron's C++ helper runs, in plain Python."""
+    samples = [(0, 0)]
+    position, offset = 0, 0
+    total = int(lengths[document_index].sum())
+    for _ in range((total - 1) // seq_length):
+        remaining = seq_length + 1
+        while remaining != 0:
+            doc_length = int(lengths[document_index[position]]) - offset
+            remaining -= doc_length
+            if remaining <= 0:
+                offset += remaining + doc_length - 1
+                remaining = 0
+            else:
+                position += 1
+                offset = 0
+        samples.append((position, offset))
+    return samples
+
+
+def time_gpt_dataset_indices(prefix, target_tokens=100_000_000, seq_length=2048):
+    """Build GPT dataset indices for ~1e8 tokens of the preprocessed documents (their length
+    distribution tiled), beside a plain-Python per-sample loop for the sample index."""
+    import numpy as np
+
+    from megatron.core.datasets.gpt_dataset import build_gpt_dataset_indices
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    lengths = np.asarray(IndexedDataset(prefix).sequence_lengths)
+    lengths = np.tile(lengths, -(-target_tokens // int(lengths.sum())))
+    documents = np.arange(len(lengths))
+    start = time.perf_counter()
+    document_index, sample_index, _ = build_gpt_dataset_indices(
+        lengths, documents, None, seq_length, seed=1234)
+    ours = time.perf_counter() - start
+    start = time.perf_counter()
+    peer = python_sample_index(lengths, document_index, seq_length)
+    peer_time = time.perf_counter() - start
+    if [tuple(row) for row in sample_index.tolist()] != peer:
+        sys.exit("MISMATCH: vectorized sample index differs from the per-sample loop")
+    print(f"GPT dataset indices: {int(lengths.sum()):,} tokens in {len(lengths):,} documents, "
+          f"seq {seq_length}, {len(sample_index) - 1:,} samples: ours {ours:.2f} s (document, "
+          f"sample and shuffle index; target < 10 s); per-sample Python loop (sample index "
+          f"only) {peer_time:.2f} s; ratio {peer_time / ours:.1f}x")
 
 
 def main():
@@ -158,7 +194,7 @@ def main():
         if not same_files(os.path.join(work_dir, out), os.path.join(work_dir, "baseline")):
             sys.exit(f"MISMATCH: {name} wrote different .bin/.idx bytes than the baseline")
     print("all outputs byte-identical to the baseline's")
-    time_gpt_dataset_indices()
+    time_gpt_dataset_indices(os.path.join(work_dir, "w1_text_document"))
 
 
 if __name__ == "__main__":

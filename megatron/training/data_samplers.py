@@ -1,0 +1,164 @@
+"""Megatron's pretraining batch samplers and the DataLoader built on them.
+
+A sampler yields, per micro batch, the dataset indices of this data-parallel rank. Both are
+resumable: constructed with ``consumed_samples`` (the global samples already trained on, as
+saved in the checkpoint), they continue exactly where an uninterrupted run would be.
+"""
+from typing import Iterator, List, Optional
+
+import torch
+
+
+def _check(total_samples: int, consumed_samples: int, micro_batch_size: int,
+           data_parallel_rank: int, data_parallel_size: int, sequential: bool) -> None:
+    if total_samples <= 0:
+        raise ValueError(f"the dataset has no samples to consume (total_samples={total_samples}).")
+    if consumed_samples < 0 or (sequential and consumed_samples >= total_samples):
+        raise ValueError(
+            f"consumed_samples={consumed_samples} leaves no samples of the {total_samples} in the "
+            f"dataset; the run has used up its data: build the dataset with more samples "
+            f"(--train-samples/--train-iters) or check the checkpoint's consumed samples.")
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}.")
+    if data_parallel_size <= 0:
+        raise ValueError(f"data_parallel_size must be > 0, got {data_parallel_size}.")
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data_parallel_rank must be in [0, {data_parallel_size}), got "
+                         f"{data_parallel_rank}.")
+
+
+class MegatronPretrainingSampler:
+    """Sequential ('single'): global batch g of micro batches is indices
+    [consumed + g*mbs*dp, consumed + (g+1)*mbs*dp), and rank r takes slice
+    [r*mbs, (r+1)*mbs) of it. A last incomplete batch is dropped unless ``drop_last=False``.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+               data_parallel_size, sequential=True)
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def get_start_end_idx(self):
+        start = self.data_parallel_rank * self.micro_batch_size
+        return start, start + self.micro_batch_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        start, end = self.get_start_end_idx()
+        step = self.micro_batch_times_data_parallel_size
+        batch_start = self.consumed_samples
+        while batch_start + step <= self.total_samples:
+            yield list(range(batch_start + start, batch_start + end))
+            batch_start += step
+        # Megatron: the partial last batch, sliced the same way (may be short or empty).
+        if batch_start < self.total_samples and not self.drop_last:
+            last = list(range(batch_start, self.total_samples))
+            yield last[start:end]
+
+
+class MegatronPretrainingRandomSampler:
+    """Shuffled ('cyclic'): each epoch is a fresh permutation (seeded by ``seed + epoch``).
+
+    With ``data_sharding`` (Megatron's default) the epoch's samples are cut into one bucket per
+    DP rank and each rank shuffles within its own bucket; otherwise one permutation of all
+    samples is dealt round-robin to the ranks. Incomplete micro batches at the end of an epoch
+    are dropped. ``consumed_samples`` advances as batches are yielded, so iterating again
+    starts the next epoch.
+    """
+
+    def __init__(self, dataset, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True,
+                 seed: int = 0):
+        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+               data_parallel_size, sequential=False)
+        self.dataset = dataset
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.data_sharding = data_sharding
+        self.seed = seed
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
+        if total_samples < self.micro_batch_times_data_parallel_size:
+            raise ValueError(f"{total_samples} samples make no global micro batch of "
+                             f"micro_batch_size {micro_batch_size} x data_parallel_size "
+                             f"{data_parallel_size}.")
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def __iter__(self) -> Iterator[List[int]]:
+        active_total_samples = self.total_samples - self.last_batch_size
+        self.epoch = self.consumed_samples // active_total_samples
+        current_epoch_samples = self.consumed_samples % active_total_samples
+        if current_epoch_samples % self.micro_batch_times_data_parallel_size:
+            raise ValueError(f"consumed_samples={self.consumed_samples} is not a whole number of "
+                             f"global micro batches ({self.micro_batch_times_data_parallel_size}).")
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        if self.data_sharding:
+            bucket_size = (self.total_samples // self.micro_batch_times_data_parallel_size
+                           * self.micro_batch_size)
+            bucket_offset = current_epoch_samples // self.data_parallel_size
+            start = self.data_parallel_rank * bucket_size
+            order = torch.randperm(bucket_size, generator=g).tolist()
+            idx_range = [start + x for x in order[bucket_offset:]]
+        else:
+            full_bucket_size = (self.total_samples // self.micro_batch_size
+                                * self.micro_batch_size)
+            order = torch.randperm(full_bucket_size, generator=g).tolist()
+            idx_range = order[current_epoch_samples:][self.data_parallel_rank::
+                                                      self.data_parallel_size]
+        batch = []
+        for idx in idx_range:
+            batch.append(idx)
+            if len(batch) == self.micro_batch_size:
+                self.consumed_samples += self.micro_batch_times_data_parallel_size
+                yield batch
+                batch = []
+
+
+def build_pretraining_data_loader(dataset, consumed_samples: int, dataloader_type: str = "single",
+                                  micro_batch_size: int = 1, num_workers: int = 0,
+                                  data_parallel_rank: int = 0, data_parallel_size: int = 1,
+                                  seed: int = 0, data_sharding: bool = True,
+                                  pin_memory: Optional[bool] = None
+                                  ) -> Optional[torch.utils.data.DataLoader]:
+    """A DataLoader over ``dataset`` for this DP rank ('single': sequential, 'cyclic':
+    shuffled per epoch); None for no dataset. Batches are dicts of stacked tensors.
+    """
+    if dataset is None:
+        return None
+    if dataloader_type == "single":
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                             data_parallel_rank, data_parallel_size)
+    elif dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed_samples,
+                                                   micro_batch_size, data_parallel_rank,
+                                                   data_parallel_size, data_sharding, seed)
+    else:
+        raise ValueError(f"unknown --dataloader-type {dataloader_type!r}; use 'single' or "
+                         f"'cyclic'.")
+    if pin_memory is None:
+        from megatron.core import device
+
+        pin_memory = device.device_type() == "cuda"
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       pin_memory=pin_memory,
+                                       persistent_workers=num_workers > 0)
+
+
+def cyclic_iter(iterable):
+    """Iterate forever, re-entering ``iterable`` (e.g. a cyclic DataLoader: next epoch)."""
+    while True:
+        yield from iterable
