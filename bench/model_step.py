@@ -2,7 +2,7 @@
 
     python bench/model_step.py [--steps 6] [--threads 2]
 
-Same config, same weights (copied through hf_conversion), same batch, same process; the two
+Same config, same weights, fused AdamW for both (copied through hf_conversion), same batch, same process; the two
 models run alternately so drift in machine load hits both. Prints tokens/s of each and the
 ratio (ours / HF). Default config: the CPU reference (4 layers, hidden 512, 8 heads, 4 query
 groups, ffn 1376, vocab 32000, seq 256, micro batch 4, fp32).
@@ -63,8 +63,10 @@ def step_fns(args, ours, hf):
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
     tokens = tokens.to(device.current_device())
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
-    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4)
+    # Fused AdamW on both sides: what our optimizer builds where the device supports it, and
+    # the default of transformers' Trainer on torch >= 2.8.
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
 
     def autocast():
         return torch.autocast(device.device_type(), dtype=dtype, enabled=dtype is not None)

@@ -210,3 +210,29 @@ def test_vocab_parallel_embedding(tp, vocab, reduce_scatter_embeddings):
 def test_vocab_parallel_cross_entropy(tp, vocab, label_smoothing):
     _assert_close(run_distributed(_cross_entropy_case, world_size=tp, tp=tp, vocab=vocab,
                                   label_smoothing=label_smoothing))
+
+
+def _inplace_matches_copy():
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(SEQ, BATCH, 16, generator=g)
+    target = torch.randint(0, 13, (SEQ, BATCH), generator=g)
+    results = []
+    for inplace in (False, True):
+        x = _shard(logits, -1).clone().requires_grad_()
+        before = x.detach().clone()
+        feed = x * 1.0  # a non-leaf the function may overwrite
+        loss = vocab_parallel_cross_entropy(feed, target, 0.1, vocab_size=13, inplace=inplace)
+        loss.sum().backward()
+        results.append((loss.detach(), x.grad, torch.equal(x.detach(), before),
+                        torch.equal(feed.detach(), before)))
+    (loss_a, grad_a, leaf_a, feed_a), (loss_b, grad_b, leaf_b, feed_b) = results
+    return (torch.equal(loss_a, loss_b), torch.equal(grad_a, grad_b), leaf_a and leaf_b,
+            feed_a, feed_b)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cross_entropy_inplace_equals_copy(tp):
+    for same_loss, same_grad, leaves_intact, copy_kept, inplace_kept in run_distributed(
+            _inplace_matches_copy, world_size=tp, tp=tp):
+        assert same_loss and same_grad and leaves_intact
+        assert copy_kept and not inplace_kept  # inplace really reuses the caller's buffer

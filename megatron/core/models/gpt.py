@@ -100,5 +100,6 @@ class GPTModel(torch.nn.Module):
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1),
-            vocab_size=self.vocab_size if self.padded_vocab_size != self.vocab_size else None)
+            vocab_size=self.vocab_size if self.padded_vocab_size != self.vocab_size else None,
+            inplace=True)  # the logits are ours and read by nothing else
         return loss.transpose(0, 1).contiguous()
