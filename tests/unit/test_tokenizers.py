@@ -240,6 +240,23 @@ def test_gpt2_round_trip_and_batch(gpt2, texts):
     assert gpt2.detokenize(np.array(ids, dtype=np.uint16)) == "tensor parallel"  # as .bin stores
 
 
+
+def test_gpt2_batch_unit_cache_equals_plain_encoding_on_adversarial_whitespace(gpt2):
+    """tokenize_batch cuts texts into whitespace units and caches their ids; random strings
+    dense in every kind of whitespace (Unicode White_Space, Python-only separators U+001C..1F,
+    runs, leading/trailing) must still give exactly tokenize()'s ids."""
+    import random
+
+    alphabet = (list(" \t\n\r\v\f\x85\xa0\u1680\u2003\u2028\u2029\u202f\u3000")
+                + list("\x1c\x1d\x1e\x1f") + list("aZé中'sdtlmrv09!.,-?") + ["\U0001F600"])
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+             for _ in range(3000)]
+    texts += ["  it's", "a\x1cb", "!\x1c!", "x\u00a0 y", " \n\n  end  ", "\t\tword", ""]
+    assert gpt2.tokenize_batch(texts) == [gpt2.tokenize(t) for t in texts]
+    # Twice: the second pass is served from the cache.
+    assert gpt2.tokenize_batch(texts) == [gpt2.tokenize(t) for t in texts]
+
 # ---- SentencePieceTokenizer and Llama2Tokenizer ----
 
 def slow_llama_reference(model_file):

@@ -5,6 +5,7 @@ from typing import Dict, Iterable, List, Sequence
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
+from megatron.training.tokenizer.unit_cache import UnitCache
 from megatron.training.tokenizer.base import (
     MegatronTokenizer,
     as_id_list,
@@ -49,6 +50,7 @@ class GPT2BPETokenizer(MegatronTokenizer):
         self._eod = eod
         # Rust's batch encoder without offset tracking where the installed version has it.
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self._unit_cache = UnitCache(self._encode_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -62,8 +64,11 @@ class GPT2BPETokenizer(MegatronTokenizer):
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        encodings = self._encode_batch(list(check_batch(texts)), add_special_tokens=False)
-        return [encoding.ids for encoding in encodings]
+        # Same ids as tokenize() per text; repeated words are looked up, not re-encoded.
+        return self._unit_cache.tokenize_batch(check_batch(texts))
+
+    def _encode_ids(self, texts: List[str]) -> List[List[int]]:
+        return [e.ids for e in self._encode_batch(texts, add_special_tokens=False)]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         # Invalid UTF-8 byte runs become U+FFFD, like Megatron's errors='replace'.
