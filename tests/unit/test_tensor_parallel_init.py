@@ -2,9 +2,7 @@
 slice of one master weight drawn from the same seed."""
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,

@@ -3,7 +3,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from megatron.core import parallel_state as ps
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
