@@ -114,54 +114,69 @@ def _pad_rows(t, rows):
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+# Parameters copied one to one: (our name, HF name, HF stores it transposed). GPT-2's Conv1D
+# keeps weights as [in, out], ours (nn.Linear) as [out, in]. Layer entries are suffixes.
+_ONE_TO_ONE = {
+    LLAMA: {
+        "layer": [("input_layernorm.weight", "input_layernorm.weight", False),
+                  ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", False),
+                  ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", False),
+                  ("mlp.linear_fc2.weight", "mlp.down_proj.weight", False)],
+        "global": [("decoder.final_layernorm.weight", "model.norm.weight", False)],
+    },
+    GPT2: {
+        "layer": [(f"{ours}.{kind}", f"{theirs}.{kind}", kind == "weight" and linear)
+                  for ours, theirs, linear in (
+                      ("self_attention.linear_proj", "attn.c_proj", True),
+                      ("mlp.linear_fc1", "mlp.c_fc", True),
+                      ("mlp.linear_fc2", "mlp.c_proj", True),
+                      ("input_layernorm", "ln_1", False),
+                      ("pre_mlp_layernorm", "ln_2", False))
+                  for kind in ("weight", "bias")],
+        "global": [("embedding.position_embeddings.weight", "transformer.wpe.weight", False),
+                   ("decoder.final_layernorm.weight", "transformer.ln_f.weight", False),
+                   ("decoder.final_layernorm.bias", "transformer.ln_f.bias", False)],
+    },
+}
+_HF_LAYER_PREFIX = {LLAMA: "model.layers.{}.", GPT2: "transformer.h.{}."}
+_HF_EMBEDDING = {LLAMA: "model.embed_tokens.weight", GPT2: "transformer.wte.weight"}
+
+
+def _one_to_one_pairs(arch: str, num_layers: int):
+    """(our name, HF name, transposed) for every one-to-one parameter of the model."""
+    pairs = list(_ONE_TO_ONE[arch]["global"])
+    for i in range(num_layers):
+        theirs = _HF_LAYER_PREFIX[arch].format(i)
+        pairs += [(f"decoder.layers.{i}.{o}", theirs + t, tr)
+                  for o, t, tr in _ONE_TO_ONE[arch]["layer"]]
+    return pairs
+
+
 def hf_to_megatron(hf_state: Dict[str, torch.Tensor], hf_config,
                    padded_vocab_size: int = None) -> Dict[str, torch.Tensor]:
     """A HF state dict -> our full state dict (all layers, unsharded, vocab padded)."""
     arch = architecture_of(hf_config)
     config, model_kwargs = config_from_hf(hf_config)
     rows = padded_vocab_size or model_kwargs["vocab_size"]
-    out = {}
-    if arch == LLAMA:
-        out["embedding.word_embeddings.weight"] = _pad_rows(hf_state["model.embed_tokens.weight"],
-                                                            rows)
-        for i in range(config.num_layers):
-            src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-            attn = src + "self_attn."
-            out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
+    out = {ours: hf_state[theirs].t() if transposed else hf_state[theirs]
+           for ours, theirs, transposed in _one_to_one_pairs(arch, config.num_layers)}
+    out["embedding.word_embeddings.weight"] = _pad_rows(hf_state[_HF_EMBEDDING[arch]], rows)
+    for i in range(config.num_layers):
+        src, dst = _HF_LAYER_PREFIX[arch].format(i), f"decoder.layers.{i}."
+        if arch == LLAMA:
             out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-                hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"],
-                hf_state[attn + "v_proj.weight"], config.num_query_groups)
-            out[dst + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
-            out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
+                *(hf_state[f"{src}self_attn.{x}_proj.weight"] for x in "qkv"),
+                config.num_query_groups)
             out[dst + "mlp.linear_fc1.weight"] = torch.cat(
                 [hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]])
-            out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
-        out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-        if not model_kwargs["share_embeddings_and_output_weights"]:
-            out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], rows)
-    else:
-        out["embedding.word_embeddings.weight"] = _pad_rows(hf_state["transformer.wte.weight"],
-                                                            rows)
-        out["embedding.position_embeddings.weight"] = hf_state["transformer.wpe.weight"]
-        for i in range(config.num_layers):
-            src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
-            # GPT-2's Conv1D stores [in, out]; ours (nn.Linear) [out, in].
-            qkv_w = hf_state[src + "attn.c_attn.weight"].t()
-            qkv_b = hf_state[src + "attn.c_attn.bias"]
+        else:
             heads = config.num_attention_heads
-            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(*qkv_w.chunk(3), heads)
-            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(*qkv_b.chunk(3), heads)
-            out[dst + "self_attention.linear_proj.weight"] = hf_state[src + "attn.c_proj.weight"].t()
-            out[dst + "self_attention.linear_proj.bias"] = hf_state[src + "attn.c_proj.bias"]
-            out[dst + "mlp.linear_fc1.weight"] = hf_state[src + "mlp.c_fc.weight"].t()
-            out[dst + "mlp.linear_fc1.bias"] = hf_state[src + "mlp.c_fc.bias"]
-            out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.c_proj.weight"].t()
-            out[dst + "mlp.linear_fc2.bias"] = hf_state[src + "mlp.c_proj.bias"]
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                out[dst + ours + ".weight"] = hf_state[src + theirs + ".weight"]
-                out[dst + ours + ".bias"] = hf_state[src + theirs + ".bias"]
-        out["decoder.final_layernorm.weight"] = hf_state["transformer.ln_f.weight"]
-        out["decoder.final_layernorm.bias"] = hf_state["transformer.ln_f.bias"]
+            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+                *hf_state[src + "attn.c_attn.weight"].t().chunk(3), heads)
+            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                *hf_state[src + "attn.c_attn.bias"].chunk(3), heads)
+    if not model_kwargs["share_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], rows)
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
@@ -170,43 +185,22 @@ def megatron_to_hf(state: Dict[str, torch.Tensor], hf_config) -> Dict[str, torch
     arch = architecture_of(hf_config)
     config, model_kwargs = config_from_hf(hf_config)
     vocab = model_kwargs["vocab_size"]
-    out = {}
+    out = {theirs: state[ours].t() if transposed else state[ours]
+           for ours, theirs, transposed in _one_to_one_pairs(arch, config.num_layers)}
     embedding = state["embedding.word_embeddings.weight"][:vocab]
-    if arch == LLAMA:
-        out["model.embed_tokens.weight"] = embedding
-        for i in range(config.num_layers):
-            src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-            q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
+    out[_HF_EMBEDDING[arch]] = embedding
+    for i in range(config.num_layers):
+        src, dst = f"decoder.layers.{i}.", _HF_LAYER_PREFIX[arch].format(i)
+        q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
+        if arch == LLAMA:
             out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
                         dst + "self_attn.v_proj.weight": v})
-            out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
-            out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-            out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
             gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
             out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-            out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
-        out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-        out["lm_head.weight"] = (embedding if model_kwargs["share_embeddings_and_output_weights"]
-                                 else state["output_layer.weight"][:vocab])
-    else:
-        out["transformer.wte.weight"] = embedding
-        out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
-        for i in range(config.num_layers):
-            src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
+        else:
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            qb, kb, vb = _split_qkv(state[src + "self_attention.linear_qkv.bias"], config)
-            out[dst + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
-            out[dst + "attn.c_proj.weight"] = state[src + "self_attention.linear_proj.weight"].t()
-            out[dst + "attn.c_proj.bias"] = state[src + "self_attention.linear_proj.bias"]
-            out[dst + "mlp.c_fc.weight"] = state[src + "mlp.linear_fc1.weight"].t()
-            out[dst + "mlp.c_fc.bias"] = state[src + "mlp.linear_fc1.bias"]
-            out[dst + "mlp.c_proj.weight"] = state[src + "mlp.linear_fc2.weight"].t()
-            out[dst + "mlp.c_proj.bias"] = state[src + "mlp.linear_fc2.bias"]
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                out[dst + theirs + ".weight"] = state[src + ours + ".weight"]
-                out[dst + theirs + ".bias"] = state[src + ours + ".bias"]
-        out["transformer.ln_f.weight"] = state["decoder.final_layernorm.weight"]
-        out["transformer.ln_f.bias"] = state["decoder.final_layernorm.bias"]
-        out["lm_head.weight"] = embedding
+            out[dst + "attn.c_attn.bias"] = torch.cat(
+                list(_split_qkv(state[src + "self_attention.linear_qkv.bias"], config)))
+    tied = model_kwargs["share_embeddings_and_output_weights"]
+    out["lm_head.weight"] = embedding if tied else state["output_layer.weight"][:vocab]
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
