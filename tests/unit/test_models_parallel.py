@@ -63,9 +63,12 @@ def _partition_rules_match_model():
                 if getattr(p, "tensor_model_parallel", False) else None
             if partition_of(name, gated) != declared:
                 mismatches.append((name, partition_of(name, gated), declared))
-        full = {k: torch.randn(v.shape[0] * 2 if partition_of(k, gated) and
-                               partition_of(k, gated)[0] == 0 else v.shape[0], *v.shape[1:])
-                for k, v in model.state_dict().items() if v.dim() == 1}
+        full = {}  # a random full state dict: local shapes with the split dimension x TP
+        for name, local in model.state_dict().items():
+            shape = list(local.shape)
+            if partition_of(name, gated):
+                shape[partition_of(name, gated)[0]] *= 2
+            full[name] = torch.randn(shape)
         shards = [shard_state_dict(full, 2, r, gated) for r in range(2)]
         back = merge_state_dicts(shards, gated)
         mismatches += [k for k in full if not torch.equal(full[k], back[k])]

@@ -37,9 +37,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = max(0, min(partition, num_classes - start))
 
         owned = inplace and vocab_parallel_logits.dtype == torch.float32
-        work = vocab_parallel_logits if owned else vocab_parallel_logits.float()
-        if work is vocab_parallel_logits and not owned:
-            work = work.clone()
+        work = vocab_parallel_logits if owned else vocab_parallel_logits.to(torch.float32,
+                                                                             copy=True)
         work[..., valid:] = float("-inf")
 
         logits_max = work.amax(dim=-1)
