@@ -22,10 +22,6 @@ _SUPPORTED_BACKENDS = ("gloo", "nccl")
 _device_type_override: Optional[str] = None
 
 
-def is_cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -98,10 +94,6 @@ def zeros(*size, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
 
 def tensor(data, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     return torch.tensor(data, dtype=dtype, device=current_device())
-
-
-def to_device(t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    return t.to(current_device(), non_blocking=non_blocking)
 
 
 def generator(seed: int) -> torch.Generator:
