@@ -1,6 +1,6 @@
 """Settings every tensor-parallel layer needs; TransformerConfig extends it."""
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -15,4 +15,19 @@ class ModelParallelConfig:
     params_dtype: torch.dtype = torch.float32
     # False when weights will be loaded anyway (skips the master-weight init).
     perform_initialization: bool = True
+
+    # --- pipeline schedules ---
+    # dtype of the activations and gradients sent between stages (None = params_dtype).
+    pipeline_dtype: Optional[torch.dtype] = None
+    # Microbatches may differ in sequence length: each send is preceded by its shape.
+    variable_seq_lengths: bool = False
+    # Free the data of activations once sent to the next stage (only autograd needs them).
+    deallocate_pipeline_outputs: bool = True
+    # Context manager factory that holds DDP gradient sync (a list: one per model chunk).
+    # None uses the chunk's own ``no_sync`` if it has one.
+    no_sync_func: Optional[Callable] = None
+    # Called with the list of model chunks after the last backward (DP / tied-embedding sync).
+    finalize_model_grads_func: Optional[Callable] = None
+    # Scales the last stage's loss before backward (mixed-precision loss scaling).
+    grad_scale_func: Optional[Callable] = None
 

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.pipeline_parallel.layer_split import stage_layer_counts
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
@@ -43,6 +44,9 @@ class TransformerConfig(ModelParallelConfig):
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     distribute_saved_activations: bool = False
+    # Uneven pipelines: layers on the first / last stage (None = an even share).
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
 
     def __post_init__(self):
         def need(cond, message):
@@ -51,6 +55,13 @@ class TransformerConfig(ModelParallelConfig):
 
         need(self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}.")
         need(self.num_attention_heads >= 1, "num_attention_heads must be >= 1.")
+        try:  # fail here, before any process talks to another, if the layers cannot split
+            stage_layer_counts(self.num_layers, self.pipeline_model_parallel_size,
+                               self.num_layers_in_first_pipeline_stage,
+                               self.num_layers_in_last_pipeline_stage,
+                               self.virtual_pipeline_model_parallel_size)
+        except ValueError as exc:
+            need(False, str(exc))
         if self.kv_channels is None:
             need(self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "

@@ -1,0 +1,70 @@
+"""An optional per-rank record of what a pipeline schedule did and when.
+
+Events are forward and backward steps (with microbatch and chunk) and waits on communication,
+timed in seconds from the trace's start. On GPUs the device is synchronised at each event
+boundary so that times mean something; that costs speed, so tracing is off unless asked for.
+"""
+import contextlib
+import json
+import os
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from megatron.core import device
+
+FORWARD, BACKWARD, WAIT = "forward", "backward", "wait"
+
+
+class PipelineTrace:
+    def __init__(self, rank: int = 0, pipeline_rank: int = 0):
+        self.rank, self.pipeline_rank = rank, pipeline_rank
+        self.events: List[Dict] = []
+        self._origin = time.perf_counter()
+
+    def _now(self) -> float:
+        device.synchronize()
+        return time.perf_counter() - self._origin
+
+    @contextlib.contextmanager
+    def span(self, kind: str, microbatch: Optional[int] = None, chunk: Optional[int] = None):
+        start = self._now()
+        try:
+            yield
+        finally:
+            event = {"kind": kind, "start": start, "end": self._now()}
+            if microbatch is not None:
+                event.update(microbatch=microbatch, chunk=chunk)
+            self.events.append(event)
+
+    def busy_time(self) -> float:
+        return sum(e["end"] - e["start"] for e in self.events if e["kind"] != WAIT)
+
+    def bubble_fraction(self) -> float:
+        """Share of this rank's schedule time (first event's start to last event's end) not
+        spent computing: waits on neighbours and idle gaps."""
+        if not self.events:
+            return 0.0
+        span = self.events[-1]["end"] - self.events[0]["start"]
+        return 1.0 - self.busy_time() / span if span > 0 else 0.0
+
+    def to_dict(self) -> Dict:
+        return {"rank": self.rank, "pipeline_rank": self.pipeline_rank, "events": self.events}
+
+    def write(self, path: str) -> None:
+        """Write the trace as JSON, atomically (a reader never sees half a file)."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".trace-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+
+def load_trace(path: str) -> Dict:
+    with open(path) as f:
+        return json.load(f)
