@@ -110,10 +110,8 @@ def _sync_held_per_backward(pipe, virt, num_microbatches):
 
     chunks_n = virt or 1
     config_changes = dict(no_sync_func=[hold_for(c) for c in range(chunks_n)])
-    config = None
 
     def step_with_hooks(data_iterator, model):
-        nonlocal config
         chunk = ps.get_virtual_pipeline_model_parallel_rank() or 0
         param = next(model.parameters())
         if not getattr(param, "_hooked", False):

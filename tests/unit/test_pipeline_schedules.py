@@ -18,7 +18,6 @@ from megatron.core import parallel_state as ps
 from megatron.core.models import GPTModel, LlamaModel, llama_config
 from megatron.core.models.tp_sharding import merge_state_dicts, select_layers
 from megatron.core.pipeline_parallel import (
-    PipelineTrace,
     allreduce_tied_embedding_grads,
     build_model_chunks,
     get_forward_backward_func,
@@ -91,7 +90,9 @@ def _pipelined(kind, layers, pipe, virt, num_microbatches, tp=1, **extra):
                                         chunk.decoder.layer_offset + len(chunk.decoder.layers)),
                            pre_process=chunk.pre_process, post_process=chunk.post_process,
                            tied=chunk.share_embeddings_and_output_weights,
-                           grads={n: p.grad for n, p in chunk.named_parameters()}))
+                           grads={n: p.grad for n, p in chunk.named_parameters()},
+                           sequence_parallel=[n for n, p in chunk.named_parameters()
+                                              if getattr(p, "sequence_parallel", False)]))
     return dict(losses=[r["lm loss"] for r in results], stages=stages,
                 pp_rank=ps.get_pipeline_model_parallel_rank(),
                 tp_rank=ps.get_tensor_model_parallel_rank())
@@ -154,19 +155,26 @@ def test_no_pipelining_equals_single_process():
     _check_against_reference("llama", 2, 1, None, 3)
 
 
-def _tp_pp_full_grads(num_microbatches):
-    result = _pipelined("llama", 4, 2, None, num_microbatches, tp=2)
+def _tp_pp_full_grads(num_microbatches, sequence_parallel):
+    config = dict(sequence_parallel=sequence_parallel)
+    result = _pipelined("llama", 4, 2, None, num_microbatches, tp=2, **config)
     (stage,) = result["stages"]
+    grads = dict(stage["grads"])
+    for name in stage["sequence_parallel"]:  # norm weights: partial sums per TP rank
+        grads[name] = grads[name].clone()
+        dist.all_reduce(grads[name], group=ps.get_tensor_model_parallel_group())
     shards = [None] * 2
-    dist.all_gather_object(shards, stage["grads"], group=ps.get_tensor_model_parallel_group())
+    dist.all_gather_object(shards, grads, group=ps.get_tensor_model_parallel_group())
     stage["grads"] = merge_state_dicts(shards, gated_mlp=True)
     return result
 
 
-def test_tensor_and_pipeline_parallel_equals_single_process():
-    ref_losses, ref_grads = run_distributed(_reference, world_size=1, tp=1, kind="llama", layers=4,
-                                            num_microbatches=3)[0]
-    ranks = run_distributed(_tp_pp_full_grads, world_size=4, tp=2, pp=2, num_microbatches=3)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_and_pipeline_parallel_equals_single_process(sequence_parallel):
+    ref_losses, ref_grads = run_distributed(_reference, world_size=1, tp=1, kind="llama",
+                                            layers=4, num_microbatches=3)[0]
+    ranks = run_distributed(_tp_pp_full_grads, world_size=4, tp=2, pp=2, num_microbatches=3,
+                            sequence_parallel=sequence_parallel)
     for rank in ranks:
         (stage,) = rank["stages"]
         want = _expected(stage, ref_grads)
