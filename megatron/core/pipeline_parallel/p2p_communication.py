@@ -37,6 +37,9 @@ def _exchange_shapes(send_next, send_prev, recv_prev: bool, recv_next: bool):
     prev = parallel_state.get_pipeline_model_parallel_prev_rank()
 
     def shape_of(t):
+        if t.dim() != 3:
+            raise ValueError(f"pipeline tensors are [sequence, micro batch, hidden]; got shape "
+                             f"{tuple(t.shape)} to send.")
         return device.tensor(list(t.shape), dtype=torch.int64)
 
     recv_prev_shape = device.empty(3, dtype=torch.int64) if recv_prev else None
