@@ -195,6 +195,17 @@ def test_receive_without_shape_is_a_clear_error():
         assert "tensor_shape" in message and "variable_seq_lengths" in message
 
 
+def _send_flat_with_variable_lengths():
+    config = ModelParallelConfig(variable_seq_lengths=True)
+    return _error_of(p2p.communicate, torch.zeros(6, 4), None, False, False, None, config)
+
+
+def test_variable_lengths_need_3d_tensors():
+    for kind, message in run_distributed(_send_flat_with_variable_lengths, world_size=2, pp=2,
+                                         timeout=60):
+        assert kind == "ValueError" and "[sequence, micro batch, hidden]" in message
+
+
 def _single_stage():
     cfg = ModelParallelConfig()
     return (_error_of(p2p.communicate, None, None, True, False, SHAPE, cfg),
