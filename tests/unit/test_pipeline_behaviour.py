@@ -30,7 +30,8 @@ from tests.unit.test_pipeline_schedules import (
 
 
 def _run(kind="llama", layers=4, pipe=2, virt=None, num_microbatches=4, trace=None,
-         forward_step_func=_forward_step, config_changes=None, forward_only=False):
+         forward_step_func=_forward_step, config_changes=None, forward_only=False,
+         shared_iterator=False):
     config = _config(kind, layers, pipe, virt)
     for key, value in (config_changes or {}).items():
         setattr(config, key, value)
@@ -38,8 +39,9 @@ def _run(kind="llama", layers=4, pipe=2, virt=None, num_microbatches=4, trace=No
     chunks = build_model_chunks(lambda **stage: _model_class(kind)(config, VOCAB, **stage),
                                 config)
     data = _microbatches(num_microbatches)
+    iterators = iter(data) if shared_iterator else [iter(data) for _ in chunks]
     get_forward_backward_func()(
-        forward_step_func=forward_step_func, data_iterator=[iter(data) for _ in chunks],
+        forward_step_func=forward_step_func, data_iterator=iterators,
         model=chunks, num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
         trace=trace, forward_only=forward_only)
     return chunks
@@ -151,10 +153,11 @@ def test_tied_embedding_copies_are_made_equal():
     assert torch.equal(first, last)
 
 
-def _bad_run(virt, num_microbatches):
+def _bad_run(virt, num_microbatches, shared_iterator=False):
     with count_collectives() as counts:
         try:
-            _run(layers=4, pipe=2, virt=virt, num_microbatches=num_microbatches)
+            _run(layers=4, pipe=2, virt=virt, num_microbatches=num_microbatches,
+                 shared_iterator=shared_iterator)
         except ValueError as exc:
             return str(exc), counts["p2p"]
     return None, counts["p2p"]
@@ -164,6 +167,13 @@ def test_bad_microbatch_count_fails_before_communicating():
     for message, p2p_calls in run_distributed(_bad_run, world_size=2, tp=1, pp=2, vpp=2,
                                               virt=2, num_microbatches=3):
         assert "multiple of the pipeline-model-parallel size" in message
+        assert p2p_calls == 0
+
+
+def test_interleaving_refuses_one_shared_data_iterator():
+    for message, p2p_calls in run_distributed(_bad_run, world_size=2, tp=1, pp=2, vpp=2,
+                                              virt=2, num_microbatches=2, shared_iterator=True):
+        assert "list of data iterators, one per model chunk" in message
         assert p2p_calls == 0
 
 

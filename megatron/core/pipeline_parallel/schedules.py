@@ -203,8 +203,16 @@ def _run_pipeline(*, forward_step_func, data_iterator, model, num_microbatches: 
     if not config.variable_seq_lengths and (seq_length is None or micro_batch_size is None):
         raise ValueError("seq_length and micro_batch_size are needed to size the tensors "
                          "between stages (or set config.variable_seq_lengths).")
-    iterators = data_iterator if isinstance(data_iterator, list) \
-        else [data_iterator] * len(chunks)
+    if isinstance(data_iterator, list):
+        iterators = data_iterator
+    elif len(chunks) > 1 and data_iterator is not None:
+        # Chunks sharing one iterator would each take a different microbatch from it.
+        raise ValueError("the interleaved schedule needs a list of data iterators, one per "
+                         "model chunk, each yielding the same microbatches.")
+    else:
+        iterators = [data_iterator] * len(chunks)
+    if len(iterators) != len(chunks):
+        raise ValueError(f"{len(iterators)} data iterators for {len(chunks)} model chunks.")
     shape = None if config.variable_seq_lengths \
         else activation_shape(config, seq_length, micro_batch_size)
     plan = communication_plan(pipeline_size, rank, num_microbatches, virtual_size, forward_only)
