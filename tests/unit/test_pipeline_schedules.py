@@ -103,12 +103,12 @@ def _expected(stage, reference_grads):
                          stage["post_process"], stage["tied"])
 
 
-def _check_against_reference(kind, layers, pipe, virt, num_microbatches):
+def _check_against_reference(kind, layers, pipe, virt, num_microbatches, **extra):
     ref_losses, ref_grads = run_distributed(_reference, world_size=1, tp=1, kind=kind, layers=layers,
                                             num_microbatches=num_microbatches)[0]
     ranks = run_distributed(_pipelined, world_size=pipe, tp=1, pp=pipe, vpp=virt, kind=kind,
                             layers=layers, pipe=pipe, virt=virt,
-                            num_microbatches=num_microbatches)
+                            num_microbatches=num_microbatches, **extra)
     last = ranks[-1]
     assert len(last["losses"]) == num_microbatches
     for got, want in zip(last["losses"], ref_losses):
@@ -149,6 +149,15 @@ def test_interleaved_equals_single_process(pipe, num_microbatches):
                                                          (2, 2, 4)])
 def test_gpt_tied_embedding_equals_single_process(pipe, virt, num_microbatches):
     _check_against_reference("gpt", 4, pipe, virt, num_microbatches)
+
+
+@pytest.mark.parametrize("virt,extra", [
+    (None, dict(num_layers_in_first_pipeline_stage=3)),
+    (2, dict(account_for_embedding_in_pipeline_split=True,
+             account_for_loss_in_pipeline_split=True)),
+])
+def test_uneven_splits_equal_single_process(virt, extra):
+    _check_against_reference("llama", 4 if virt is None else 6, 2, virt, 4, **extra)
 
 
 def test_no_pipelining_equals_single_process():

@@ -144,6 +144,17 @@ def test_layer_split_even_and_uneven():
     assert uneven == [(0, 1), (1, 3), (3, 6), (6, 7), (7, 9), (9, 12)]
 
 
+def test_layer_split_accounting_for_embedding_and_loss():
+    # 6 layers + embedding + loss = 8 "layers" over 4 stages: the ends hold one layer fewer.
+    assert stage_layer_counts(6, 4, account_for_embedding=True, account_for_loss=True) == \
+        [1, 2, 2, 1]
+    assert stage_layer_counts(7, 4, account_for_loss=True) == [2, 2, 2, 1]
+    # With virtual stages only the first and the last virtual stage are lighter.
+    ranges = [chunk_layer_range(14, 2, r, c, 2, account_for_embedding=True,
+                                account_for_loss=True) for c in range(2) for r in range(2)]
+    assert ranges == [(0, 3), (3, 7), (7, 11), (11, 14)]
+
+
 @pytest.mark.parametrize("args,match", [
     (dict(num_layers=5, pipeline_size=2), "cannot be split evenly over 2"),
     (dict(num_layers=6, pipeline_size=2, virtual_size=2), "do not split evenly over 2 virtual"),
@@ -151,6 +162,11 @@ def test_layer_split_even_and_uneven():
     (dict(num_layers=4, pipeline_size=1, last_stage_layers=2), "need pipeline"),
     (dict(num_layers=6, pipeline_size=3, first_stage_layers=3, last_stage_layers=3),
      "cannot be split evenly over 1"),
+    (dict(num_layers=6, pipeline_size=4, account_for_loss=True), "cannot be split evenly"),
+    (dict(num_layers=2, pipeline_size=4, account_for_embedding=True, account_for_loss=True),
+     "no transformer layer"),
+    (dict(num_layers=7, pipeline_size=4, account_for_loss=True, first_stage_layers=1),
+     "not both"),
 ])
 def test_bad_layer_splits(args, match):
     with pytest.raises(ValueError, match=match):

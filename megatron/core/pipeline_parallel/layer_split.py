@@ -1,18 +1,63 @@
 """Which transformer layers each pipeline stage and virtual chunk holds (pure, no torch).
 
-Layers are split evenly over the pipeline ranks, except that the first and last stage may be
-given their own counts (the embedding and the output layer make those stages heavier). With
-virtual stages, each rank's layers are split evenly over its chunks, and chunk ``c`` of rank
-``r`` is the ``(c * PP + r)``-th slice of the model, as in Megatron.
+Layers are split evenly over the pipeline ranks, except where the split is told about the
+heavier ends: explicit layer counts for the first and/or last stage, or (Megatron's
+``account_for_embedding/loss_in_pipeline_split``) the embedding and the loss each counted as
+one layer, so the first and last virtual stage get one layer fewer. With virtual stages, chunk
+``c`` of rank ``r`` is the ``(c * PP + r)``-th slice of the model, as in Megatron.
 """
 from typing import List, Optional, Tuple
+
+
+def _even(layers: int, parts: int, what: str, fix: str) -> int:
+    if parts and (layers < parts or layers % parts):
+        raise ValueError(f"{what} ({layers}) cannot be split evenly over {parts} pipeline "
+                         f"stages; change {fix}.")
+    return layers // parts if parts else 0
+
+
+def virtual_stage_sizes(num_layers: int, pipeline_size: int,
+                        first_stage_layers: Optional[int] = None,
+                        last_stage_layers: Optional[int] = None,
+                        virtual_size: Optional[int] = None,
+                        account_for_embedding: bool = False,
+                        account_for_loss: bool = False) -> List[int]:
+    """Layers of each virtual stage v = c * PP + r, in model order; ValueError naming the fix
+    if they cannot split."""
+    vsize = virtual_size or 1
+    stages = pipeline_size * vsize
+    if account_for_embedding or account_for_loss:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise ValueError("give either first/last stage layer counts or account for the "
+                             "embedding/loss in the split, not both.")
+        extra = int(account_for_embedding) + int(account_for_loss)
+        per = _even(num_layers + extra, stages, "num_layers plus the embedding/loss counted as "
+                    "layers", "--num-layers or the pipeline (or virtual) size")
+        sizes = [per] * stages
+        sizes[0] -= int(account_for_embedding)
+        sizes[-1] -= int(account_for_loss)
+        if min(sizes) < 1:
+            raise ValueError("a virtual stage would hold no transformer layer; use more layers "
+                             "or fewer pipeline stages.")
+        return sizes
+
+    counts = stage_layer_counts(num_layers, pipeline_size, first_stage_layers,
+                                last_stage_layers, virtual_size)
+    return [counts[v % pipeline_size] // vsize for v in range(stages)]
 
 
 def stage_layer_counts(num_layers: int, pipeline_size: int,
                        first_stage_layers: Optional[int] = None,
                        last_stage_layers: Optional[int] = None,
-                       virtual_size: Optional[int] = None) -> List[int]:
+                       virtual_size: Optional[int] = None,
+                       account_for_embedding: bool = False,
+                       account_for_loss: bool = False) -> List[int]:
     """Layers held by each pipeline rank; ValueError (naming the fix) if they cannot split."""
+    if account_for_embedding or account_for_loss:
+        sizes = virtual_stage_sizes(num_layers, pipeline_size, first_stage_layers,
+                                    last_stage_layers, virtual_size, account_for_embedding,
+                                    account_for_loss)
+        return [sum(sizes[r::pipeline_size]) for r in range(pipeline_size)]
     overrides = {0: first_stage_layers, pipeline_size - 1: last_stage_layers}
     overrides = {rank: n for rank, n in overrides.items() if n is not None}
     if overrides and pipeline_size < 2:
@@ -23,20 +68,17 @@ def stage_layer_counts(num_layers: int, pipeline_size: int,
             raise ValueError(f"pipeline stage {rank} would hold {n} layers; give it at least 1.")
     rest_layers = num_layers - sum(overrides.values())
     rest_stages = pipeline_size - len(overrides)
-    if rest_stages == 0:
-        if rest_layers != 0:
-            raise ValueError(f"first + last stage layers ({num_layers - rest_layers}) must equal "
-                             f"num_layers ({num_layers}) with pipeline size 2.")
-        per_stage = 0
-    elif rest_layers < rest_stages or rest_layers % rest_stages:
-        what = "the layers left after the first/last stage overrides" if overrides \
-            else "num_layers"
-        raise ValueError(
-            f"{what} ({rest_layers}) cannot be split evenly over {rest_stages} pipeline stages; "
-            f"change --num-layers or --pipeline-model-parallel-size"
-            f"{' or the first/last stage layer counts' if overrides else ''}.")
+    if rest_stages == 0 and rest_layers != 0:
+        raise ValueError(f"first + last stage layers ({num_layers - rest_layers}) must equal "
+                         f"num_layers ({num_layers}) with pipeline size 2.")
+    if overrides:
+        per_stage = _even(rest_layers, rest_stages,
+                          "the layers left after the first/last stage overrides",
+                          "--num-layers, --pipeline-model-parallel-size or the first/last "
+                          "stage layer counts")
     else:
-        per_stage = rest_layers // rest_stages
+        per_stage = _even(num_layers, pipeline_size, "num_layers",
+                          "--num-layers or --pipeline-model-parallel-size")
     counts = [overrides.get(rank, per_stage) for rank in range(pipeline_size)]
     if virtual_size is not None:
         for rank, n in enumerate(counts):
@@ -51,15 +93,15 @@ def stage_layer_counts(num_layers: int, pipeline_size: int,
 def chunk_layer_range(num_layers: int, pipeline_size: int, rank: int, chunk: int = 0,
                       virtual_size: Optional[int] = None,
                       first_stage_layers: Optional[int] = None,
-                      last_stage_layers: Optional[int] = None) -> Tuple[int, int]:
+                      last_stage_layers: Optional[int] = None,
+                      account_for_embedding: bool = False,
+                      account_for_loss: bool = False) -> Tuple[int, int]:
     """(start, end) of the layers of virtual chunk ``chunk`` on pipeline rank ``rank``."""
-    counts = stage_layer_counts(num_layers, pipeline_size, first_stage_layers,
-                                last_stage_layers, virtual_size)
-    vsize = virtual_size or 1
-    if not 0 <= chunk < vsize:
-        raise ValueError(f"chunk {chunk} out of range [0, {vsize}).")
-    # Slices in model order: virtual stage v = c * PP + r has counts[r] / vsize layers.
-    sizes = [counts[v % pipeline_size] // vsize for v in range(pipeline_size * vsize)]
+    if not 0 <= chunk < (virtual_size or 1):
+        raise ValueError(f"chunk {chunk} out of range [0, {virtual_size or 1}).")
+    sizes = virtual_stage_sizes(num_layers, pipeline_size, first_stage_layers,
+                                last_stage_layers, virtual_size, account_for_embedding,
+                                account_for_loss)
     v = chunk * pipeline_size + rank
     start = sum(sizes[:v])
     return start, start + sizes[v]

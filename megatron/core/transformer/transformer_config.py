@@ -47,6 +47,9 @@ class TransformerConfig(ModelParallelConfig):
     # Uneven pipelines: layers on the first / last stage (None = an even share).
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    # Or balance the ends by counting the embedding / the output layer + loss as one layer.
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self):
         def need(cond, message):
@@ -59,7 +62,9 @@ class TransformerConfig(ModelParallelConfig):
             stage_layer_counts(self.num_layers, self.pipeline_model_parallel_size,
                                self.num_layers_in_first_pipeline_stage,
                                self.num_layers_in_last_pipeline_stage,
-                               self.virtual_pipeline_model_parallel_size)
+                               self.virtual_pipeline_model_parallel_size,
+                               self.account_for_embedding_in_pipeline_split,
+                               self.account_for_loss_in_pipeline_split)
         except ValueError as exc:
             need(False, str(exc))
         if self.kv_channels is None:
