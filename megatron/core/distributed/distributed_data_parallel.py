@@ -1,0 +1,110 @@
+"""Data parallelism: gradients accumulated in contiguous buffers and averaged over DP ranks.
+
+    model = DistributedDataParallel(config, ddp_config, model_chunk)
+
+Every parameter's gradient goes to ``param.main_grad`` (a view into its buffer) after each
+backward. Gradients are reduced once per iteration: with ``no_sync()`` held for every
+microbatch but the last (the schedules do this), either by ``finish_grad_sync()`` or, with
+``overlap_grad_reduce``, by each bucket's asynchronous all-reduce launched from the backward
+hooks the moment the bucket's last gradient arrives; ``finish_grad_sync()`` then only waits.
+"""
+import contextlib
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.param_and_grad_buffer import GradBuffer
+
+
+def default_bucket_size(data_parallel_size: int) -> int:
+    """Megatron's: large enough that a bucket's all-reduce is bandwidth-bound."""
+    return max(40_000_000, 1_000_000 * data_parallel_size)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig,
+                 module: torch.nn.Module):
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.data_parallel_group = parallel_state.get_data_parallel_group()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None and ddp_config.overlap_grad_reduce:
+            bucket_size = default_bucket_size(dp_size)
+        self.is_last_microbatch = True
+
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for param in module.parameters():
+            if param.requires_grad:
+                grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+                by_dtype.setdefault(grad_dtype, []).append(param)
+        # Reverse registration order ~ the order backward produces gradients.
+        self.buffers = [GradBuffer(params[::-1], dtype, bucket_size, self.data_parallel_group,
+                                   1.0 / dp_size)
+                        for dtype, params in by_dtype.items()]
+        self._buffer_of = {p: b for b in self.buffers for p in b.bucket_of}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in self._buffer_of]
+        self.broadcast_params()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Move the fresh gradient into the buffer; launch the bucket's reduction if it is the
+        last microbatch and the bucket is now complete."""
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
+            bucket = self._buffer_of[param].bucket_of[param]
+            if bucket.mark_ready(param):
+                bucket.launch(async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without reducing them (all microbatches but the last)."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def start_grad_sync(self) -> None:
+        """Launch every bucket not launched yet (all of them without overlap)."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.launch(async_op=self.ddp_config.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: gradients in ``main_grad`` are averaged over DP."""
+        self.start_grad_sync()
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.wait()
+
+    def zero_grad_buffer(self) -> None:
+        """Start an iteration: zero the gradient buffers and forget bucket state."""
+        for param in self._buffer_of:
+            param.grad = None
+        for buffer in self.buffers:
+            buffer.reset()
+
+    def broadcast_params(self) -> None:
+        """Make every DP replica start from DP rank 0's parameters."""
+        src = parallel_state.get_data_parallel_ranks()[0]
+        with torch.no_grad():
+            for param in self.module.parameters():
+                dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,40 @@
+"""Everything that must happen to gradients between the last backward and the optimizer."""
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
+
+
+def _grad(param: torch.nn.Parameter):
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def allreduce_sequence_parallel_grads(model_chunks: List[torch.nn.Module]) -> None:
+    """Under sequence parallelism each TP rank saw only its slice of the sequence, so the
+    replicated weights (norms, row-parallel biases) hold partial gradients: sum them over TP,
+    flattened into one collective."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [_grad(p) for chunk in model_chunks for p in unwrap_model(chunk).parameters()
+             if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
+
+
+def finalize_model_grads(model_chunks: List[torch.nn.Module]) -> None:
+    """DP reduction (waiting for overlapped buckets), sequence-parallel gradients over TP,
+    and the tied embedding's two copies summed over the first and last pipeline stage."""
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+    allreduce_sequence_parallel_grads(model_chunks)
+    allreduce_tied_embedding_grads(model_chunks)

@@ -1,0 +1,73 @@
+"""Megatron's optimizers: parameter groups, torch Adam/SGD, mixed precision, loss scaling,
+gradient clipping, and the LR / weight-decay schedule."""
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron.core import device
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    fp32_main_param_groups,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+
+
+def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: biases and 1-D weights (norms) are not decayed."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def get_param_groups(model_chunks: List[torch.nn.Module],
+                     no_weight_decay_cond: Optional[Callable] = None) -> List[Dict]:
+    """Two groups (weight-decayed, not), each with ``wd_mult`` / ``lr_mult`` for the
+    scheduler; empty groups are dropped."""
+    cond = no_weight_decay_cond or no_weight_decay
+    decay, no_decay = [], []
+    for chunk in model_chunks:
+        for name, param in unwrap_model(chunk).named_parameters():
+            if param.requires_grad:
+                (no_decay if cond(name, param) else decay).append(param)
+    groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
+              {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _torch_optimizer(param_groups: List[Dict], config: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = [{**g, "weight_decay": config.weight_decay * g["wd_mult"],
+               "lr": config.lr * g["lr_mult"]} for g in param_groups]
+    # One fused kernel per step where torch has one for the device (CUDA and CPU), else
+    # foreach (a few multi-tensor ops).
+    fused = device.device_type() in ("cuda", "cpu")
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1,
+                                 config.adam_beta2), eps=config.adam_eps,
+                                 weight_decay=config.weight_decay, fused=fused)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                           weight_decay=config.weight_decay, fused=fused)
+
+
+def _grad_scaler(config: OptimizerConfig):
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:  # bf16's range needs no scaling (Megatron's default)
+        return DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
+                                 growth_interval=int(config.loss_scale_window),
+                                 hysteresis=config.hysteresis)
+    return None
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
+                           no_weight_decay_cond: Optional[Callable] = None
+                           ) -> MegatronOptimizer:
+    """The optimizer for this rank's model chunks (wrapped in DDP or not)."""
+    groups = get_param_groups(model_chunks, no_weight_decay_cond)
+    if config.fp16 or config.bf16:
+        main_groups, model_of = fp32_main_param_groups(groups)
+        return Float16OptimizerWithFloat16Params(_torch_optimizer(main_groups, config), config,
+                                                 _grad_scaler(config), model_of)
+    return FP32Optimizer(_torch_optimizer(groups, config), config, _grad_scaler(config))

@@ -1,0 +1,48 @@
+"""Global gradient norm over all model-parallel ranks, and clipping by it.
+
+Each rank sums the squares of the gradients it owns (tensor-parallel duplicates and the second
+copy of a tied embedding are counted once, on one rank); the sums are added over the
+model-parallel group (TP x PP). Data-parallel replicas hold the same reduced gradients, so
+they are not added again.
+"""
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device
+
+
+def get_grad_norm_fp32(grads_for_norm: List[torch.Tensor], model_parallel_group) -> float:
+    """L2 norm of all ranks' gradients together."""
+    total = device.zeros(1, dtype=torch.float32)
+    if grads_for_norm:
+        norms = torch._foreach_norm([g.float() for g in grads_for_norm])
+        total += torch.stack(norms).square().sum()
+    dist.all_reduce(total, group=model_parallel_group)
+    return total.sqrt().item()
+
+
+def clip_grad_by_total_norm_fp32(grads: List[torch.Tensor], max_norm: float,
+                                 total_norm: float) -> None:
+    """Scale gradients so their global norm is at most ``max_norm`` (torch's coefficient)."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+def count_zeros_fp32(grads_for_norm: List[torch.Tensor], model_parallel_group) -> int:
+    total = device.zeros(1, dtype=torch.float32)
+    for grad in grads_for_norm:
+        total += grad.numel() - torch.count_nonzero(grad)
+    dist.all_reduce(total, group=model_parallel_group)
+    return int(total.item())
+
+
+def is_counted_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` enters the global norm."""
+    if getattr(param, "shared_embedding", False):
+        return False  # the last stage's copy of the tied embedding; the first stage counts it
+    if not getattr(param, "tensor_model_parallel", False) and tensor_parallel_rank > 0:
+        return False  # the same on every TP rank; TP rank 0 counts it
+    return True

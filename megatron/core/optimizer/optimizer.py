@@ -1,0 +1,209 @@
+"""Megatron's optimizer wrappers around a torch optimizer.
+
+``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``:
+1. gradients: the DDP buffers' ``main_grad`` become the optimizer params' ``.grad`` (for mixed
+   precision: copied into the fp32 main params' gradients);
+2. with a loss scaler: unscale, and skip the whole step (and count it) if any rank saw inf/nan;
+3. clip by the global norm over all model-parallel ranks (``clip_grad``);
+4. the torch optimizer steps; mixed precision copies the fp32 main params back to the model.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device, parallel_state
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    is_counted_in_norm,
+)
+
+
+def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+class MegatronOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer, config, grad_scaler=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.num_skipped_steps = 0
+
+    # --- what subclasses provide ------------------------------------------------------------
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        raise NotImplementedError
+
+    def _copy_main_params_to_model_params(self) -> None:
+        pass
+
+    # --- shared logic ---------------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[Dict]:
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The schedules call this on the last stage's loss before backward."""
+        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
+
+    def zero_grad(self) -> None:
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    def _main_params_and_grads(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(p, p.grad) for group in self.optimizer.param_groups
+                for p in group["params"] if p.grad is not None]
+
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        return [grad for param, grad in self._main_params_and_grads()
+                if is_counted_in_norm(self._model_param(param), tp_rank)]
+
+    def _model_param(self, main_param: torch.nn.Parameter) -> torch.nn.Parameter:
+        return main_param
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        """Divide out the loss scale; True if any model-parallel rank's gradients overflowed."""
+        grads = [grad for _, grad in self._main_params_and_grads()]
+        found_inf = device.zeros(1, dtype=torch.float32)
+        inv_scale = device.tensor([self.grad_scaler.inv_scale], dtype=torch.float32)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX,
+                        group=parallel_state.get_model_parallel_group())
+        return found_inf.item() > 0
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = get_grad_norm_fp32(self._grads_for_norm(),
+                                       parallel_state.get_model_parallel_group())
+        if clip_grad > 0:
+            clip_grad_by_total_norm_fp32([g for _, g in self._main_params_and_grads()],
+                                         clip_grad, grad_norm)
+        return grad_norm
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.num_skipped_steps += 1
+                return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = count_zeros_fp32(self._grads_for_norm(),
+                                     parallel_state.get_model_parallel_group()) \
+            if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "num_skipped_steps": self.num_skipped_steps}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_skipped_steps = int(state.get("num_skipped_steps", 0))
+        if self.grad_scaler is not None:
+            if "grad_scaler" not in state:
+                raise ValueError("the checkpoint has no loss-scaler state but this run scales "
+                                 "the loss; load without the optimizer (--no-load-optim).")
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """Model params are fp32 and are the optimizer's params."""
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                grad = getattr(param, "main_grad", None)
+                if grad is not None:
+                    param.grad = grad  # a view into the DDP buffer: no copy
+
+
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                   "shared_embedding", "sequence_parallel")
+
+
+def fp32_main_param_groups(param_groups: List[Dict]):
+    """Param groups whose bf16/fp16 params are replaced by fp32 copies (the main params), and
+    the map from each main param to its model param."""
+    model_of, main_groups = {}, []
+    for group in param_groups:
+        mains = []
+        for param in group["params"]:
+            if param.dtype == torch.float32:
+                main = param
+            else:
+                main = torch.nn.Parameter(param.detach().float())
+                for attr in _PARALLEL_ATTRS:
+                    if hasattr(param, attr):
+                        setattr(main, attr, getattr(param, attr))
+            model_of[main] = param
+            mains.append(main)
+        main_groups.append({**group, "params": mains})
+    return main_groups, model_of
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """Model params in bf16/fp16; the torch optimizer updates fp32 copies of them (the main
+    params), which are copied back to the model after each step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config, grad_scaler,
+                 model_param_of: Dict[torch.nn.Parameter, torch.nn.Parameter]):
+        super().__init__(optimizer, config, grad_scaler)
+        self._model_of = model_param_of
+
+    def _model_param(self, main_param):
+        return self._model_of[main_param]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for main, model in self._model_of.items():
+            grad = _model_grad(model)
+            if grad is None:
+                main.grad = None
+            elif main is model:
+                model.grad = grad
+            else:
+                main.grad = grad.float()  # a copy: fp32 grads for the fp32 update
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for main, model in self._model_of.items():
+            if main is not model:
+                model.data.copy_(main.data)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for model in self._model_of.values():
+            model.grad = None
+
+    def state_dict(self) -> Dict:
+        state = super().state_dict()
+        state["fp32_from_fp16_params"] = [[p.detach().clone() for p in group["params"]]
+                                          for group in self.optimizer.param_groups]
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        super().load_state_dict(state)
+        saved = state["fp32_from_fp16_params"]
+        for group, saved_group in zip(self.optimizer.param_groups, saved):
+            if len(group["params"]) != len(saved_group):
+                raise ValueError("the checkpoint's optimizer holds a different set of "
+                                 "parameters; load without it (--no-load-optim).")
+            for main, value in zip(group["params"], saved_group):
+                main.data.copy_(value)
+        self._copy_main_params_to_model_params()

@@ -1,0 +1,44 @@
+"""Optimizer settings (Megatron's flag names in the comments)."""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"  # --optimizer adam|sgd (adam has AdamW's decoupled weight decay)
+    lr: float = 1e-4  # --lr (the scheduler overwrites it every step)
+    min_lr: float = 0.0  # --min-lr
+    weight_decay: float = 0.01  # --weight-decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    # Mixed precision: model params in fp16 or bf16, fp32 main params in the optimizer.
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    # Loss scaling: a constant --loss-scale, or (fp16 without it) dynamic scaling.
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    clip_grad: float = 1.0  # --clip-grad (global L2 norm; 0 disables)
+    log_num_zeros_in_grad: bool = False
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: use 'adam' or 'sgd'.")
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are exclusive; pick one.")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}.")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}.")
+        if self.hysteresis < 1:
+            raise ValueError(f"--hysteresis must be >= 1, got {self.hysteresis}.")
+        if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
+            raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale.")

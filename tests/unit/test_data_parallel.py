@@ -1,0 +1,147 @@
+"""Data parallelism and the optimizer against a single process on the same global batch.
+
+The global batch is MICROBATCHES microbatches; DP rank r takes its contiguous share and divides
+its loss by its own microbatch count; DDP averages over DP. Scaling by DP (a power of two) is
+exact, so the only difference from one process is the order of summation: one process adds the
+microbatch gradients one after another, DP adds each rank's partial sums in the all-reduce.
+With one microbatch per rank on DP=2 that is a single addition either way: bitwise. Otherwise
+parameters agree to 1e-6 (fp32 rounding of a reassociated sum, passed through Adam).
+"""
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models import LlamaModel, llama_config
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from tests.collective_counter import count_collectives
+from tests.distributed import run_distributed
+
+VOCAB, SEQ, MBS = 64, 16, 2
+STEPS = 5
+REASSOCIATION_TOL = 1e-6
+ADAM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+
+
+def _config(**extra):
+    return llama_config(num_layers=2, hidden_size=32, num_attention_heads=8,
+                        num_query_groups=4, ffn_hidden_size=48, max_position_embeddings=SEQ,
+                        **extra)
+
+
+def _global_batches(num_microbatches, steps=STEPS):
+    g = torch.Generator().manual_seed(11)
+    return [[(torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
+              torch.randint(0, VOCAB, (MBS, SEQ), generator=g))
+             for _ in range(num_microbatches)] for _ in range(steps)]
+
+
+def _loss_func(per_token_loss):
+    loss = per_token_loss.mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    return model(tokens, labels=labels), _loss_func
+
+
+def _reference(num_microbatches, clip_grad=0.0):
+    """Plain torch: the whole global batch, gradient accumulation, torch AdamW."""
+    torch.manual_seed(42)
+    model = LlamaModel(_config(), VOCAB)
+    groups = [{**g, "weight_decay": ADAM["weight_decay"] * g["wd_mult"]}
+              for g in get_param_groups([model])]
+    opt = torch.optim.AdamW(groups, lr=ADAM["lr"], betas=(ADAM["adam_beta1"],
+                            ADAM["adam_beta2"]), eps=ADAM["adam_eps"], fused=True)
+    history = []
+    for batch in _global_batches(num_microbatches):
+        opt.zero_grad(set_to_none=True)
+        for tokens, labels in batch:
+            (model(tokens, labels=labels).mean() / num_microbatches).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad or float("inf"))
+        opt.step()
+        history.append(({n: p.detach().clone() for n, p in model.named_parameters()},
+                        norm.item()))
+    return history
+
+
+def _data_parallel(num_microbatches, overlap, bucket_size=None, clip_grad=0.0,
+                   count_steps=False):
+    config = _config()
+    torch.manual_seed(42)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap,
+                                              bucket_size=bucket_size),
+        LlamaModel(config, VOCAB))
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(clip_grad=clip_grad, **ADAM), [model])
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = num_microbatches // dp
+    history, counts = [], []
+    for batch in _global_batches(num_microbatches):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        mine = batch[rank * local:(rank + 1) * local]
+        seen_before_last = []
+
+        def step(data_iterator, chunk, _seen=seen_before_last):
+            if len(_seen) < local:
+                _seen.append(dict(totals))
+            return _forward_step(data_iterator, chunk)
+
+        with count_collectives() as totals:
+            get_forward_backward_func()(forward_step_func=step, data_iterator=iter(mine),
+                                        model=[model], num_microbatches=local,
+                                        seq_length=SEQ, micro_batch_size=MBS)
+        counts.append((seen_before_last[-1].get("all_reduce", 0), totals["all_reduce"]))
+        ok, norm, _ = optimizer.step()
+        assert ok
+        history.append(({n: p.detach().clone() for n, p in model.module.named_parameters()},
+                         norm))
+    buckets = sum(len(b.buckets) for b in model.buffers)
+    return dict(history=history, counts=counts, buckets=buckets)
+
+
+def _assert_params(got, want, tol):
+    for name, value in want.items():
+        if tol == 0:
+            assert torch.equal(got[name], value), name
+        else:
+            err = (got[name] - value).abs().max().item()
+            assert err <= tol, f"{name}: {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("dp,num_microbatches,tol", [(2, 2, 0), (2, 4, REASSOCIATION_TOL),
+                                                     (4, 4, REASSOCIATION_TOL)])
+def test_data_parallel_steps_equal_single_process(dp, num_microbatches, tol):
+    reference = run_distributed(_reference, world_size=1, tp=1,
+                                num_microbatches=num_microbatches)[0]
+    runs = {}
+    for overlap in (False, True):
+        runs[overlap] = run_distributed(_data_parallel, world_size=dp, tp=1,
+                                        num_microbatches=num_microbatches, overlap=overlap,
+                                        bucket_size=1000)
+    for overlap, ranks in runs.items():
+        for rank in ranks:
+            for (params, _), (want, _) in zip(rank["history"], reference):
+                _assert_params(params, want, tol)
+    # Overlapped and synchronous reduction: the same buckets, the same sums, bit for bit.
+    for a, b in zip(runs[False], runs[True]):
+        for (pa, _), (pb, _) in zip(a["history"], b["history"]):
+            _assert_params(pa, pb, 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_all_reduce_per_bucket_and_none_before_the_last_microbatch(overlap):
+    for rank in run_distributed(_data_parallel, world_size=2, tp=1, num_microbatches=6,
+                                overlap=overlap, bucket_size=1000):
+        assert rank["buckets"] > 2
+        for before_last, total in rank["counts"]:
+            assert before_last == 0
+            assert total == rank["buckets"]
