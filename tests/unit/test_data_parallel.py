@@ -16,9 +16,11 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.models import LlamaModel, llama_config
+from megatron.core.models import GPTModel, LlamaModel, llama_config
+from megatron.core.models.tp_sharding import merge_state_dicts, select_layers
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
-from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel import build_model_chunks, get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
 from tests.collective_counter import count_collectives
 from tests.distributed import run_distributed
 
@@ -145,3 +147,99 @@ def test_one_all_reduce_per_bucket_and_none_before_the_last_microbatch(overlap):
         for before_last, total in rank["counts"]:
             assert before_last == 0
             assert total == rank["buckets"]
+
+
+# --- TP=2 x PP=2 x DP=2: the global norm and clipped steps ----------------------------------
+
+CLIP = 0.05
+TP_TOL = 1e-5  # as in the models issue: TP splits the GEMM sums
+NORM_RTOL = 1e-6  # sums of squares added in another order
+
+
+def _model_for(kind, config):
+    if kind == "llama":
+        return lambda **stage: LlamaModel(config, VOCAB, **stage)
+    return lambda **stage: GPTModel(config, VOCAB, **stage)
+
+
+def _sized_config(kind, **parallel):
+    if kind == "llama":
+        return _config(**parallel)
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                             max_position_embeddings=SEQ, attention_dropout=0.0,
+                             hidden_dropout=0.0, **parallel)
+
+
+def _reference_clipped(kind, num_microbatches):
+    torch.manual_seed(42)
+    model = _model_for(kind, _sized_config(kind))()
+    groups = [{**g, "weight_decay": ADAM["weight_decay"] * g["wd_mult"]}
+              for g in get_param_groups([model])]
+    opt = torch.optim.AdamW(groups, lr=ADAM["lr"], betas=(ADAM["adam_beta1"],
+                            ADAM["adam_beta2"]), eps=ADAM["adam_eps"], fused=True)
+    history = []
+    for batch in _global_batches(num_microbatches, steps=3):
+        opt.zero_grad(set_to_none=True)
+        for tokens, labels in batch:
+            (model(tokens, labels=labels).mean() / num_microbatches).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        history.append(({n: p.detach().clone() for n, p in model.named_parameters()},
+                        norm.item()))
+    return history
+
+
+def _three_d(kind, num_microbatches):
+    config = _sized_config(kind, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                           sequence_parallel=kind == "llama")
+    torch.manual_seed(42)
+    chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=500), chunk)
+        for chunk in build_model_chunks(_model_for(kind, config), config)]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(clip_grad=CLIP, **ADAM), chunks)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = num_microbatches // dp
+    (chunk,) = chunks
+    history = []
+    for batch in _global_batches(num_microbatches, steps=3):
+        chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iter(batch[dp_rank * local:(dp_rank + 1) * local]), model=chunks,
+            num_microbatches=local, seq_length=SEQ, micro_batch_size=MBS)
+        ok, norm, _ = optimizer.step()
+        history.append(({n: p.detach().clone() for n, p in chunk.module.named_parameters()},
+                        norm))
+    inner = chunk.module
+    return dict(history=history, tp=ps.get_tensor_model_parallel_rank(),
+                pp=ps.get_pipeline_model_parallel_rank(), dp=dp_rank,
+                layer_range=(inner.decoder.layer_offset,
+                             inner.decoder.layer_offset + len(inner.decoder.layers)),
+                pre=inner.pre_process, post=inner.post_process,
+                tied=inner.share_embeddings_and_output_weights)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_global_norm_and_clipped_steps_on_tp_pp_dp(kind):
+    """LLaMA under sequence parallelism (norm grads summed over TP); GPT with its embedding
+    tied across the first and last stage (counted once in the norm)."""
+    reference = run_distributed(_reference_clipped, world_size=1, tp=1, kind=kind,
+                                num_microbatches=4)[0]
+    assert all(norm > CLIP for _, norm in reference), "clipping must be active"
+    ranks = run_distributed(_three_d, world_size=8, tp=2, pp=2, kind=kind, num_microbatches=4)
+    gated = kind == "llama"
+    for step, (want_params, want_norm) in enumerate(reference):
+        for rank in ranks:
+            assert rank["history"][step][1] == pytest.approx(want_norm, rel=NORM_RTOL)
+        for pp in (0, 1):
+            for dp in (0, 1):
+                shards = sorted((r for r in ranks if r["pp"] == pp and r["dp"] == dp),
+                                key=lambda r: r["tp"])
+                merged = merge_state_dicts([r["history"][step][0] for r in shards], gated)
+                r = shards[0]
+                want = select_layers(want_params, r["layer_range"], r["pre"], r["post"],
+                                     r["tied"])
+                assert merged.keys() == want.keys()
+                _assert_params(merged, want, TP_TOL)
