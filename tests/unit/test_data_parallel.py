@@ -74,7 +74,7 @@ def _reference(num_microbatches, clip_grad=0.0):
 
 
 def _data_parallel(num_microbatches, overlap, bucket_size=None, clip_grad=0.0,
-                   count_steps=False):
+                   zero_buffers=True):
     config = _config()
     torch.manual_seed(42)
     model = DistributedDataParallel(
@@ -87,7 +87,8 @@ def _data_parallel(num_microbatches, overlap, bucket_size=None, clip_grad=0.0,
     local = num_microbatches // dp
     history, counts = [], []
     for batch in _global_batches(num_microbatches):
-        model.zero_grad_buffer()
+        if zero_buffers:
+            model.zero_grad_buffer()
         optimizer.zero_grad()
         mine = batch[rank * local:(rank + 1) * local]
         seen_before_last = []
@@ -139,10 +140,12 @@ def test_data_parallel_steps_equal_single_process(dp, num_microbatches, tol):
             _assert_params(pa, pb, 0)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_one_all_reduce_per_bucket_and_none_before_the_last_microbatch(overlap):
+@pytest.mark.parametrize("overlap,zero_buffers", [(False, True), (True, True), (True, False)])
+def test_one_all_reduce_per_bucket_and_none_before_the_last_microbatch(overlap, zero_buffers):
+    # Without zeroing the buffers between iterations gradients accumulate, but every
+    # iteration still reduces every bucket once.
     for rank in run_distributed(_data_parallel, world_size=2, tp=1, num_microbatches=6,
-                                overlap=overlap, bucket_size=1000):
+                                overlap=overlap, bucket_size=1000, zero_buffers=zero_buffers):
         assert rank["buckets"] > 2
         for before_last, total in rank["counts"]:
             assert before_last == 0

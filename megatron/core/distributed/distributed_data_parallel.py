@@ -88,6 +88,7 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.buffers:
             for bucket in buffer.buckets:
                 bucket.wait()
+                bucket.reset()  # the next iteration reduces again, even without zeroing
 
     def zero_grad_buffer(self) -> None:
         """Start an iteration: zero the gradient buffers and forget bucket state."""
