@@ -233,6 +233,8 @@ def test_old_checkpoint_key_names():
     (dict(start_wd=-0.1), "--start-weight-decay"),
     (dict(end_wd=-0.1), "--end-weight-decay"),
     (dict(wd_incr_steps=0), "--train-iters"),
+    (dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
+     "exclusive"),
 ])
 def test_value_errors(kw, flag):
     with pytest.raises(ValueError, match=flag):

@@ -43,7 +43,7 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps,
                  lr_decay_style, start_wd, end_wd, wd_incr_steps, wd_incr_style,
-                 use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+                 use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False,
                  wsd_decay_steps=None, lr_wsd_decay_style=None):
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
@@ -58,8 +58,6 @@ class OptimizerParamScheduler:
         self.end_wd = float(end_wd)
         self.wd_incr_steps = wd_incr_steps
         self.wd_incr_style = wd_incr_style
-        # Override wins over use-checkpoint (Megatron asserts they are not both set; with
-        # use-checkpoint defaulting to True here, a precedence order is the usable rule).
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.num_steps = 0
@@ -71,6 +69,10 @@ class OptimizerParamScheduler:
             if not ok:
                 raise ValueError(f"OptimizerParamScheduler: {msg}")
 
+        check(not (self.override_opt_param_scheduler and
+                   self.use_checkpoint_opt_param_scheduler),
+              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+              "exclusive; pick one")
         check(self.min_lr >= 0.0, f"--min-lr ({self.min_lr}) must be >= 0")
         check(self.min_lr <= self.max_lr,
               f"--min-lr ({self.min_lr}) must be <= --lr ({self.max_lr})")
