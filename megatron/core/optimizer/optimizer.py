@@ -179,7 +179,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             elif main is model:
                 model.grad = grad
             else:
-                main.grad = grad.float()  # a copy: fp32 grads for the fp32 update
+                # fp32 grads for the fp32 update (the DDP buffer itself when it is fp32 already:
+                # unscaling and clipping then work in place, as in Megatron)
+                main.grad = grad.float()
 
     def _copy_main_params_to_model_params(self) -> None:
         for main, model in self._model_of.items():

@@ -38,6 +38,8 @@ class OptimizerConfig:
             raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}.")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}.")
+        if self.loss_scale_window < 1:
+            raise ValueError(f"--loss-scale-window must be >= 1, got {self.loss_scale_window}.")
         if self.hysteresis < 1:
             raise ValueError(f"--hysteresis must be >= 1, got {self.hysteresis}.")
         if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
