@@ -246,3 +246,26 @@ def test_global_norm_and_clipped_steps_on_tp_pp_dp(kind):
                                      r["tied"])
                 assert merged.keys() == want.keys()
                 _assert_params(merged, want, TP_TOL)
+
+
+def _accumulate_small_after_large(grad_reduce_in_fp32):
+    """bf16 params; two microbatches whose gradients are 1 and 2**-10 (below bf16's
+    resolution at 1). ``main_grad`` keeps the small one only when it is fp32."""
+    module = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    model = DistributedDataParallel(
+        _config(), DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32),
+        module)
+    with model.no_sync():
+        (module.weight * 1.0).sum().backward()
+    (module.weight * 2.0 ** -10).sum().backward()
+    model.finish_grad_sync()
+    return module.weight.main_grad.dtype, module.weight.main_grad.float().item()
+
+
+def test_accumulate_allreduce_grads_in_fp32():
+    dtype, value = run_distributed(_accumulate_small_after_large, world_size=1, tp=1,
+                                   grad_reduce_in_fp32=True)[0]
+    assert dtype == torch.float32 and value == 1.0 + 2.0 ** -10
+    dtype, value = run_distributed(_accumulate_small_after_large, world_size=1, tp=1,
+                                   grad_reduce_in_fp32=False)[0]
+    assert dtype == torch.bfloat16 and value == 1.0
