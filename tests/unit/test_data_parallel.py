@@ -14,6 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    ddp_config_for_optimizer,
     finalize_model_grads,
 )
 from megatron.core.models import GPTModel, LlamaModel, llama_config
@@ -192,15 +193,17 @@ def _reference_clipped(kind, num_microbatches):
     return history
 
 
-def _three_d(kind, num_microbatches):
+def _three_d(kind, num_microbatches, sharded="none"):
     config = _sized_config(kind, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                            sequence_parallel=kind == "llama")
+    opt_config = OptimizerConfig(clip_grad=CLIP, use_distributed_optimizer=sharded == "distributed",
+                                 overlapped_distributed_optimizer=sharded == "overlapped", **ADAM)
     torch.manual_seed(42)
-    chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size=500), chunk)
+    chunks = [DistributedDataParallel(config, ddp_config_for_optimizer(
+        opt_config, overlap_grad_reduce=True, bucket_size=500, reduce_bucket_size=500), chunk)
         for chunk in build_model_chunks(_model_for(kind, config), config)]
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(clip_grad=CLIP, **ADAM), chunks)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     local = num_microbatches // dp
     (chunk,) = chunks
@@ -213,6 +216,7 @@ def _three_d(kind, num_microbatches):
             data_iterator=iter(batch[dp_rank * local:(dp_rank + 1) * local]), model=chunks,
             num_microbatches=local, seq_length=SEQ, micro_batch_size=MBS)
         ok, norm, _ = optimizer.step()
+        chunk.finish_param_sync()  # an overlapped all-gather may still be writing them
         history.append(({n: p.detach().clone() for n, p in chunk.module.named_parameters()},
                         norm))
     inner = chunk.module
@@ -228,10 +232,15 @@ def _three_d(kind, num_microbatches):
 def test_global_norm_and_clipped_steps_on_tp_pp_dp(kind):
     """LLaMA under sequence parallelism (norm grads summed over TP); GPT with its embedding
     tied across the first and last stage (counted once in the norm)."""
+    check_tp_pp_dp_against_single_process(kind)
+
+
+def check_tp_pp_dp_against_single_process(kind, sharded="none"):
     reference = run_distributed(_reference_clipped, world_size=1, tp=1, kind=kind,
                                 num_microbatches=4)[0]
     assert all(norm > CLIP for _, norm in reference), "clipping must be active"
-    ranks = run_distributed(_three_d, world_size=8, tp=2, pp=2, kind=kind, num_microbatches=4)
+    ranks = run_distributed(_three_d, world_size=8, tp=2, pp=2, kind=kind, num_microbatches=4,
+                            sharded=sharded)
     gated = kind == "llama"
     for step, (want_params, want_norm) in enumerate(reference):
         for rank in ranks:

@@ -40,19 +40,46 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = default_bucket_size(dp_size)
         self.is_last_microbatch = True
 
-        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in module.parameters():
             if param.requires_grad:
                 grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-                by_dtype.setdefault(grad_dtype, []).append(param)
+                by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
         # Reverse registration order ~ the order backward produces gradients.
-        self.buffers = [GradBuffer(params[::-1], dtype, bucket_size, self.data_parallel_group,
-                                   1.0 / dp_size)
-                        for dtype, params in by_dtype.items()]
+        self.buffers = [GradBuffer(params[::-1], grad_dtype, bucket_size,
+                                   self.data_parallel_group, 1.0 / dp_size,
+                                   shard=ddp_config.use_distributed_optimizer)
+                        for (_, grad_dtype), params in by_dtype.items()]
         self._buffer_of = {p: b for b in self.buffers for p in b.bucket_of}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self._buffer_of]
+        if ddp_config.overlap_param_gather:
+            self._register_param_gather_waits()
         self.broadcast_params()
+
+    def _buckets(self):
+        return [bucket for buffer in self.buffers for bucket in buffer.buckets]
+
+    def _register_param_gather_waits(self) -> None:
+        """Before a module runs forward, wait for the all-gather of its own parameters only."""
+        for module in self.module.modules():
+            buckets = {id(b): b for p in module.parameters(recurse=False)
+                       if p in self._buffer_of for b in [self._buffer_of[p].bucket_of[p]]}
+            if buckets:
+                def wait(_module, _inputs, buckets=tuple(buckets.values())):
+                    for bucket in buckets:
+                        bucket.wait_param_gather()
+                self._hooks.append(module.register_forward_pre_hook(wait))
+
+    def start_param_sync(self, async_op: bool = False) -> None:
+        """Distributed optimizer: all-gather every rank's updated parameter shard."""
+        for bucket in self._buckets():
+            bucket.start_param_gather(async_op=async_op)
+
+    def finish_param_sync(self) -> None:
+        for bucket in self._buckets():
+            if bucket.sharded:
+                bucket.wait_param_gather()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -78,17 +105,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self) -> None:
         """Launch every bucket not launched yet (all of them without overlap)."""
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
-                bucket.launch(async_op=self.ddp_config.overlap_grad_reduce)
+        for bucket in self._buckets():
+            bucket.launch(async_op=self.ddp_config.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
-        """After the last backward: gradients in ``main_grad`` are averaged over DP."""
+        """After the last backward: gradients in ``main_grad`` are averaged over DP (with the
+        distributed optimizer: this rank's shard of each bucket holds the average)."""
         self.start_grad_sync()
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
-                bucket.wait()
-                bucket.reset()  # the next iteration reduces again, even without zeroing
+        for bucket in self._buckets():
+            bucket.wait()
+            bucket.reset()  # the next iteration reduces again, even without zeroing
 
     def zero_grad_buffer(self) -> None:
         """Start an iteration: zero the gradient buffers and forget bucket state."""
@@ -105,6 +131,7 @@ class DistributedDataParallel(torch.nn.Module):
                 dist.broadcast(param.data, src=src, group=self.data_parallel_group)
 
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):

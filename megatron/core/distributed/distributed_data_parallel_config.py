@@ -15,7 +15,32 @@ class DistributedDataParallelConfig:
     bucket_size: Optional[int] = None
     # Reduce-scatter instead of all-reduce; each rank's optimizer owns a shard (ZeRO-1).
     use_distributed_optimizer: bool = False
+    # With the distributed optimizer: all-gather updated parameters in the background after
+    # the step; each module's forward waits only for its own bucket.
+    overlap_param_gather: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {self.bucket_size}.")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlapping the parameter all-gather needs the distributed "
+                             "optimizer (--use-distributed-optimizer).")
+
+
+def ddp_config_for_optimizer(optimizer_config, grad_reduce_in_fp32: bool = False,
+                             overlap_grad_reduce: bool = False,
+                             bucket_size: Optional[int] = None,
+                             reduce_bucket_size: int = 500_000_000
+                             ) -> DistributedDataParallelConfig:
+    """The DDP settings an optimizer config implies. ``--overlapped-distributed-optimizer``
+    (Megatron-LLaMA's) is the distributed optimizer with the gradient reduce-scatter and the
+    parameter all-gather both overlapped, in buckets of ``--reduce-bucket-size`` elements."""
+    if optimizer_config.overlapped_distributed_optimizer:
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=True,
+            bucket_size=reduce_bucket_size, use_distributed_optimizer=True,
+            overlap_param_gather=True)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
+        bucket_size=bucket_size,
+        use_distributed_optimizer=optimizer_config.use_distributed_optimizer)

@@ -1,27 +1,42 @@
-"""Contiguous gradient buffers and the buckets they are reduced in.
+"""Contiguous gradient (and, for the distributed optimizer, parameter) buffers and the buckets
+they are reduced in.
 
-Each parameter's gradient lives in a flat buffer (one per gradient dtype) as ``param.main_grad``,
-so a bucket is one contiguous slice and one collective. Parameters are laid out in reverse
-order of registration, roughly the order backward produces their gradients, so the first
-bucket completes first and its all-reduce overlaps the rest of the backward pass.
+Each parameter's gradient lives in a flat buffer (one per parameter/gradient dtype pair) as
+``param.main_grad``, so a bucket is one contiguous slice and one collective. Parameters are
+laid out in reverse order of registration, roughly the order backward produces their
+gradients, so the first bucket completes first and its reduction overlaps the rest of the
+backward pass.
+
+For the distributed optimizer each bucket is padded to a multiple of the data-parallel size
+and split into equal shards, one per DP rank, regardless of parameter boundaries: gradients are
+reduce-scattered (each rank gets its shard, summed) and, after each rank updates its shard,
+parameters are all-gathered back. The parameters themselves then live in a flat buffer of the
+same layout (``param.data`` is a view into it), so the all-gather writes them in place.
 """
-from typing import Dict, List, Optional
+import math
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import device
+from megatron.core.collectives import all_gather_into_tensor, reduce_scatter_tensor
 
 
 class Bucket:
-    """A contiguous slice of a gradient buffer holding whole parameters' gradients."""
+    """A contiguous slice of the buffers holding whole parameters."""
 
     def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
-                 data_parallel_group, scaling: float):
+                 param_data: Optional[torch.Tensor], param_ranges: Dict, group,
+                 scaling: float):
         self.params = params
         self.grad_data = grad_data
-        self.group = data_parallel_group
+        self.param_data = param_data  # None unless sharded
+        self.param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]] = param_ranges
+        self.group = group
         self.scaling = scaling
+        self.sharded = param_data is not None
+        self.param_gather_handle = None
         self.reset()
 
     def reset(self) -> None:
@@ -29,14 +44,26 @@ class Bucket:
         self.handle: Optional[dist.Work] = None
         self.launched = False
 
+    def shard_range(self) -> Tuple[int, int]:
+        """This DP rank's [begin, end) within the bucket."""
+        size = self.grad_data.numel() // dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        return rank * size, (rank + 1) * size
+
     def launch(self, async_op: bool) -> None:
-        """Average this bucket's gradients over the data-parallel group."""
+        """Average this bucket's gradients over DP: all-reduce, or reduce-scatter into this
+        rank's shard when sharded."""
         if self.launched:
             return
         self.launched = True
         if self.scaling != 1.0:
             self.grad_data.mul_(self.scaling)  # exact when DP is a power of two
-        self.handle = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
+        if self.sharded:
+            begin, end = self.shard_range()
+            self.handle = reduce_scatter_tensor(self.grad_data[begin:end], self.grad_data,
+                                                group=self.group, async_op=async_op)
+        else:
+            self.handle = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Record that ``param``'s gradient is final; True when the whole bucket is."""
@@ -51,30 +78,62 @@ class Bucket:
             self.handle.wait()
             self.handle = None
 
+    def start_param_gather(self, async_op: bool) -> None:
+        """Every rank's updated shard of the parameters, into every rank's buffer."""
+        begin, end = self.shard_range()
+        self.param_gather_handle = all_gather_into_tensor(
+            self.param_data, self.param_data[begin:end], group=self.group, async_op=async_op)
+        if not async_op:
+            self.param_gather_handle = None
+
+    def wait_param_gather(self) -> None:
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+
 
 class GradBuffer:
-    """One flat gradient tensor for parameters sharing a gradient dtype, split into buckets."""
+    """Flat buffers for parameters sharing a (param dtype, grad dtype), split into buckets."""
 
     def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype,
-                 bucket_size: Optional[int], data_parallel_group, scaling: float):
+                 bucket_size: Optional[int], data_parallel_group, scaling: float,
+                 shard: bool = False):
         self.grad_dtype = grad_dtype
-        self.numel = sum(p.numel() for p in params)
+        groups, current, count = [], [], 0
+        for param in params:
+            current.append(param)
+            count += param.numel()
+            if bucket_size is not None and count >= bucket_size:
+                groups.append(current)
+                current, count = [], 0
+        if current:
+            groups.append(current)
+        dp = dist.get_world_size(data_parallel_group)
+        sizes = [sum(p.numel() for p in g) for g in groups]
+        if shard:  # equal shards per DP rank, whatever the parameter sizes
+            sizes = [math.ceil(size / dp) * dp for size in sizes]
+        self.numel = sum(sizes)
         self.grad_data = device.zeros(self.numel, dtype=grad_dtype)
+        self.param_data = device.zeros(self.numel, dtype=params[0].dtype) if shard else None
         self.buckets: List[Bucket] = []
         self.bucket_of: Dict[torch.nn.Parameter, Bucket] = {}
-        offset, bucket_params, bucket_start = 0, [], 0
-        for i, param in enumerate(params):
-            param.main_grad = self.grad_data[offset:offset + param.numel()].view(param.shape)
-            offset += param.numel()
-            bucket_params.append(param)
-            last = i == len(params) - 1
-            if last or (bucket_size is not None and offset - bucket_start >= bucket_size):
-                bucket = Bucket(bucket_params, self.grad_data[bucket_start:offset],
-                                data_parallel_group, scaling)
-                self.buckets.append(bucket)
-                for p in bucket_params:
-                    self.bucket_of[p] = bucket
-                bucket_params, bucket_start = [], offset
+        start = 0
+        for group, size in zip(groups, sizes):
+            offset, ranges = start, {}
+            for param in group:
+                end = offset + param.numel()
+                param.main_grad = self.grad_data[offset:end].view(param.shape)
+                if shard:
+                    self.param_data[offset:end].copy_(param.data.view(-1))
+                    param.data = self.param_data[offset:end].view(param.shape)
+                ranges[param] = (offset - start, end - start)
+                offset = end
+            bucket = Bucket(group, self.grad_data[start:start + size],
+                            self.param_data[start:start + size] if shard else None, ranges,
+                            data_parallel_group, scaling)
+            self.buckets.append(bucket)
+            self.bucket_of.update({p: bucket for p in group})
+            start += size
 
     def reset(self) -> None:
         self.grad_data.zero_()

@@ -5,6 +5,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core import device
+from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
@@ -66,6 +67,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                            ) -> MegatronOptimizer:
     """The optimizer for this rank's model chunks (wrapped in DDP or not)."""
     groups = get_param_groups(model_chunks, no_weight_decay_cond)
+    if config.sharded:
+        return DistributedOptimizer(lambda g: _torch_optimizer(g, config), groups, config,
+                                    _grad_scaler(config), model_chunks)
     if config.fp16 or config.bf16:
         main_groups, model_of = fp32_main_param_groups(groups)
         return Float16OptimizerWithFloat16Params(_torch_optimizer(main_groups, config), config,

@@ -70,6 +70,11 @@ class MegatronOptimizer:
     def _model_param(self, main_param: torch.nn.Parameter) -> torch.nn.Parameter:
         return main_param
 
+    def _reduction_group(self):
+        """Ranks whose gradients together make the model's: the model-parallel group (DP
+        replicas hold the same reduced gradients)."""
+        return parallel_state.get_model_parallel_group()
+
     def _unscale_and_check_for_inf(self) -> bool:
         """Divide out the loss scale; True if any model-parallel rank's gradients overflowed."""
         grads = [grad for _, grad in self._main_params_and_grads()]
@@ -77,13 +82,11 @@ class MegatronOptimizer:
         inv_scale = device.tensor([self.grad_scaler.inv_scale], dtype=torch.float32)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX,
-                        group=parallel_state.get_model_parallel_group())
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._reduction_group())
         return found_inf.item() > 0
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        grad_norm = get_grad_norm_fp32(self._grads_for_norm(),
-                                       parallel_state.get_model_parallel_group())
+        grad_norm = get_grad_norm_fp32(self._grads_for_norm(), self._reduction_group())
         if clip_grad > 0:
             clip_grad_by_total_norm_fp32([g for _, g in self._main_params_and_grads()],
                                          clip_grad, grad_norm)
@@ -99,8 +102,7 @@ class MegatronOptimizer:
                 self.num_skipped_steps += 1
                 return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        num_zeros = count_zeros_fp32(self._grads_for_norm(),
-                                     parallel_state.get_model_parallel_group()) \
+        num_zeros = count_zeros_fp32(self._grads_for_norm(), self._reduction_group()) \
             if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._copy_main_params_to_model_params()

@@ -7,6 +7,7 @@ import torch
 
 @dataclass
 class OptimizerConfig:
+    """``sharded`` is True for either distributed optimizer."""
     optimizer: str = "adam"  # --optimizer adam|sgd (adam has AdamW's decoupled weight decay)
     lr: float = 1e-4  # --lr (the scheduler overwrites it every step)
     min_lr: float = 0.0  # --min-lr
@@ -27,11 +28,17 @@ class OptimizerConfig:
     hysteresis: int = 2
     clip_grad: float = 1.0  # --clip-grad (global L2 norm; 0 disables)
     log_num_zeros_in_grad: bool = False
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
+    # --overlapped-distributed-optimizer: ZeRO-1 with overlapped reduce-scatter / all-gather.
+    overlapped_distributed_optimizer: bool = False
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer {self.optimizer!r}: use 'adam' or 'sgd'.")
+        if self.use_distributed_optimizer and self.overlapped_distributed_optimizer:
+            raise ValueError("--use-distributed-optimizer and --overlapped-distributed-optimizer"
+                             " are mutually exclusive; pick one (the overlapped one is the "
+                             "distributed optimizer with its communication overlapped).")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are exclusive; pick one.")
         if self.loss_scale is not None and self.loss_scale <= 0:
@@ -44,3 +51,7 @@ class OptimizerConfig:
             raise ValueError(f"--hysteresis must be >= 1, got {self.hysteresis}.")
         if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
             raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale.")
+
+    @property
+    def sharded(self) -> bool:
+        return self.use_distributed_optimizer or self.overlapped_distributed_optimizer

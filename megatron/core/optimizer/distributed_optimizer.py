@@ -1,0 +1,189 @@
+"""The distributed optimizer (ZeRO-1): each data-parallel rank updates only its shard.
+
+DDP (with ``use_distributed_optimizer``) lays parameters and gradients out in flat buckets and
+reduce-scatters the gradients, so after the backward pass this rank's shard of every bucket
+holds the DP-averaged gradient for a contiguous range that may start or end inside a parameter.
+The optimizer's params are the pieces of model parameters inside those ranges: views into an
+fp32 shard per bucket (for fp32 models, the parameter buffer's shard itself; for bf16/fp16, an
+fp32 copy), so main params and Adam state take ~3 N / DP elements per rank instead of 3 N.
+After the step, the shards are all-gathered into every rank's parameters: at once, or
+(``overlap_param_gather``) in the background, each module's next forward waiting for its own
+bucket.
+
+``state_dict()`` is independent of the DP size: it holds, per model parameter, the full fp32
+main param and optimizer state, gathered on DP rank 0 (None elsewhere); ``load_state_dict``
+takes that dict on every rank and keeps its own slices.
+"""
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device, parallel_state
+from megatron.core.collectives import all_gather_into_tensor
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+
+
+class _Shard:
+    """This rank's shard of one bucket: the fp32 main values and the pieces cut from it."""
+
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.begin, self.end = bucket.shard_range()
+        values = bucket.param_data[self.begin:self.end]
+        self.in_place = values.dtype == torch.float32
+        self.main = values if self.in_place else values.detach().float()
+        # (piece, model param, begin/end within the flattened param, offset in the shard)
+        self.pieces = []
+        for param, (p_begin, p_end) in bucket.param_ranges.items():
+            lo, hi = max(p_begin, self.begin), min(p_end, self.end)
+            if lo < hi:
+                piece = torch.nn.Parameter(self.main[lo - self.begin:hi - self.begin])
+                self.pieces.append((piece, param, lo - p_begin, hi - p_begin, lo - self.begin))
+
+    def main_grads(self) -> torch.Tensor:
+        grads = self.bucket.grad_data[self.begin:self.end]
+        return grads if grads.dtype == torch.float32 else grads.float()
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    def __init__(self, optimizer_factory, param_groups: List[Dict], config, grad_scaler,
+                 model_chunks: List[torch.nn.Module]):
+        for chunk in model_chunks:
+            if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer",
+                           False):
+                raise ValueError("the distributed optimizer needs each model chunk wrapped in "
+                                 "DistributedDataParallel with use_distributed_optimizer=True "
+                                 "(see ddp_config_for_optimizer).")
+        self.model_chunks = model_chunks
+        self.shards = [_Shard(bucket) for chunk in model_chunks for bucket in chunk._buckets()]
+        group_index = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
+        piece_groups = [[] for _ in param_groups]
+        self._model_of = {}
+        for shard in self.shards:
+            for piece, param, *_ in shard.pieces:
+                piece_groups[group_index[param]].append(piece)
+                self._model_of[piece] = param
+        groups = [{**g, "params": pieces} for g, pieces in zip(param_groups, piece_groups)]
+        super().__init__(optimizer_factory(groups), config, grad_scaler)
+        self._names = {p: (c, name) for c, chunk in enumerate(model_chunks)
+                       for name, p in unwrap_model(chunk).named_parameters()}
+
+    # --- the step ------------------------------------------------------------------------------
+    def _reduction_group(self):
+        return None  # shards differ over DP too: reduce over every rank
+
+    def _model_param(self, main_param):
+        return self._model_of[main_param]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        self._finish_param_gather()  # the step writes the shards an all-gather may still read
+        for shard in self.shards:
+            grads = shard.main_grads()
+            for piece, _, _, _, offset in shard.pieces:
+                piece.grad = grads[offset:offset + piece.numel()]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for shard in self.shards:
+            if not shard.in_place:
+                shard.bucket.param_data[shard.begin:shard.end].copy_(shard.main)
+        overlap = any(chunk.ddp_config.overlap_param_gather for chunk in self.model_chunks)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(async_op=overlap)
+
+    def _finish_param_gather(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+
+    # --- checkpoints, independent of the DP size ----------------------------------------------
+    def _state_keys(self) -> List[str]:
+        keys = set()
+        for state in self.optimizer.state.values():
+            keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1)
+        return sorted(keys)
+
+    def state_dict(self) -> Optional[Dict]:
+        """Full per-parameter fp32 values and optimizer state, on DP rank 0 (None elsewhere).
+        Every DP rank must call it (it gathers)."""
+        self._finish_param_gather()
+        group = parallel_state.get_data_parallel_group()
+        on_root = parallel_state.get_data_parallel_rank() == 0
+        keys = self._state_keys()
+        params: Dict[str, Dict[str, torch.Tensor]] = {}
+        step = None
+        for shard in self.shards:
+            flats = {"param": shard.main}
+            for key in keys:
+                flat = device.zeros(shard.end - shard.begin, dtype=torch.float32)
+                for piece, _, _, _, offset in shard.pieces:
+                    value = self.optimizer.state.get(piece, {}).get(key)
+                    if value is not None:
+                        flat[offset:offset + piece.numel()] = value
+                flats[key] = flat
+            for piece, *_ in shard.pieces:
+                if "step" in self.optimizer.state.get(piece, {}):
+                    step = float(self.optimizer.state[piece]["step"])
+            full = {}
+            for key, flat in flats.items():
+                gathered = device.empty(shard.bucket.grad_data.numel(), dtype=torch.float32)
+                all_gather_into_tensor(gathered, flat.contiguous(), group=group)
+                full[key] = gathered
+            if on_root:
+                for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
+                    chunk, name = self._names[param]
+                    params[f"{chunk}/{name}"] = {
+                        key: value[p_begin:p_end].view(param.shape).cpu().clone()
+                        for key, value in full.items()}
+        steps = [step if step is not None else -1.0]
+        all_steps = [None] * dist.get_world_size(group)
+        dist.all_gather_object(all_steps, steps, group=group)
+        step = max(s[0] for s in all_steps)
+        if not on_root:
+            return None
+        state = {"params": params, "step": step if step >= 0 else None, "state_keys": keys,
+                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                  for g in self.optimizer.param_groups],
+                 "num_skipped_steps": self.num_skipped_steps}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        """``state`` from ``state_dict()`` at any DP size; the same dict on every rank."""
+        self._finish_param_gather()
+        params = state["params"]
+        missing = [f"{c}/{n}" for p, (c, n) in self._names.items() if f"{c}/{n}" not in params]
+        if missing:
+            raise ValueError(f"the optimizer checkpoint lacks {len(missing)} parameters (e.g. "
+                             f"{missing[0]}); it is for another model or pipeline layout. Load "
+                             f"with --no-load-optim.")
+        per_piece = {}
+        for shard in self.shards:
+            for piece, param, begin, end, _ in shard.pieces:
+                saved = params["%d/%s" % self._names[param]]
+                if saved["param"].numel() != param.numel():
+                    raise ValueError(f"optimizer checkpoint: {self._names[param][1]} has "
+                                     f"{saved['param'].numel()} elements, the model "
+                                     f"{param.numel()}; load with --no-load-optim.")
+                with torch.no_grad():
+                    piece.copy_(saved["param"].view(-1)[begin:end])
+                if state["step"] is not None:
+                    per_piece[piece] = {"step": torch.tensor(state["step"]), **{
+                        key: saved[key].view(-1)[begin:end].clone()
+                        for key in state["state_keys"]}}
+        torch_state = self.optimizer.state_dict()
+        ids = {p: i for i, p in enumerate(p for g in self.optimizer.param_groups
+                                           for p in g["params"])}
+        torch_state["state"] = {ids[p]: s for p, s in per_piece.items()}
+        for group, saved_group in zip(torch_state["param_groups"], state["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self.optimizer.load_state_dict(torch_state)
+        self.num_skipped_steps = int(state.get("num_skipped_steps", 0))
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        for shard in self.shards:
+            if not shard.in_place:
+                shard.bucket.param_data[shard.begin:shard.end].copy_(shard.main)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(async_op=False)

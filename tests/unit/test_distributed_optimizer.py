@@ -1,0 +1,213 @@
+"""The distributed optimizer (ZeRO-1) and its overlapped variant against one process with plain
+Adam on the same global batch.
+
+Not bitwise, for the reason given in test_data_parallel: the reduce-scatter adds the DP ranks'
+partial gradient sums in another order than one process accumulating microbatch by microbatch
+(Adam then passes the rounding on): <= 1e-6 on every parameter.
+"""
+import math
+
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    ddp_config_for_optimizer,
+    finalize_model_grads,
+)
+from megatron.core.models import LlamaModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from tests.collective_counter import count_collectives
+from tests.distributed import RankFailed, run_distributed
+from tests.unit.test_data_parallel import (
+    ADAM,
+    MBS,
+    REASSOCIATION_TOL,
+    SEQ,
+    VOCAB,
+    _assert_params,
+    _config,
+    _forward_step,
+    _global_batches,
+    _reference,
+    check_tp_pp_dp_against_single_process,
+)
+
+KINDS = ["distributed", "overlapped"]
+
+
+def _optimizer_config(kind, **extra):
+    return OptimizerConfig(use_distributed_optimizer=kind == "distributed",
+                           overlapped_distributed_optimizer=kind == "overlapped", **ADAM, **extra)
+
+
+def _build(kind, bucket_size=None, dtype=torch.float32, seed=42):
+    config = _config(params_dtype=dtype)
+    opt_config = _optimizer_config(kind, clip_grad=0.0, bf16=dtype == torch.bfloat16)
+    if kind == "none":
+        ddp_config = DistributedDataParallelConfig(bucket_size=bucket_size)
+    else:
+        ddp_config = ddp_config_for_optimizer(opt_config, bucket_size=bucket_size,
+                                              reduce_bucket_size=bucket_size or 500_000_000)
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(config, ddp_config, LlamaModel(config, VOCAB))
+    config.finalize_model_grads_func = finalize_model_grads
+    return model, get_megatron_optimizer(opt_config, [model])
+
+
+def _train(model, optimizer, batches, counts=None):
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    history = []
+    for batch in batches:
+        local = len(batch) // dp
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        before_last = []
+
+        def step(data_iterator, chunk):
+            if len(before_last) < local:
+                before_last.append(dict(totals))
+            return _forward_step(data_iterator, chunk)
+
+        with count_collectives() as totals:
+            get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(batch[rank * local:(rank + 1) * local]),
+                model=[model], num_microbatches=local, seq_length=SEQ, micro_batch_size=MBS)
+            fb = dict(totals)
+            if history:  # the previous step's parameters, as this forward waited for them
+                history[-1] = _snapshot(model)
+            assert optimizer.step()[0]
+            pending = [b.param_gather_handle is not None for b in model._buckets()]
+        if counts is not None:
+            counts.append(dict(before_last=before_last[-1], forward_backward=fb,
+                               total=dict(totals), pending_gathers=pending))
+        history.append(None)
+    model.finish_param_sync()
+    history[-1] = _snapshot(model)
+    return history
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def _run(kind, num_microbatches, bucket_size=None, dtype=torch.float32):
+    model, optimizer = _build(kind, bucket_size, dtype)
+    counts = []
+    history = _train(model, optimizer, _global_batches(num_microbatches, steps=5), counts)
+    return dict(history=history, counts=counts, buckets=len(model._buckets()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dp", [2, 4])
+def test_sharded_steps_equal_single_process(kind, dp):
+    reference = run_distributed(_reference, world_size=1, tp=1, num_microbatches=4)[0]
+    for rank in run_distributed(_run, world_size=dp, tp=1, kind=kind, num_microbatches=4,
+                                bucket_size=3000):
+        for params, (want, _) in zip(rank["history"], reference):
+            _assert_params(params, want, REASSOCIATION_TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_collectives_per_bucket_and_none_before_the_last_microbatch(kind):
+    for rank in run_distributed(_run, world_size=2, tp=1, kind=kind, num_microbatches=6,
+                                bucket_size=3000):
+        assert rank["buckets"] > 2
+        for counts in rank["counts"]:
+            assert counts["before_last"] == {}
+            assert counts["forward_backward"].get("reduce_scatter") == rank["buckets"]
+            assert counts["forward_backward"].get("all_gather", 0) == 0
+            assert counts["total"]["reduce_scatter"] == rank["buckets"]
+            assert counts["total"]["all_gather"] == rank["buckets"]
+            # The overlapped optimizer leaves the all-gathers running into the next forward.
+            assert all(counts["pending_gathers"]) == (kind == "overlapped")
+
+
+def _optimizer_elements(kind):
+    model, optimizer = _build(kind)
+    _train(model, optimizer, _global_batches(4, steps=1))
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = [v for s in optimizer.optimizer.state.values() for v in s.values()
+             if torch.is_tensor(v) and v.dim() > 0]
+    total = sum(p.numel() for p in model.module.parameters())
+    return sum(p.numel() for p in params) + sum(v.numel() for v in state), total
+
+
+def test_sharded_optimizer_holds_a_dp_share_of_main_params_and_state():
+    # One bucket (the default size is far larger than the model): DP ranks 0..DP-2 own
+    # ceil(N / DP) elements each, the last the rest (its shard ends in padding).
+    for dp in (2, 4):
+        results = run_distributed(_optimizer_elements, world_size=dp, tp=1, kind="distributed")
+        n = results[0][1]
+        share = math.ceil(n / dp)
+        assert [r[0] for r in results] == [3 * share] * (dp - 1) + [3 * (n - (dp - 1) * share)]
+    unsharded, n = run_distributed(_optimizer_elements, world_size=2, tp=1, kind="none")[0]
+    assert unsharded == 3 * n
+
+
+def _save_then_continue(kind, total_steps, save_after):
+    model, optimizer = _build(kind, bucket_size=3000)
+    batches = _global_batches(4, steps=total_steps)
+    _train(model, optimizer, batches[:save_after])
+    saved = dict(model=model.state_dict(), optimizer=optimizer.state_dict())
+    after = _train(model, optimizer, batches[save_after:])
+    return saved, after
+
+
+def _resume(kind, checkpoint, total_steps, save_after):
+    model, optimizer = _build(kind, bucket_size=3000, seed=7)  # other initial weights
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return _train(model, optimizer, _global_batches(4, steps=total_steps)[save_after:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_at_dp4_resumes_at_dp2_and_dp1(kind):
+    runs = run_distributed(_save_then_continue, world_size=4, tp=1, kind=kind, total_steps=4,
+                           save_after=2)
+    checkpoint, want = runs[0]
+    assert all(r[0]["optimizer"] is None for r in runs[1:]), "gathered on DP rank 0 only"
+    for dp in (2, 1):
+        for got in run_distributed(_resume, world_size=dp, tp=1, kind=kind,
+                                   checkpoint=checkpoint, total_steps=4, save_after=2):
+            for params, want_params in zip(got, want):
+                _assert_params(params, want_params, REASSOCIATION_TOL)
+
+
+def _bf16_history(kind):
+    model, optimizer = _build(kind, bucket_size=3000, dtype=torch.bfloat16)
+    return _train(model, optimizer, _global_batches(2, steps=3))
+
+
+def test_bf16_sharded_equals_bf16_unsharded_bitwise():
+    # DP=2: reduce-scatter and all-reduce add the same two bf16 values; Adam is elementwise.
+    sharded = run_distributed(_bf16_history, world_size=2, tp=1, kind="distributed")[0]
+    plain = run_distributed(_bf16_history, world_size=2, tp=1, kind="none")[0]
+    for a, b in zip(sharded, plain):
+        _assert_params(a, b, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp_pp_dp_sharded_steps_equal_single_process(kind):
+    """Also checks the sharded global norm and clipping (clipping is active there)."""
+    check_tp_pp_dp_against_single_process("llama", sharded=kind)
+
+
+def test_the_two_flags_are_exclusive():
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        OptimizerConfig(use_distributed_optimizer=True, overlapped_distributed_optimizer=True)
+
+
+def _sharded_optimizer_on_plain_ddp():
+    config = _config()
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(),
+                                    LlamaModel(config, VOCAB))
+    get_megatron_optimizer(_optimizer_config("distributed"), [model])
+
+
+def test_distributed_optimizer_needs_sharded_ddp():
+    with pytest.raises(RankFailed, match="use_distributed_optimizer=True"):
+        run_distributed(_sharded_optimizer_on_plain_ddp, world_size=1, tp=1)
