@@ -211,3 +211,37 @@ def _sharded_optimizer_on_plain_ddp():
 def test_distributed_optimizer_needs_sharded_ddp():
     with pytest.raises(RankFailed, match="use_distributed_optimizer=True"):
         run_distributed(_sharded_optimizer_on_plain_ddp, world_size=1, tp=1)
+
+
+def _overflow_on_one_rank():
+    """fp16 with dynamic loss scaling: an inf in DP rank 1's shard only must skip the step on
+    every rank (each rank sees only its own shard)."""
+    config = _config(params_dtype=torch.float16)
+    opt_config = OptimizerConfig(use_distributed_optimizer=True, fp16=True, clip_grad=1.0,
+                                 initial_loss_scale=2.0 ** 8, hysteresis=1, **ADAM)
+    torch.manual_seed(42)
+    model = DistributedDataParallel(config, ddp_config_for_optimizer(opt_config),
+                                    LlamaModel(config, VOCAB))
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    config.grad_scale_func = optimizer.scale_loss
+    before = _snapshot(model)
+    model.zero_grad_buffer()
+    rank = ps.get_data_parallel_rank()
+    batch = _global_batches(2, steps=1)[0]
+    get_forward_backward_func()(forward_step_func=_forward_step,
+                                data_iterator=iter(batch[rank:rank + 1]), model=[model],
+                                num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
+    if rank == 1:
+        shard = optimizer.shards[0]
+        shard.bucket.grad_data[shard.begin] = float("inf")
+    result = optimizer.step()
+    unchanged = all(torch.equal(p, before[n]) for n, p in _snapshot(model).items())
+    return result, unchanged, optimizer.get_loss_scale(), optimizer.num_skipped_steps
+
+
+def test_an_overflow_in_one_shard_skips_the_step_everywhere():
+    for result, unchanged, scale, skipped in run_distributed(_overflow_on_one_rank,
+                                                             world_size=2, tp=1):
+        assert result == (False, None, None) and unchanged
+        assert scale == 2.0 ** 7 and skipped == 1
