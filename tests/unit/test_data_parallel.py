@@ -193,14 +193,15 @@ def _reference_clipped(kind, num_microbatches):
     return history
 
 
-def _three_d(kind, num_microbatches, sharded="none"):
+def _three_d(kind, num_microbatches, sharded="none", bucket_size=500):
     config = _sized_config(kind, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                            sequence_parallel=kind == "llama")
     opt_config = OptimizerConfig(clip_grad=CLIP, use_distributed_optimizer=sharded == "distributed",
                                  overlapped_distributed_optimizer=sharded == "overlapped", **ADAM)
     torch.manual_seed(42)
     chunks = [DistributedDataParallel(config, ddp_config_for_optimizer(
-        opt_config, overlap_grad_reduce=True, bucket_size=500, reduce_bucket_size=500), chunk)
+        opt_config, overlap_grad_reduce=True, bucket_size=bucket_size,
+        reduce_bucket_size=bucket_size), chunk)
         for chunk in build_model_chunks(_model_for(kind, config), config)]
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(opt_config, chunks)
@@ -235,12 +236,12 @@ def test_global_norm_and_clipped_steps_on_tp_pp_dp(kind):
     check_tp_pp_dp_against_single_process(kind)
 
 
-def check_tp_pp_dp_against_single_process(kind, sharded="none"):
+def check_tp_pp_dp_against_single_process(kind, sharded="none", bucket_size=500):
     reference = run_distributed(_reference_clipped, world_size=1, tp=1, kind=kind,
                                 num_microbatches=4)[0]
     assert all(norm > CLIP for _, norm in reference), "clipping must be active"
     ranks = run_distributed(_three_d, world_size=8, tp=2, pp=2, kind=kind, num_microbatches=4,
-                            sharded=sharded)
+                            sharded=sharded, bucket_size=bucket_size)
     gated = kind == "llama"
     for step, (want_params, want_norm) in enumerate(reference):
         for rank in ranks:

@@ -190,10 +190,13 @@ def test_bf16_sharded_equals_bf16_unsharded_bitwise():
         _assert_params(a, b, 0)
 
 
+@pytest.mark.parametrize("model,bucket_size", [("llama", 500), ("gpt", 500), ("gpt", 10**6)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_tp_pp_dp_sharded_steps_equal_single_process(kind):
-    """Also checks the sharded global norm and clipping (clipping is active there)."""
-    check_tp_pp_dp_against_single_process("llama", sharded=kind)
+def test_tp_pp_dp_sharded_steps_equal_single_process(kind, model, bucket_size):
+    """Also checks the sharded global norm and clipping (clipping is active there), and GPT's
+    embedding tied across the first and last stage: its two copies must be sharded alike,
+    whatever else shares their bucket (one bucket for everything: 10**6)."""
+    check_tp_pp_dp_against_single_process(model, sharded=kind, bucket_size=bucket_size)
 
 
 def test_the_two_flags_are_exclusive():

@@ -101,9 +101,16 @@ class GradBuffer:
         self.grad_dtype = grad_dtype
         groups, current, count = [], [], 0
         for param in params:
+            # Sharded, the two copies of an embedding tied across pipeline stages must be cut
+            # into the same DP shards, or their gradient sum would add mismatched pieces:
+            # each copy gets a bucket of its own.
+            alone = shard and getattr(param, "tied_across_stages", False)
+            if alone and current:
+                groups.append(current)
+                current, count = [], 0
             current.append(param)
             count += param.numel()
-            if bucket_size is not None and count >= bucket_size:
+            if alone or (bucket_size is not None and count >= bucket_size):
                 groups.append(current)
                 current, count = [], 0
         if current:

@@ -61,6 +61,10 @@ class GPTModel(torch.nn.Module):
                     skip_weight_param_allocation=tied_here)
             if share_embeddings_and_output_weights and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.tied_across_stages = True
+        if pre_process and share_embeddings_and_output_weights and not post_process:
+            # The other copy lives on the last stage (see tied_embeddings.py).
+            self.embedding.word_embeddings.weight.tied_across_stages = True
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """Hidden states from the previous pipeline stage (used when not pre_process)."""
