@@ -15,6 +15,7 @@ setup(
         "sentencepiece>=0.1.99",  # LLaMA tokenizers
         "transformers>=5.0",  # HF tokenizers and checkpoints (loaded from local paths only)
         "safetensors>=0.4",
+        "tensorboard>=2.10",  # training logs (torch.utils.tensorboard writes, tests read back)
     ],
     extras_require={"dev": ["pytest>=7.4"]},
 )
