@@ -1,0 +1,81 @@
+"""Start a run: torch.distributed from torchrun's environment (or a plain single process),
+the device, parallel_state, and the seeds.
+
+Seeds follow Megatron where it matters for reproducibility: python, numpy and the dropout
+streams get ``seed + 100 * pipeline_rank`` (and the tensor-parallel stream its own offset, see
+``model_parallel_manual_seed``). Model weights are drawn separately, from ``seed`` on every
+rank (``seed_for_model_init``), so they do not depend on the parallel layout.
+"""
+import datetime
+import os
+import random
+import socket
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import device, parallel_state
+from megatron.core.tensor_parallel import model_parallel_manual_seed
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(device_type: Optional[str] = None,
+                           timeout_minutes: float = 10.0) -> None:
+    """Join the job torchrun started, or make a one-process group when run directly."""
+    if device_type not in (None, "auto"):
+        device.set_device_type(device_type)
+    if dist.is_initialized():
+        return
+    env = {k: os.environ.get(k) for k in _TORCHRUN_VARS}
+    if env["RANK"] is None or env["WORLD_SIZE"] is None:
+        # Not under torchrun: a world of one, so every code path is the same.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device.set_device(local_rank)
+    dist.init_process_group(device.dist_backend(),
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def set_random_seeds(seed: int) -> None:
+    """Megatron's per-rank seeds for python, numpy, torch and the dropout streams."""
+    if seed <= 0:
+        raise ValueError(f"--seed must be > 0, got {seed}.")
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_manual_seed(seed)
+
+
+def seed_for_model_init(seed: int) -> None:
+    """The CPU generator model weights are drawn from: the same on every rank."""
+    torch.manual_seed(seed)
+
+
+def initialize_megatron(tensor_model_parallel_size: int = 1,
+                        pipeline_model_parallel_size: int = 1,
+                        virtual_pipeline_model_parallel_size: Optional[int] = None,
+                        seed: int = 1234, device_type: Optional[str] = None) -> None:
+    initialize_distributed(device_type)
+    world = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ValueError(f"the world size ({world}) is not divisible by tensor x pipeline "
+                         f"model-parallel size ({tensor_model_parallel_size} x "
+                         f"{pipeline_model_parallel_size}); change the sizes or the number "
+                         f"of processes.")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size,
+                                             pipeline_model_parallel_size,
+                                             virtual_pipeline_model_parallel_size)
+    set_random_seeds(seed)
