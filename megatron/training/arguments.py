@@ -1,0 +1,575 @@
+"""Megatron's command-line flags -> config dataclasses. The ONE place that knows flag names.
+
+``parse_args(argv)`` returns a plain ``argparse.Namespace`` (checkpoints store ``vars(args)``),
+with Megatron's old spellings folded into the current ones (``--RMSNorm`` -> ``normalization``,
+``--use-rotary-position-embeddings`` -> ``position_embedding_type='rope'``, ...) and every check
+that needs no world size done. ``build_configs(args, world_size)`` does the remaining checks
+(batch vs data parallel size, heads vs TP, data and tokenizer files) and returns the configs.
+Every problem raises ``ConfigError`` naming the flag and the fix; entry points print it and exit
+non-zero before any process group or file is touched.
+"""
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron.core.datasets.config import GPTDatasetConfig, parse_data_path
+from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_param_scheduler import (
+    LR_DECAY_STYLES,
+    WD_INCR_STYLES,
+    WSD_DECAY_STYLES,
+    OptimizerParamScheduler,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import vocab_size_with_padding
+from megatron.training.tokenizer.build import add_tokenizer_args
+from megatron.training.training_config import (
+    H100_BF16_PEAK_TFLOPS,
+    ConfigError,
+    MegatronConfigs,
+    TrainingConfig,
+)
+
+__all__ = ["ConfigError", "MegatronConfigs", "TrainingConfig", "build_configs", "get_parser",
+           "parse_args", "NOOP_FLAGS"]
+
+# Flags accepted for compatibility that change nothing here: each only selects a CUDA kernel
+# (apex / Megatron fused ops) or states what is always true in this framework.
+NOOP_FLAGS = {
+    "--use-flash-attn": "attention always uses torch SDPA, which runs flash attention on CUDA",
+    "--no-gradient-accumulation-fusion": "there is no fused (apex) weight-grad accumulation "
+                                         "kernel; grads always accumulate in the DDP buffer",
+    "--causal-lm": "GPT and LLaMA models are always causal language models",
+    "--no-masked-softmax-fusion": "no fused softmax kernel; SDPA does masking and softmax",
+    "--no-bias-gelu-fusion": "no fused bias-GeLU kernel",
+    "--no-bias-swiglu-fusion": "no fused bias-SwiGLU kernel",
+    "--no-bias-dropout-fusion": "no fused bias-dropout-add kernel",
+    "--no-rope-fusion": "no fused RoPE kernel",
+    "--no-persist-layer-norm": "no persistent (apex) LayerNorm kernel",
+    "--no-async-tensor-model-parallel-allreduce": "TP all-reduces are not overlapped with GEMMs",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and calling sys.exit(2)."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _int_from_float(text: str) -> int:
+    """Integers also written like '2e8' (Megatron-LLaMA's --reduce-bucket-size=2e8)."""
+    value = float(text)
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def _add_network_args(parser):
+    g = parser.add_argument_group("network size and architecture")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Default 4 * hidden; with --swiglu int(4 * hidden * 2/3 / 64) * 64.")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Default --seq-length.")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Old spelling of --position-embedding-type rope.")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="No learned absolute position embedding (rope if asked, else none).")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true", help="LLaMA-3.1 RoPE scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--RMSNorm", action="store_true", help="Old spelling of --normalization RMSNorm.")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
+                   default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    for flag, why in NOOP_FLAGS.items():
+        g.add_argument(flag, action="store_true", help=f"Accepted, no effect: {why}.")
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlapped-distributed-optimizer", action="store_true",
+                   help="Megatron-LLaMA's: distributed optimizer, reduce-scatter and all-gather "
+                        "overlapped in buckets of --reduce-bucket-size elements.")
+    g.add_argument("--reduce-bucket-size", type=_int_from_float, default=500_000_000)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=_int_from_float, default=None)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Old spelling of --recompute-granularity selective.")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--distribute-saved-activations", action="store_true")
+
+
+def _add_mixed_precision_args(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_optimizer_args(parser):
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=WSD_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=WD_INCR_STYLES)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Default micro batch x data-parallel size.")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--job-name", default=None)
+    g.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
+                   help="Per-GPU peak for MFU; default 989 = H100 SXM dense BF16.")
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--async-save", action="store_true")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                   action="store_false")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-throughput", action="store_true")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="'prefix' or 'w1 prefix1 w2 prefix2 ...' (one or many words).")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-impl", default="mmap", choices=["mmap"],
+                   help="Accepted, no effect: .bin/.idx mmap is the only format.")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = _Parser(description="Megatron arguments", allow_abbrev=False)
+    for add in (_add_network_args, _add_parallel_args, _add_mixed_precision_args,
+                _add_optimizer_args, _add_training_args, _add_checkpoint_args,
+                _add_logging_args, _add_data_args):
+        add(parser)
+    add_tokenizer_args(parser)
+    return parser
+
+
+def _unknown_flags_error(parser, extras: List[str]) -> ConfigError:
+    known = list(parser._option_string_actions)
+    lines = []
+    for token in extras:
+        if not token.startswith("-"):
+            continue
+        flag = token.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        lines.append(f"unknown flag {flag}{hint}")
+    if not lines:
+        lines.append(f"unexpected value(s) {' '.join(extras)} (no flag takes them)")
+    return ConfigError("\n".join(lines))
+
+
+def _need(ok: bool, message: str):
+    if not ok:
+        raise ConfigError(message)
+
+
+def _fold_aliases(args):
+    """Old Megatron / Megatron-LLaMA spellings -> the current fields (kept in ``args``)."""
+    if args.RMSNorm:
+        args.normalization = "RMSNorm"
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    elif args.no_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"
+    if args.recompute_activations:
+        _need(args.recompute_granularity in (None, "selective"),
+              "--recompute-activations means --recompute-granularity selective; it conflicts "
+              f"with --recompute-granularity {args.recompute_granularity}. Drop one.")
+        args.recompute_granularity = "selective"
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.ffn_hidden_size is None and args.hidden_size is not None:
+        if args.swiglu:  # Megatron: ~2/3 of 4h (same parameters), down to a multiple of 64
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+            _need(args.ffn_hidden_size > 0, f"--swiglu with --hidden-size {args.hidden_size} "
+                  "gives an FFN size of 0; pass --ffn-hidden-size.")
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        words = getattr(args, name)  # a quoted "0.2 D1 0.3 D2" is one argv word
+        if words is not None:
+            setattr(args, name, " ".join(words).split())
+
+
+def _virtual_pipeline_size(args) -> Optional[int]:
+    pp = args.pipeline_model_parallel_size
+    per_stage, per_rank = (args.num_layers_per_virtual_pipeline_stage,
+                           args.num_virtual_stages_per_pipeline_rank)
+    _need(per_stage is None or per_rank is None,
+          "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+          "both set the interleaved schedule; give one.")
+    if per_stage is None and per_rank is None:
+        return None
+    _need(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1.")
+    if per_rank is not None:
+        return per_rank
+    _need(args.decoder_first_pipeline_num_layers is None
+          and args.decoder_last_pipeline_num_layers is None,
+          "with --decoder-first/last-pipeline-num-layers give "
+          "--num-virtual-stages-per-pipeline-rank instead of "
+          "--num-layers-per-virtual-pipeline-stage.")
+    _need(per_stage >= 1 and args.num_layers % (pp * per_stage) == 0,
+          f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+          f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage}.")
+    return args.num_layers // (pp * per_stage)
+
+
+def _check_flags(args):
+    """Checks that need no world size and no file system."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "lr"):
+        _need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required.")
+    _need(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive; pick one.")
+    _need(not (args.use_distributed_optimizer and args.overlapped_distributed_optimizer),
+          "--use-distributed-optimizer and --overlapped-distributed-optimizer are exclusive; "
+          "pick one (the overlapped one is the distributed optimizer with overlapped "
+          "communication).")
+    _need((args.train_iters is None) != (args.train_samples is None),
+          "give exactly one of --train-iters or --train-samples (got "
+          + ("both" if args.train_iters is not None else "neither") + ").")
+    by_iters = args.train_iters is not None
+    mixed = ([f for f in ("lr_decay_samples", "lr_wsd_decay_samples") if getattr(args, f)]
+             + (["lr_warmup_samples"] if args.lr_warmup_samples else [])) if by_iters else \
+        ([f for f in ("lr_decay_iters", "lr_wsd_decay_iters") if getattr(args, f)]
+         + (["lr_warmup_iters"] if args.lr_warmup_iters else []))
+    _need(not mixed, f"--train-{'iters' if by_iters else 'samples'} counts the schedule in "
+          f"{'iterations' if by_iters else 'samples'}; replace "
+          f"{', '.join('--' + f.replace('_', '-') for f in mixed)} with the "
+          f"{'-iters' if by_iters else '-samples'} spelling.")
+    if args.lr_warmup_fraction is not None:
+        _need(not args.lr_warmup_iters and not args.lr_warmup_samples,
+              "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples both set the "
+              "warmup; give one.")
+    if args.weight_decay_incr_style == "constant":
+        _need(args.start_weight_decay is None and args.end_weight_decay is None,
+              "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+              "cosine; with constant, use --weight-decay.")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    else:
+        _need(args.start_weight_decay is not None and args.end_weight_decay is not None,
+              f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+              "--start-weight-decay and --end-weight-decay.")
+    _need(args.num_query_groups == 1 or args.group_query_attention,
+          "--num-query-groups needs --group-query-attention (Megatron ignores it otherwise).")
+    _need(not args.sequence_parallel or args.tensor_model_parallel_size > 1,
+          "--sequence-parallel needs --tensor-model-parallel-size > 1 (Megatron silently turns "
+          "it off); drop the flag or raise the TP size.")
+    _need(args.position_embedding_type != "learned_absolute"
+          or args.max_position_embeddings >= args.seq_length,
+          f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
+          f"--seq-length {args.seq_length}.")
+    args.virtual_pipeline_model_parallel_size = _virtual_pipeline_size(args)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """Parse Megatron flags (``sys.argv[1:]`` when ``argv`` is None); ConfigError on any problem.
+
+    Scripts add their own flags by passing a parser from ``get_parser()`` they extended."""
+    parser = parser or get_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        raise _unknown_flags_error(parser, extras)
+    _fold_aliases(args)
+    _check_flags(args)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Namespace -> configs
+
+
+def _check_world(args, world_size: int) -> int:
+    """The data-parallel size; checks the batch and head counts against it and TP."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _need(tp >= 1 and pp >= 1, "--tensor- and --pipeline-model-parallel-size must be >= 1.")
+    _need(world_size >= 1 and world_size % (tp * pp) == 0,
+          f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes.")
+    dp = world_size // (tp * pp)
+    mbs = args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    _need(mbs >= 1 and args.global_batch_size % (mbs * dp) == 0,
+          f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+          f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); make it "
+          f"a multiple of {mbs * dp}.")
+    _need(args.num_attention_heads % tp == 0,
+          f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+          f"--tensor-model-parallel-size {tp}.")
+    if args.group_query_attention:
+        _need(args.num_query_groups % tp == 0,
+              f"--num-query-groups {args.num_query_groups} is not divisible by "
+              f"--tensor-model-parallel-size {tp}.")
+    args.data_parallel_size = dp
+    return dp
+
+
+_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
+    "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "Llama2Tokenizer": (("--tokenizer-model", "tokenizer_model"),),
+}
+
+
+def _check_files(args):
+    """Data prefixes have their .bin/.idx; tokenizer files/directories exist."""
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        words, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if words is None or args.mock_data:
+            continue
+        try:
+            prefixes, _ = parse_data_path(words)
+        except ValueError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+        missing = [p + ext for p in prefixes for ext in (".bin", ".idx")
+                   if not os.path.isfile(p + ext)]
+        _need(not missing, f"{flag}: missing data file(s) {', '.join(missing)}; give prefixes "
+              "without .bin/.idx, written by tools/preprocess_data.py (or use --mock-data).")
+    kind = args.tokenizer_type
+    _need(kind is not None, "--tokenizer-type is required (NullTokenizer with --vocab-size for "
+          "mock data).")
+    if kind == "NullTokenizer":
+        _need(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size.")
+        return
+    needed = _TOKENIZER_FILES.get(kind)
+    if needed is None:  # HuggingFace: a save_pretrained() directory (Megatron: --tokenizer-model)
+        needed = ((("--tokenizer-name-or-path", "tokenizer_name_or_path"),)
+                  if args.tokenizer_name_or_path or not args.tokenizer_model
+                  else (("--tokenizer-model", "tokenizer_model"),))
+    for flag, dest in needed:
+        path = getattr(args, dest)
+        _need(path is not None, f"--tokenizer-type {kind} needs {flag}.")
+        _need(os.path.exists(path), f"{flag} {path}: no such file or directory.")
+
+
+def _scheduler_kwargs(args) -> dict:
+    """OptimizerParamScheduler's arguments, in samples, exactly as Megatron derives them."""
+    gbs = args.global_batch_size
+    if args.train_iters is not None:
+        decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        decay, wd_steps = decay_iters * gbs, args.train_iters * gbs
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+        warmup = args.lr_warmup_iters * gbs
+        # Say it in iterations here: the scheduler's own message would count samples.
+        _need(args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay_iters,
+              f"--lr-warmup-iters {args.lr_warmup_iters} must be < --lr-decay-iters "
+              f"{decay_iters} (default --train-iters).")
+    else:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        wd_steps, wsd, warmup = args.train_samples, args.lr_wsd_decay_samples, args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return dict(init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+                lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
+                start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+                wd_incr_steps=wd_steps, wd_incr_style=args.weight_decay_incr_style,
+                use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+                override_opt_param_scheduler=args.override_opt_param_scheduler,
+                wsd_decay_steps=wsd, lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def _built(what: str, make):
+    """Run a config constructor; its ValueError becomes a ConfigError saying which flags."""
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+def build_configs(args: argparse.Namespace, world_size: int = 1,
+                  tokenizer=None) -> MegatronConfigs:
+    """The configs of a parsed command line for ``world_size`` processes.
+
+    ``tokenizer`` (optional, from ``build_tokenizer_from_args``) supplies the vocabulary and
+    end-of-document id; without it the dataset's vocab is ``--vocab-size`` and eod 0."""
+    dp = _check_world(args, world_size)
+    _check_files(args)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    transformer = _built("model flags", lambda: TransformerConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, params_dtype=dtype,
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, activation="swiglu" if args.swiglu else "gelu",
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=True if args.add_qkv_bias else None,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        position_embedding_type=args.position_embedding_type,
+        max_position_embeddings=args.max_position_embeddings, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        init_method_std=args.init_method_std,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split))
+    optimizer = _built("optimizer flags", lambda: OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, fp16=args.fp16, bf16=args.bf16,
+        params_dtype=dtype, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlapped_distributed_optimizer=args.overlapped_distributed_optimizer))
+    ddp = _built("data-parallel flags", lambda: ddp_config_for_optimizer(
+        optimizer, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
+        reduce_bucket_size=args.reduce_bucket_size))
+    if args.overlap_param_gather and not ddp.overlap_param_gather:
+        ddp = _built("data-parallel flags", lambda: dataclasses.replace(
+            ddp, overlap_param_gather=True))
+    scheduler_kwargs = _scheduler_kwargs(args)
+    # Check the schedule now, not after the model is built (no param groups: nothing written).
+    _built("learning-rate flags", lambda: OptimizerParamScheduler(
+        types.SimpleNamespace(param_groups=[]), **scheduler_kwargs))
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
+    eod = getattr(tokenizer, "eod", None)
+    _need(not args.mock_data or vocab_size is not None,
+          "--mock-data needs a vocabulary: pass --vocab-size or a tokenizer.")
+    dataset = _built("data flags", lambda: GPTDatasetConfig(
+        seq_length=args.seq_length, seed=args.seed, data_path=args.data_path, split=args.split,
+        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path, data_cache_path=args.data_cache_path,
+        mock=args.mock_data, vocab_size=vocab_size, eod_token=0 if eod is None else eod,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss))
+    names = {f.name for f in dataclasses.fields(TrainingConfig)}
+    training = TrainingConfig(**{**{k: v for k, v in vars(args).items() if k in names},
+                                 "data_parallel_size": dp,
+                                 "device": None if args.device == "auto" else args.device})
+    model_kwargs = {"share_embeddings_and_output_weights":
+                    not args.untie_embeddings_and_output_weights}
+    if tokenizer is not None:
+        model_kwargs["vocab_size"] = tokenizer.vocab_size
+        model_kwargs["padded_vocab_size"] = args.padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size)
+    return MegatronConfigs(transformer=transformer, optimizer=optimizer, ddp=ddp,
+                           scheduler_kwargs=scheduler_kwargs, dataset=dataset,
+                           training=training, model_kwargs=model_kwargs)
