@@ -1,0 +1,86 @@
+"""Training FLOPs per iteration and MFU, with Megatron-LM's accounting.
+
+Megatron logs ``throughput per GPU (TFLOP/s/GPU)`` from a closed-form FLOP count
+(``num_floating_point_operations`` in its ``training.py``, after Narayanan et al. 2021,
+appendix "Floating-point operations"). We count the same operations so our TFLOP/s and MFU
+compare one to one with Megatron runs, but write the count term by term so each line can
+be checked by hand.
+
+Formula (B batch, s sequence, L layers, h hidden, f FFN hidden, a heads, g query groups,
+d = kv_channels (default h / a), V vocabulary; counts are multiply-adds (MACs) per forward):
+
+    per layer, per token:
+        QKV projection        h * (a*d + 2*g*d)          (GQA: K and V have g heads)
+        attention scores      s * a*d                    (Q K^T, full s x s matrix)
+        attention over V      s * a*d                    (softmax(QK^T) V)
+        output projection     a*d * h
+        MLP                   m * h * f                  (m = 3 with SwiGLU, else 2)
+    logits, per token         h * V
+
+    FLOPs = 3 * 2 * B * s * (L * per_layer + h * V)
+
+2 FLOPs per MAC; 3x because each GEMM runs once forward and twice backward (data and
+weight gradients). Element-wise work (norms, softmax, activations, RoPE) is left out, as in
+Megatron.
+
+Causal masking: the attention score terms count the full s x s matrix, not the causal
+half. Megatron's classic formula does the same, and matching it is the point: logs and MFU
+stay comparable with Megatron's. (Flash attention kernels skip the masked half, so on
+long sequences this overstates the work done by up to ``6*B*s*L*s*a*d`` FLOPs.)
+"""
+from typing import Optional
+
+
+def _per_layer_macs_per_token(hidden_size: int, ffn_hidden_size: int,
+                              num_attention_heads: int, num_query_groups: int,
+                              seq_length: int, kv_channels: int, swiglu: bool) -> int:
+    """Forward multiply-adds of one transformer layer for one token."""
+    query_size = kv_channels * num_attention_heads
+    kv_size = kv_channels * num_query_groups
+    qkv = hidden_size * (query_size + 2 * kv_size)
+    scores = seq_length * query_size
+    attend_values = seq_length * query_size
+    out_proj = query_size * hidden_size
+    mlp_matrices = 3 if swiglu else 2  # SwiGLU: gate, up and down projections
+    mlp = mlp_matrices * hidden_size * ffn_hidden_size
+    return qkv + scores + attend_values + out_proj + mlp
+
+
+def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_size: int,
+                                  num_attention_heads: int, num_query_groups: int,
+                                  seq_length: int, vocab_size: int, batch_size: int,
+                                  swiglu: bool, kv_channels: Optional[int] = None) -> int:
+    """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
+
+    ``num_query_groups`` equals ``num_attention_heads`` for plain multi-head attention.
+    ``vocab_size`` should be the padded vocabulary, the size of the real logits GEMM.
+    Integer arithmetic, so the result is exact (Megatron's float version rounds).
+    """
+    if kv_channels is None:
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"hidden_size {hidden_size} is not divisible by num_attention_heads "
+                f"{num_attention_heads}; pass kv_channels explicitly.")
+        kv_channels = hidden_size // num_attention_heads
+    if num_attention_heads % num_query_groups:
+        raise ValueError(f"num_attention_heads {num_attention_heads} is not a multiple of "
+                         f"num_query_groups {num_query_groups}.")
+    per_layer = _per_layer_macs_per_token(hidden_size, ffn_hidden_size, num_attention_heads,
+                                          num_query_groups, seq_length, kv_channels, swiglu)
+    macs_per_token = num_layers * per_layer + hidden_size * vocab_size
+    flops_per_mac, fwd_plus_bwd = 2, 3
+    return fwd_plus_bwd * flops_per_mac * batch_size * seq_length * macs_per_token
+
+
+def mfu(flops_per_iteration: float, seconds_per_iteration: float, num_devices: int,
+        peak_tflops_per_device: float) -> float:
+    """Model FLOPs utilisation as a fraction (0.42 means 42 %) of the devices' peak.
+
+    Achieved FLOP/s per device divided by the per-device peak; ``flops_per_iteration`` is
+    the whole job's work per iteration, so it is shared among ``num_devices``.
+    """
+    if seconds_per_iteration <= 0 or num_devices <= 0 or peak_tflops_per_device <= 0:
+        raise ValueError("seconds_per_iteration, num_devices and peak_tflops_per_device "
+                         "must be positive.")
+    achieved_per_device = flops_per_iteration / (seconds_per_iteration * num_devices)
+    return achieved_per_device / (peak_tflops_per_device * 1e12)

@@ -1,0 +1,291 @@
+"""Console and TensorBoard logging of training and validation, in Megatron's formats.
+
+The console line keeps Megatron-LM's ``training_log`` fields, order and format specs, so
+log parsers written for Megatron keep working; our extra fields (tokens/s per device, MFU,
+memory, ETA) come after Megatron's last field. Semantics follow Megatron where they show in
+the log: losses are averaged over the advanced (not skipped) iterations of the interval, a
+loss whose average is not > 0 is not printed, NaN/inf losses are counted only on skipped
+iterations, the line is printed by the last rank, validation PPL is ``exp(min(20, loss))``.
+"""
+import math
+import resource
+import sys
+import time
+from datetime import datetime, timedelta
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.core import device
+from megatron.training.flops import mfu
+
+# The timers Megatron's training_log reports; names never created are skipped.
+TIMERS_TO_LOG = (
+    "forward-backward", "forward-compute", "backward-compute", "batch-generator",
+    "forward-recv", "forward-send", "backward-recv", "backward-send",
+    "forward-send-forward-recv", "forward-send-backward-recv",
+    "backward-send-forward-recv", "backward-send-backward-recv",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync",
+    "params-all-gather", "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params", "optimizer",
+)
+PPL_LOSS_CAP = 20.0  # Megatron caps the exponent so exp() cannot overflow
+
+
+def format_log_line(iteration: int, train_iters: int, consumed_samples: int,
+                    elapsed_ms_per_iteration: float, learning_rate: float,
+                    global_batch_size: int, losses: Mapping[str, float], loss_scale: float,
+                    grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
+                    params_norm: Optional[float] = None, skipped_iterations: int = 0,
+                    nan_iterations: int = 0, throughput_tflops: Optional[float] = None,
+                    timestamp: Optional[datetime] = None,
+                    extras: Sequence[Tuple[str, str]] = ()) -> str:
+    """One Megatron training line; ``losses`` are interval averages; extras go at the end."""
+    line = f" [{timestamp.strftime('%Y-%m-%d %H:%M:%S')}]" if timestamp else ""
+    line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    line += " consumed samples: {:12d} |".format(consumed_samples)
+    line += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms_per_iteration)
+    if throughput_tflops is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput_tflops:.1f} |"
+    line += " learning rate: {:.6E} |".format(learning_rate)
+    line += " global batch size: {:5d} |".format(global_batch_size)
+    for key, avg in losses.items():
+        if avg > 0.0:  # Megatron's rule; it also hides NaN averages
+            line += " {}: {:.6E} |".format(key, avg)
+    line += " loss scale: {:.1f} |".format(loss_scale)
+    if grad_norm is not None:
+        line += " grad norm: {:.3f} |".format(grad_norm)
+    if num_zeros is not None:
+        line += " num zeros: {:.1f} |".format(num_zeros)
+    if params_norm is not None:
+        line += " params norm: {:.3f} |".format(params_norm)
+    line += " number of skipped iterations: {:3d} |".format(skipped_iterations)
+    line += " number of nan iterations: {:3d} |".format(nan_iterations)
+    for label, value in extras:
+        line += f" {label}: {value} |"
+    return line
+
+
+def format_validation_block(iteration: int, losses: Mapping[str, float]) -> Tuple[str, ...]:
+    """Megatron's three lines: dashes, ``validation loss at iteration N | ...``, dashes."""
+    string = " validation loss at iteration {} | ".format(iteration)
+    for key, value in losses.items():
+        string += "{} value: {:.6E} | ".format(key, value)
+        string += "{} PPL: {:.6E} | ".format(key, perplexity(value))
+    dashes = "-" * (len(string) + 1)
+    return dashes, string, dashes
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(PPL_LOSS_CAP, loss))
+
+
+def format_eta(seconds: float) -> str:
+    return str(timedelta(seconds=int(round(seconds))))
+
+
+def is_last_rank() -> bool:
+    """Megatron prints from the last rank: it holds the loss under pipeline parallelism."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    return True
+
+
+def memory_usage() -> Tuple[str, float]:
+    """(label, GiB): peak allocated on the accelerator, else this process's peak RSS."""
+    if device.device_type() == "cuda":
+        return "max allocated (GiB)", torch.accelerator.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+    return "max RSS (GiB)", rss_bytes / 2**30
+
+
+def _as_float(value) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+class TrainingLogger:
+    """Accumulates per-iteration results; prints every ``log_interval``; writes TensorBoard.
+
+    The loop calls ``start()`` before its first step, ``training_log(...)`` after each step
+    and ``log_validation(...)`` after each evaluation. Interval time comes from ``clock``
+    (time since the previous log), unless the caller passes ``interval_seconds``.
+    """
+
+    def __init__(self, train_iters: int, global_batch_size: int, seq_length: int,
+                 num_devices: int, flops_per_iteration: Optional[float] = None,
+                 peak_tflops: float = 989.0, log_interval: int = 100,
+                 tensorboard_dir: Optional[str] = None, tensorboard_queue_size: int = 1000,
+                 tensorboard_log_interval: int = 1, log_timers_to_tensorboard: bool = False,
+                 log_batch_size_to_tensorboard: bool = False,
+                 log_validation_ppl_to_tensorboard: bool = False,
+                 log_learning_rate_to_tensorboard: bool = True,
+                 log_loss_scale_to_tensorboard: bool = True, log_throughput: bool = False,
+                 timers=None, timestamps: bool = True,
+                 should_log: Callable[[], bool] = is_last_rank,
+                 print_fn: Callable[[str], None] = lambda s: print(s, flush=True),
+                 clock: Callable[[], float] = time.perf_counter,
+                 now: Callable[[], datetime] = datetime.now,
+                 memory_fn: Optional[Callable[[], Tuple[str, float]]] = memory_usage):
+        self.train_iters, self.global_batch_size = train_iters, global_batch_size
+        self.seq_length, self.num_devices = seq_length, num_devices
+        self.flops_per_iteration, self.peak_tflops = flops_per_iteration, peak_tflops
+        self.log_interval, self.tensorboard_log_interval = log_interval, tensorboard_log_interval
+        self.log_timers_to_tensorboard = log_timers_to_tensorboard
+        self.log_batch_size_to_tensorboard = log_batch_size_to_tensorboard
+        self.log_validation_ppl_to_tensorboard = log_validation_ppl_to_tensorboard
+        self.log_learning_rate_to_tensorboard = log_learning_rate_to_tensorboard
+        self.log_loss_scale_to_tensorboard = log_loss_scale_to_tensorboard
+        self.log_throughput, self.timers = log_throughput, timers
+        self.timestamps, self.should_log, self.print_fn = timestamps, should_log, print_fn
+        self.clock, self.now, self.memory_fn = clock, now, memory_fn
+        self.writer = None
+        if tensorboard_dir and should_log():
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=tensorboard_queue_size)
+        self._loss_sums: Dict[str, float] = {}
+        self._advanced = self._skipped = self._nan = 0
+        self._interval_start = None
+        self._total_seconds = 0.0  # over logged intervals, for the ETA
+        self._total_iterations = 0
+
+    def start(self) -> None:
+        """Mark the start of the first interval (Megatron's 'interval-time' timer)."""
+        self._interval_start = self.clock()
+
+    def _print(self, line: str) -> None:
+        if self.should_log():
+            self.print_fn(line)
+
+    def _add(self, tag: str, value, iteration: int, consumed_samples: Optional[int]) -> None:
+        self.writer.add_scalar(tag, value, iteration)
+        if consumed_samples is not None:
+            self.writer.add_scalar(tag + " vs samples", value, consumed_samples)
+
+    def _accumulate(self, losses: Mapping[str, float], skipped: bool) -> None:
+        """Megatron's total_loss_dict bookkeeping: skipped steps only count NaNs."""
+        if skipped:
+            self._skipped += 1
+            values = [_as_float(v) for v in losses.values()]
+            self._nan += int(any(math.isnan(v) or math.isinf(v) for v in values))
+            return
+        self._advanced += 1
+        for key, value in losses.items():
+            self._loss_sums[key] = self._loss_sums.get(key, 0.0) + _as_float(value)
+
+    def _write_iteration_scalars(self, iteration, losses, learning_rate, loss_scale,
+                                 grad_norm, num_zeros, params_norm, consumed_samples):
+        if self.log_learning_rate_to_tensorboard:
+            self._add("learning-rate", learning_rate, iteration, consumed_samples)
+        if self.log_batch_size_to_tensorboard:
+            self._add("batch-size", self.global_batch_size, iteration, consumed_samples)
+        for key, value in losses.items():
+            self._add(key, _as_float(value), iteration, consumed_samples)
+        if self.log_loss_scale_to_tensorboard:
+            self._add("loss-scale", loss_scale, iteration, consumed_samples)
+        for tag, value in (("grad-norm", grad_norm), ("num-zeros", num_zeros),
+                           ("params-norm", params_norm)):
+            if value is not None:
+                self._add(tag, value, iteration, consumed_samples)
+
+    def training_log(self, iteration: int, losses: Mapping[str, float], learning_rate: float,
+                     loss_scale: float, skipped_iter: bool = False,
+                     grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
+                     params_norm: Optional[float] = None,
+                     consumed_samples: Optional[int] = None,
+                     interval_seconds: Optional[float] = None) -> Optional[str]:
+        """Record one step; at the log interval print and return the console line."""
+        self._accumulate(losses, skipped_iter)
+        interval_iters = self._advanced + self._skipped
+        if self.timers is not None and self.log_timers_to_tensorboard and \
+                iteration % self.tensorboard_log_interval == 0:
+            self.timers.write(TIMERS_TO_LOG, self.writer, iteration, normalizer=interval_iters)
+        if self.writer is not None and iteration % self.tensorboard_log_interval == 0:
+            self._write_iteration_scalars(iteration, losses, learning_rate, loss_scale,
+                                          grad_norm, num_zeros, params_norm, consumed_samples)
+        if iteration % self.log_interval != 0:
+            return None
+        seconds = self._interval_seconds(interval_seconds) / interval_iters
+        self._total_seconds += seconds * interval_iters
+        self._total_iterations += interval_iters
+        throughput = self._tflops_per_device(seconds)
+        if self.writer is not None and self.log_timers_to_tensorboard:
+            self.writer.add_scalar("iteration-time", seconds, iteration)
+            if self.log_throughput and throughput is not None:
+                self.writer.add_scalar("throughput", throughput, iteration)
+                self.writer.add_scalar("mfu", self._mfu(seconds), iteration)
+        line = format_log_line(
+            iteration, self.train_iters,
+            consumed_samples if consumed_samples is not None
+            else iteration * self.global_batch_size,
+            seconds * 1000.0, learning_rate, self.global_batch_size,
+            {k: v / max(1, self._advanced) for k, v in self._loss_sums.items()}, loss_scale,
+            grad_norm, num_zeros, params_norm, self._skipped, self._nan,
+            throughput if self.log_throughput else None,
+            self.now() if self.timestamps else None, self._extras(iteration, seconds))
+        self._reset_interval()
+        self._print(line)
+        if self.timers is not None:
+            self.timers.log(TIMERS_TO_LOG, normalizer=self.log_interval, print_fn=self._print)
+        return line
+
+    def _interval_seconds(self, given: Optional[float]) -> float:
+        now = self.clock()
+        if given is None:
+            if self._interval_start is None:
+                raise RuntimeError("call TrainingLogger.start() before the first step, "
+                                   "or pass interval_seconds")
+            given = now - self._interval_start
+        self._interval_start = now
+        return given
+
+    def _tflops_per_device(self, seconds: float) -> Optional[float]:
+        if self.flops_per_iteration is None or seconds <= 0:
+            return None
+        return self.flops_per_iteration / (seconds * 1e12 * self.num_devices)
+
+    def _mfu(self, seconds: float) -> float:
+        return mfu(self.flops_per_iteration, seconds, self.num_devices, self.peak_tflops)
+
+    def _extras(self, iteration: int, seconds: float) -> Sequence[Tuple[str, str]]:
+        """Our fields after Megatron's: tokens/s/device, MFU %, memory, ETA."""
+        extras = []
+        if seconds > 0:
+            tokens = self.global_batch_size * self.seq_length / (seconds * self.num_devices)
+            extras.append(("tokens per second per device", f"{tokens:.1f}"))
+            if self.flops_per_iteration is not None:
+                extras.append(("MFU (%)", f"{100.0 * self._mfu(seconds):.2f}"))
+        if self.memory_fn is not None:
+            label, gib = self.memory_fn()
+            extras.append((label, f"{gib:.2f}"))
+        average = self._total_seconds / max(1, self._total_iterations)
+        extras.append(("ETA", format_eta(average * max(0, self.train_iters - iteration))))
+        return extras
+
+    def _reset_interval(self) -> None:
+        # Keys stay (at zero) so their order is stable, as in Megatron's total_loss_dict.
+        self._loss_sums = {key: 0.0 for key in self._loss_sums}
+        self._advanced = self._skipped = self._nan = 0
+
+    def log_validation(self, iteration: int, losses: Mapping[str, float],
+                       consumed_samples: Optional[int] = None) -> Tuple[str, ...]:
+        """Print Megatron's validation block; write '<key> validation' (and ppl) scalars."""
+        values = {key: _as_float(value) for key, value in losses.items()}
+        block = format_validation_block(iteration, values)
+        if self.writer is not None:
+            for key, value in values.items():
+                self._add(f"{key} validation", value, iteration, consumed_samples)
+                if self.log_validation_ppl_to_tensorboard:
+                    self._add(f"{key} validation ppl", perplexity(value), iteration,
+                              consumed_samples)
+        for line in block:
+            self._print(line)
+        return block
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (events sit in a queue until then)."""
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
