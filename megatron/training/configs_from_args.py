@@ -1,0 +1,208 @@
+"""Megatron flags (as parsed by ``arguments.parse_args``) -> the config dataclasses, with the
+checks that need the world size or the file system: batch vs data-parallel size, heads vs TP,
+data and tokenizer files. Every problem raises ``ConfigError`` naming the flag and the fix."""
+import argparse
+import dataclasses
+import os
+import types
+
+import torch
+
+from megatron.core.datasets.config import GPTDatasetConfig, parse_data_path
+from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import vocab_size_with_padding
+from megatron.training.training_config import (
+    ConfigError,
+    MegatronConfigs,
+    TrainingConfig,
+)
+
+
+def _need(ok: bool, message: str):
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_world(args, world_size: int) -> int:
+    """The data-parallel size; checks the batch and head counts against it and TP."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _need(tp >= 1 and pp >= 1, "--tensor- and --pipeline-model-parallel-size must be >= 1.")
+    _need(world_size >= 1 and world_size % (tp * pp) == 0,
+          f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes.")
+    dp = world_size // (tp * pp)
+    mbs = args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    _need(mbs >= 1 and args.global_batch_size % (mbs * dp) == 0,
+          f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+          f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); make it "
+          f"a multiple of {mbs * dp}.")
+    _need(args.num_attention_heads % tp == 0,
+          f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+          f"--tensor-model-parallel-size {tp}.")
+    if args.group_query_attention:
+        _need(args.num_query_groups % tp == 0,
+              f"--num-query-groups {args.num_query_groups} is not divisible by "
+              f"--tensor-model-parallel-size {tp}.")
+    args.data_parallel_size = dp
+    return dp
+
+
+_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
+    "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "Llama2Tokenizer": (("--tokenizer-model", "tokenizer_model"),),
+}
+
+
+def _check_files(args):
+    """Data prefixes have their .bin/.idx; tokenizer files/directories exist."""
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        words, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if words is None or args.mock_data:
+            continue
+        try:
+            prefixes, _ = parse_data_path(words)
+        except ValueError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+        missing = [p + ext for p in prefixes for ext in (".bin", ".idx")
+                   if not os.path.isfile(p + ext)]
+        _need(not missing, f"{flag}: missing data file(s) {', '.join(missing)}; give prefixes "
+              "without .bin/.idx, written by tools/preprocess_data.py (or use --mock-data).")
+    kind = args.tokenizer_type
+    _need(kind is not None, "--tokenizer-type is required (NullTokenizer with --vocab-size for "
+          "mock data).")
+    if kind == "NullTokenizer":
+        _need(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size.")
+        return
+    needed = _TOKENIZER_FILES.get(kind)
+    if needed is None:  # HuggingFace: a save_pretrained() directory (Megatron: --tokenizer-model)
+        needed = ((("--tokenizer-name-or-path", "tokenizer_name_or_path"),)
+                  if args.tokenizer_name_or_path or not args.tokenizer_model
+                  else (("--tokenizer-model", "tokenizer_model"),))
+    for flag, dest in needed:
+        path = getattr(args, dest)
+        _need(path is not None, f"--tokenizer-type {kind} needs {flag}.")
+        _need(os.path.exists(path), f"{flag} {path}: no such file or directory.")
+
+
+def _scheduler_kwargs(args) -> dict:
+    """OptimizerParamScheduler's arguments, in samples, exactly as Megatron derives them."""
+    gbs = args.global_batch_size
+    if args.train_iters is not None:
+        decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        decay, wd_steps = decay_iters * gbs, args.train_iters * gbs
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+        warmup = args.lr_warmup_iters * gbs
+        # Say it in iterations here: the scheduler's own message would count samples.
+        _need(args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay_iters,
+              f"--lr-warmup-iters {args.lr_warmup_iters} must be < --lr-decay-iters "
+              f"{decay_iters} (default --train-iters).")
+    else:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        wd_steps, wsd, warmup = args.train_samples, args.lr_wsd_decay_samples, args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return dict(init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+                lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
+                start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+                wd_incr_steps=wd_steps, wd_incr_style=args.weight_decay_incr_style,
+                use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+                override_opt_param_scheduler=args.override_opt_param_scheduler,
+                wsd_decay_steps=wsd, lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def _built(what: str, make):
+    """Run a config constructor; its ValueError becomes a ConfigError saying which flags."""
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+def build_configs(args: argparse.Namespace, world_size: int = 1,
+                  tokenizer=None) -> MegatronConfigs:
+    """The configs of a parsed command line for ``world_size`` processes.
+
+    ``tokenizer`` (optional, from ``build_tokenizer_from_args``) supplies the vocabulary and
+    end-of-document id; without it the dataset's vocab is ``--vocab-size`` and eod 0."""
+    dp = _check_world(args, world_size)
+    _check_files(args)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    transformer = _built("model flags", lambda: TransformerConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, params_dtype=dtype,
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, activation="swiglu" if args.swiglu else "gelu",
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=True if args.add_qkv_bias else None,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        position_embedding_type=args.position_embedding_type,
+        max_position_embeddings=args.max_position_embeddings, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        init_method_std=args.init_method_std,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split))
+    optimizer = _built("optimizer flags", lambda: OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, fp16=args.fp16, bf16=args.bf16,
+        params_dtype=dtype, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlapped_distributed_optimizer=args.overlapped_distributed_optimizer))
+    ddp = _built("data-parallel flags", lambda: ddp_config_for_optimizer(
+        optimizer, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
+        reduce_bucket_size=args.reduce_bucket_size))
+    if args.overlap_param_gather and not ddp.overlap_param_gather:
+        ddp = _built("data-parallel flags", lambda: dataclasses.replace(
+            ddp, overlap_param_gather=True))
+    scheduler_kwargs = _scheduler_kwargs(args)
+    # Check the schedule now, not after the model is built (no param groups: nothing written).
+    _built("learning-rate flags", lambda: OptimizerParamScheduler(
+        types.SimpleNamespace(param_groups=[]), **scheduler_kwargs))
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
+    eod = getattr(tokenizer, "eod", None)
+    _need(not args.mock_data or vocab_size is not None,
+          "--mock-data needs a vocabulary: pass --vocab-size or a tokenizer.")
+    dataset = _built("data flags", lambda: GPTDatasetConfig(
+        seq_length=args.seq_length, seed=args.seed, data_path=args.data_path, split=args.split,
+        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path, data_cache_path=args.data_cache_path,
+        mock=args.mock_data, vocab_size=vocab_size, eod_token=0 if eod is None else eod,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss))
+    names = {f.name for f in dataclasses.fields(TrainingConfig)}
+    training = TrainingConfig(**{**{k: v for k, v in vars(args).items() if k in names},
+                                 "data_parallel_size": dp,
+                                 "device": None if args.device == "auto" else args.device})
+    model_kwargs = {"share_embeddings_and_output_weights":
+                    not args.untie_embeddings_and_output_weights}
+    if tokenizer is not None:
+        model_kwargs["vocab_size"] = tokenizer.vocab_size
+        model_kwargs["padded_vocab_size"] = args.padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size)
+    return MegatronConfigs(transformer=transformer, optimizer=optimizer, ddp=ddp,
+                           scheduler_kwargs=scheduler_kwargs, dataset=dataset,
+                           training=training, model_kwargs=model_kwargs)
