@@ -3,9 +3,9 @@
 ``parse_args(argv)`` returns a plain ``argparse.Namespace`` (checkpoints store ``vars(args)``),
 with Megatron's old spellings folded into the current ones (``--RMSNorm`` -> ``normalization``,
 ``--use-rotary-position-embeddings`` -> ``position_embedding_type='rope'``, ...) and every check
-that needs no world size done. ``build_configs(args, world_size)`` (configs_from_args.py, re-exported
-here) does the remaining checks
-(batch vs data parallel size, heads vs TP, data and tokenizer files) and returns the configs.
+that needs no world size done. ``build_configs(args, world_size)`` (in configs_from_args.py,
+re-exported here) does the remaining checks (batch vs data parallel size, heads vs TP, data and
+tokenizer files) and returns the configs.
 Every problem raises ``ConfigError`` naming the flag and the fix; entry points print it and exit
 non-zero before any process group or file is touched.
 """

@@ -1,6 +1,8 @@
 """train_step and evaluate against a single process on the same global batch."""
 import math
 
+import torch
+
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models import LlamaModel
@@ -44,10 +46,13 @@ def _train(num_microbatches, steps=5):
         assert not skipped
         losses.append(reported["lm loss"])
         history.append({n: p.detach().clone() for n, p in model[0].module.named_parameters()})
-    valid = evaluate(_forward_step, iter(_global_batches(num_microbatches, 1)[0]), model, 1,
-                     num_microbatches, SEQ, MBS)
+    held_out = _global_batches(num_microbatches, 1)[0]
+    valid = evaluate(_forward_step, iter(held_out), model, 1, num_microbatches, SEQ, MBS)
+    with torch.no_grad():  # the same mean of per-microbatch losses, computed directly
+        direct = [float(model[0].module(t, labels=lab).mean()) for t, lab in held_out]
     return dict(history=history, losses=losses, samples=scheduler.num_steps,
-                valid=valid["lm loss"], training=model[0].training)
+                valid=valid["lm loss"], direct=sum(direct) / len(direct),
+                training=model[0].training)
 
 
 def test_train_step_equals_single_process_and_counts_samples():
@@ -56,7 +61,8 @@ def test_train_step_equals_single_process_and_counts_samples():
         for params, (want, _) in zip(rank["history"], reference):
             _assert_params(params, want, REASSOCIATION_TOL)
         assert rank["samples"] == 5 * 4 * MBS  # the schedule advanced by samples
-        assert rank["training"] and rank["valid"] > 0
+        assert rank["training"], "evaluate() puts the model back in training mode"
+        assert rank["valid"] == rank["direct"]
 
 
 def test_perplexity_is_capped():
