@@ -4,7 +4,6 @@
 batch's microbatches (which finalizes gradients), step the optimizer, and advance the LR
 schedule by the number of samples consumed, unless the step was skipped (loss-scale overflow).
 """
-import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -84,8 +83,3 @@ def average_across_data_parallel(values: List[torch.Tensor]) -> torch.Tensor:
     stacked = torch.stack([v.detach().float().reshape(()) for v in values])
     dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
     return stacked / parallel_state.get_data_parallel_world_size()
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), capped like Megatron's at exp(20) so an early huge loss stays printable."""
-    return math.exp(min(20.0, loss))

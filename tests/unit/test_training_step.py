@@ -1,6 +1,4 @@
 """train_step and evaluate against a single process on the same global batch."""
-import math
-
 import torch
 
 from megatron.core import parallel_state as ps
@@ -11,7 +9,7 @@ from megatron.core.optimizer import (
     OptimizerParamScheduler,
     get_megatron_optimizer,
 )
-from megatron.training.training import build_model, evaluate, perplexity, train_step
+from megatron.training.training import build_model, evaluate, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import (
     ADAM,
@@ -63,8 +61,3 @@ def test_train_step_equals_single_process_and_counts_samples():
         assert rank["samples"] == 5 * 4 * MBS  # the schedule advanced by samples
         assert rank["training"], "evaluate() puts the model back in training mode"
         assert rank["valid"] == rank["direct"]
-
-
-def test_perplexity_is_capped():
-    assert perplexity(1.0) == math.e
-    assert perplexity(1000.0) == perplexity(20.0)
