@@ -190,3 +190,24 @@ def test_explicit_causal_mask_and_positions_equal_the_defaults():
                                                    tp=2)[0].items():
         assert same <= 1e-6, kind
         assert different > 1e-3, kind
+
+
+def _gpt_embeddings(padded_vocab):
+    torch.manual_seed(42)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               max_position_embeddings=16,
+                               tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    model = GPTModel(config, VOCAB, padded_vocab_size=padded_vocab)
+    shards = [None] * ps.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(shards, model.embedding.word_embeddings.weight.detach(),
+                           group=ps.get_tensor_model_parallel_group())
+    return torch.cat(shards)[:VOCAB], model.embedding.position_embeddings.weight.detach()
+
+
+def test_gpt_initial_embeddings_do_not_depend_on_vocab_padding():
+    # Megatron pads the vocabulary to a multiple of 128 x TP, so TP changes the padded size;
+    # the position embeddings (and the real vocabulary rows) must not change with it.
+    words1, positions1 = run_distributed(_gpt_embeddings, world_size=1, tp=1, padded_vocab=128)[0]
+    words2, positions2 = run_distributed(_gpt_embeddings, world_size=2, tp=2, padded_vocab=256)[0]
+    assert torch.equal(words1, words2)
+    assert torch.equal(positions1, positions2)

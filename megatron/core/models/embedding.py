@@ -1,4 +1,7 @@
 """Token (+ learned absolute position) embedding, producing [s, b, h] for the transformer."""
+from contextlib import nullcontext
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -7,12 +10,14 @@ from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.init_rng import init_rng
 from megatron.core.transformer.transformer_layer import hidden_dropout_rng
 from megatron.core.utils import init_method_normal
 
 
 class LanguageModelEmbedding(torch.nn.Module):
-    def __init__(self, config, vocab_size: int, add_position_embedding: bool):
+    def __init__(self, config, vocab_size: int, add_position_embedding: bool,
+                 position_seed: Optional[int] = None):
         super().__init__()
         self.config = config
         init = init_method_normal(config.init_method_std)
@@ -24,8 +29,11 @@ class LanguageModelEmbedding(torch.nn.Module):
             reduce_scatter_embeddings=self.reduce_scatter)
         self.position_embeddings = None
         if add_position_embedding:
+            # Its own seed: drawn after the word embeddings it would depend on the padded
+            # vocabulary, hence on the TP size.
             master = torch.empty(config.max_position_embeddings, config.hidden_size)
-            init(master)
+            with init_rng(position_seed) if position_seed is not None else nullcontext():
+                init(master)
             self.position_embeddings = torch.nn.Embedding(
                 config.max_position_embeddings, config.hidden_size,
                 dtype=config.params_dtype, device=device.current_device())

@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_c
 from megatron.core.transformer.init_rng import (
     EMBEDDING_OFFSET,
     OUTPUT_LAYER_OFFSET,
+    POSITION_EMBEDDING_OFFSET,
     draw_base_seed,
     init_rng,
 )
@@ -45,7 +46,8 @@ class GPTModel(torch.nn.Module):
             with init_rng(base_seed + EMBEDDING_OFFSET):
                 self.embedding = LanguageModelEmbedding(
                     config, self.padded_vocab_size,
-                    add_position_embedding=config.position_embedding_type == "learned_absolute")
+                    add_position_embedding=config.position_embedding_type == "learned_absolute",
+                    position_seed=base_seed + POSITION_EMBEDDING_OFFSET)
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" \
             else None
         self.decoder = TransformerBlock(config, base_seed, layer_range, post_process)
