@@ -1,9 +1,14 @@
-"""Pretrain a gpt model: torchrun --nproc-per-node N pretrain_gpt.py [Megatron flags].
+"""Pretrain a GPT model: torchrun --nproc-per-node N pretrain_gpt.py [Megatron flags]."""
+from megatron.core.models import GPTModel
+from megatron.training.gpt_step import forward_step, train_valid_test_datasets_provider
+from megatron.training.pretrain import pretrain
 
-Placeholder: the training loop, flags and data pipeline are built by the training-script issue.
-"""
-import sys
+
+def model_provider(configs, pre_process=True, post_process=True, layer_range=None):
+    kwargs = dict(configs.model_kwargs)
+    return GPTModel(configs.transformer, kwargs.pop("vocab_size"), pre_process=pre_process,
+                    post_process=post_process, layer_range=layer_range, **kwargs)
+
 
 if __name__ == "__main__":
-    sys.exit("pretrain_gpt.py: training is not implemented yet (the training-script work item builds "
-             "it); run 'bash shtools/quickstart.sh' for what works today.")
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)

@@ -1,9 +1,18 @@
-"""Pretrain a llama model: torchrun --nproc-per-node N pretrain_llama.py [Megatron flags].
+"""Pretrain a LLaMA model: torchrun --nproc-per-node N pretrain_llama.py [Megatron flags].
 
-Placeholder: the training loop, flags and data pipeline are built by the training-script issue.
+LLaMA's architecture flags (RMSNorm, SwiGLU, rotary embeddings, no biases, untied output) are
+given on the command line as with Megatron; see shtools/ for complete launch lines.
 """
-import sys
+from megatron.core.models import LlamaModel
+from megatron.training.gpt_step import forward_step, train_valid_test_datasets_provider
+from megatron.training.pretrain import pretrain
+
+
+def model_provider(configs, pre_process=True, post_process=True, layer_range=None):
+    kwargs = dict(configs.model_kwargs)
+    return LlamaModel(configs.transformer, kwargs.pop("vocab_size"), pre_process=pre_process,
+                      post_process=post_process, layer_range=layer_range, **kwargs)
+
 
 if __name__ == "__main__":
-    sys.exit("pretrain_llama.py: training is not implemented yet (the training-script work item builds "
-             "it); run 'bash shtools/quickstart.sh' for what works today.")
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)

@@ -1,0 +1,127 @@
+"""``pretrain()``: Megatron's entry point. Flags -> configs (every check before any work) ->
+distributed start -> model, optimizer, LR schedule -> data -> the training loop with logging,
+evaluation and the exit conditions."""
+import inspect
+import math
+import os
+import sys
+import time
+from functools import partial
+from typing import Callable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from megatron.training.arguments import ConfigError, build_configs, parse_args
+from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.training.flops import num_floating_point_operations
+from megatron.training.initialize import initialize_megatron
+from megatron.training.tokenizer.build import build_tokenizer_from_args
+from megatron.training.training import build_model, evaluate, train_step
+from megatron.training.training_log import TrainingLogger
+
+
+def _configs_or_exit(argv: Optional[Sequence[str]]):
+    """Parse and validate everything; on a problem print one message and exit non-zero."""
+    try:
+        args = parse_args(argv)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        build_configs(args, world_size)  # flags and files, before the tokenizer is loaded
+        tokenizer = build_tokenizer_from_args(args)
+        return args, build_configs(args, world_size, tokenizer), tokenizer
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _with_configs(fn: Callable, configs) -> Callable:
+    """Pass ``configs`` to script functions that ask for it (Megatron's use get_args())."""
+    return partial(fn, configs=configs) if "configs" in inspect.signature(fn).parameters else fn
+
+
+def _iterators(dataset, configs, consumed_samples: int, cyclic: bool, chunks: int):
+    """One data iterator per model chunk, each yielding the same micro batches."""
+    t = configs.training
+    if dataset is None:
+        return None
+    iterators = []
+    for _ in range(chunks):
+        loader = build_pretraining_data_loader(
+            dataset, consumed_samples, t.dataloader_type, t.micro_batch_size, 0,
+            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+            t.seed)
+        iterators.append(cyclic_iter(loader) if cyclic else iter(loader))
+    return iterators if chunks > 1 else iterators[0]
+
+
+def _flops(configs, args) -> int:
+    tc = configs.transformer
+    return num_floating_point_operations(
+        tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.num_attention_heads,
+        tc.num_query_groups, args.seq_length, configs.model_kwargs["padded_vocab_size"],
+        configs.training.global_batch_size, tc.activation == "swiglu", tc.kv_channels)
+
+
+def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
+             forward_step_func: Callable, argv: Optional[Sequence[str]] = None) -> List[dict]:
+    """Train as the flags say. Returns the per-iteration reported losses (last stage)."""
+    args, configs, _ = _configs_or_exit(argv)
+    t = configs.training
+    start_time = time.time()
+    initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                        args.virtual_pipeline_model_parallel_size, t.seed, t.device)
+    model = build_model(_with_configs(model_provider, configs), configs.transformer,
+                        configs.ddp, t.seed)
+    optimizer = get_megatron_optimizer(configs.optimizer, model)
+    configs.transformer.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
+
+    gbs = t.global_batch_size
+    train_iters = t.train_iters or math.ceil(t.train_samples / gbs)
+    evals = train_iters // t.eval_interval + 1 if t.eval_interval else 0
+    datasets = _with_configs(train_valid_test_datasets_provider, configs)(
+        [train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs])
+    chunks = len(model)
+    train_iter = _iterators(datasets[0], configs, 0, t.dataloader_type == "cyclic", chunks)
+    valid_iter = _iterators(datasets[1], configs, 0, True, chunks)
+    forward_step = _with_configs(forward_step_func, configs)
+
+    num_micro = gbs // (t.micro_batch_size * t.data_parallel_size)
+    logger = TrainingLogger(train_iters, gbs, args.seq_length, dist.get_world_size(),
+                            flops_per_iteration=_flops(configs, args), peak_tflops=t.peak_tflops,
+                            log_interval=t.log_interval, tensorboard_dir=t.tensorboard_dir,
+                            tensorboard_queue_size=t.tensorboard_queue_size,
+                            log_timers_to_tensorboard=t.log_timers_to_tensorboard,
+                            log_batch_size_to_tensorboard=t.log_batch_size_to_tensorboard,
+                            log_validation_ppl_to_tensorboard=t.log_validation_ppl_to_tensorboard,
+                            log_throughput=t.log_throughput)
+    logger.start()
+    history = []
+    for iteration in range(1, train_iters + 1):
+        losses, skipped, grad_norm, num_zeros = train_step(
+            forward_step, train_iter, model, optimizer, scheduler, num_micro, args.seq_length,
+            t.micro_batch_size)
+        history.append(losses)
+        logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
+                            optimizer.get_loss_scale(), skipped_iter=skipped, grad_norm=grad_norm,
+                            num_zeros=num_zeros, consumed_samples=iteration * gbs)
+        if t.eval_interval and valid_iter is not None and iteration % t.eval_interval == 0:
+            logger.log_validation(iteration, evaluate(
+                forward_step, valid_iter, model, t.eval_iters, num_micro, args.seq_length,
+                t.micro_batch_size))
+        if t.exit_interval and iteration % t.exit_interval == 0:
+            break
+        if t.exit_duration_in_mins and _minutes_elapsed(start_time) > t.exit_duration_in_mins:
+            break
+    logger.close()
+    return history
+
+
+def _minutes_elapsed(start_time: float) -> float:
+    """The slowest rank's view, so every rank stops at the same iteration."""
+    import torch
+
+    elapsed = torch.tensor([(time.time() - start_time) / 60.0])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
