@@ -68,6 +68,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     """Train as the flags say. Returns the per-iteration reported losses (last stage)."""
     args, configs, _ = _configs_or_exit(argv)
     t = configs.training
+    if (t.save or t.load) and int(os.environ.get("RANK", "0")) == 0:
+        # Say it loudly rather than let a user believe work is being kept.
+        print("WARNING: checkpointing is not implemented yet: --save/--load are ignored and "
+              "nothing will be saved.", file=sys.stderr, flush=True)
     start_time = time.time()
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device)
