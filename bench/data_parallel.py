@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from bench.launch import launch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -72,7 +73,6 @@ from megatron.core.optimizer import (  # noqa: E402
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-_HOST = "127.0.0.1"
 DP = 2
 ADAM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
 CONTENDERS = ("ours", "ours-overlap", "ours-overlap-default", "torch", "torch-matched")
@@ -386,33 +386,9 @@ def report(args, config, per_rank):
 
 # --- launch ---------------------------------------------------------------------------------
 
-def _spawned(rank, world_size, port, args):
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    store = dist.TCPStore(_HOST, port, world_size, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        run_rank(rank, world_size, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main():
     args = parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        if int(os.environ["WORLD_SIZE"]) != DP:
-            sys.exit(f"bench/data_parallel.py needs exactly {DP} processes.")
-        dist.init_process_group("gloo")
-        try:
-            run_rank(dist.get_rank(), DP, args)
-        finally:
-            dist.destroy_process_group()
-        return
-    import torch.multiprocessing as mp
-
-    # The parent hosts the rendezvous store on a free port (held, not guessed).
-    store = dist.TCPStore(_HOST, 0, None, True, wait_for_workers=False)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    mp.spawn(_spawned, args=(DP, store.port, args), nprocs=DP, join=True)
+    launch(run_rank, DP, args, "bench/data_parallel.py", threads=args.threads)
 
 
 if __name__ == "__main__":

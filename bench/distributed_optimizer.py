@@ -3,6 +3,7 @@ and with --overlapped-distributed-optimizer.
 
     python bench/distributed_optimizer.py [--layers 4 --hidden 384 --seq 128
                                            --micro-batch-size 2 --microbatches 8 --steps 10]
+    torchrun --nproc-per-node 2 bench/distributed_optimizer.py [...]
 
 Two processes (gloo, one compute thread each). Each contender is its own LLaMA instance with
 the same initial weights, wrapped in our DDP as its flags imply (``ddp_config_for_optimizer``),
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from bench.launch import launch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -100,10 +102,8 @@ def _batch(args, seed):
              torch.randint(0, args.vocab, shape, generator=g)) for _ in range(args.microbatches)]
 
 
-def run(rank, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run_rank(rank, world_size, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=DP)
     parallel_state.initialize_model_parallel(1, 1)
     built = {name: _build(args, flags) for name, flags in CONTENDERS.items()}
 
@@ -143,18 +143,10 @@ def run(rank, port, args):
         print(f"ratio distributed / no sharding (step time): {med[names[1]] / med[names[0]]:.3f}")
         print(f"ratio overlapped / distributed  (step time): {med[names[2]] / med[names[1]]:.3f}")
         print("=" * 78)
-    dist.destroy_process_group()
 
 
 def main():
-    import socket
-    import torch.multiprocessing as mp
-
-    args = parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(port, args), nprocs=DP)
+    launch(run_rank, DP, parse_args(), "bench/distributed_optimizer.py")
 
 
 if __name__ == "__main__":

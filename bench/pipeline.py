@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from bench.launch import launch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.llama import LlamaModel, llama_config  # noqa: E402
 from megatron.core.pipeline_parallel import (  # noqa: E402
@@ -39,7 +40,6 @@ from megatron.core.pipeline_parallel import (  # noqa: E402
 )
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT  # noqa: E402
 
-_HOST = "127.0.0.1"
 PP = 2
 
 
@@ -345,33 +345,9 @@ def report(args, config, per_rank):
 
 # --- launch ---------------------------------------------------------------------------------
 
-def _spawned(rank, world_size, port, args):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    store = dist.TCPStore(_HOST, port, world_size, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        run_rank(rank, world_size, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main():
     args = parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        if int(os.environ["WORLD_SIZE"]) != PP:
-            sys.exit(f"bench/pipeline.py needs exactly {PP} processes.")
-        dist.init_process_group("gloo")
-        try:
-            run_rank(dist.get_rank(), PP, args)
-        finally:
-            dist.destroy_process_group()
-        return
-    import torch.multiprocessing as mp
-
-    # The parent hosts the rendezvous store on a free port (held, not guessed).
-    store = dist.TCPStore(_HOST, 0, None, True, wait_for_workers=False)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_spawned, args=(PP, store.port, args), nprocs=PP, join=True)
+    launch(run_rank, PP, args, "bench/pipeline.py", threads=1)
 
 
 if __name__ == "__main__":
