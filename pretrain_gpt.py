@@ -1,13 +1,13 @@
 """Pretrain a GPT model: torchrun --nproc-per-node N pretrain_gpt.py [Megatron flags]."""
 from megatron.core.models import GPTModel
-from megatron.training.gpt_step import forward_step, train_valid_test_datasets_provider
+from megatron.training.gpt_step import (
+    forward_step,
+    model_provider_for,
+    train_valid_test_datasets_provider,
+)
 from megatron.training.pretrain import pretrain
 
-
-def model_provider(configs, pre_process=True, post_process=True, layer_range=None):
-    kwargs = dict(configs.model_kwargs)
-    return GPTModel(configs.transformer, kwargs.pop("vocab_size"), pre_process=pre_process,
-                    post_process=post_process, layer_range=layer_range, **kwargs)
+model_provider = model_provider_for(GPTModel)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@ LLaMA's architecture flags (RMSNorm, SwiGLU, rotary embeddings, no biases, untie
 given on the command line as with Megatron; see shtools/ for complete launch lines.
 """
 from megatron.core.models import LlamaModel
-from megatron.training.gpt_step import forward_step, train_valid_test_datasets_provider
+from megatron.training.gpt_step import (
+    forward_step,
+    model_provider_for,
+    train_valid_test_datasets_provider,
+)
 from megatron.training.pretrain import pretrain
 
-
-def model_provider(configs, pre_process=True, post_process=True, layer_range=None):
-    kwargs = dict(configs.model_kwargs)
-    return LlamaModel(configs.transformer, kwargs.pop("vocab_size"), pre_process=pre_process,
-                      post_process=post_process, layer_range=layer_range, **kwargs)
+model_provider = model_provider_for(LlamaModel)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""What pretrain_gpt.py and pretrain_llama.py share: the datasets provider and the forward step
-(batch from the data iterator, per-token loss masked and averaged, reported averaged over DP)."""
+"""What pretrain_gpt.py and pretrain_llama.py share: the model provider, the datasets provider
+and the forward step (batch from the data iterator, per-token loss masked and averaged, reported
+averaged over DP)."""
 from typing import Sequence
 
 import torch
@@ -7,6 +8,16 @@ import torch
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.training.batch import get_batch_from_config
 from megatron.training.training import average_across_data_parallel
+
+
+def model_provider_for(model_class):
+    """A model provider building ``model_class`` (GPTModel or LlamaModel) chunks from configs."""
+    def model_provider(configs, pre_process=True, post_process=True, layer_range=None):
+        kwargs = dict(configs.model_kwargs)
+        return model_class(configs.transformer, kwargs.pop("vocab_size"),
+                           pre_process=pre_process, post_process=post_process,
+                           layer_range=layer_range, **kwargs)
+    return model_provider
 
 
 def train_valid_test_datasets_provider(num_samples: Sequence[int], configs):

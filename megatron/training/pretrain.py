@@ -9,6 +9,7 @@ import time
 from functools import partial
 from typing import Callable, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
@@ -124,8 +125,6 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
 def _minutes_elapsed(start_time: float) -> float:
     """The slowest rank's view, so every rank stops at the same iteration."""
-    import torch
-
     elapsed = torch.tensor([(time.time() - start_time) / 60.0])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
