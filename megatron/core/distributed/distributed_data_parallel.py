@@ -50,9 +50,9 @@ class DistributedDataParallel(torch.nn.Module):
                                    self.data_parallel_group, 1.0 / dp_size,
                                    shard=ddp_config.use_distributed_optimizer)
                         for (_, grad_dtype), params in by_dtype.items()]
-        self._buffer_of = {p: b for b in self.buffers for p in b.bucket_of}
+        self._bucket_of = {p: bucket for b in self.buffers for p, bucket in b.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                       for p in self._buffer_of]
+                       for p in self._bucket_of]
         if ddp_config.overlap_param_gather:
             self._register_param_gather_waits()
         self.broadcast_params()
@@ -63,8 +63,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _register_param_gather_waits(self) -> None:
         """Before a module runs forward, wait for the all-gather of its own parameters only."""
         for module in self.module.modules():
-            buckets = {id(b): b for p in module.parameters(recurse=False)
-                       if p in self._buffer_of for b in [self._buffer_of[p].bucket_of[p]]}
+            buckets = {id(self._bucket_of[p]): self._bucket_of[p]
+                       for p in module.parameters(recurse=False) if p in self._bucket_of}
             if buckets:
                 def wait(_module, _inputs, buckets=tuple(buckets.values())):
                     for bucket in buckets:
@@ -90,7 +90,7 @@ class DistributedDataParallel(torch.nn.Module):
         param.main_grad.add_(param.grad)
         param.grad = None
         if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
-            bucket = self._buffer_of[param].bucket_of[param]
+            bucket = self._bucket_of[param]
             if bucket.mark_ready(param):
                 bucket.launch(async_op=True)
 
@@ -118,7 +118,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start an iteration: zero the gradient buffers and forget bucket state."""
-        for param in self._buffer_of:
+        for param in self._bucket_of:
             param.grad = None
         for buffer in self.buffers:
             buffer.reset()
