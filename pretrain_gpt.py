@@ -1,4 +1,5 @@
 """Pretrain a GPT model: torchrun --nproc-per-node N pretrain_gpt.py [Megatron flags]."""
+from megatron.core.enums import ModelType
 from megatron.core.models import GPTModel
 from megatron.training.gpt_step import (
     forward_step,
@@ -11,4 +12,5 @@ model_provider = model_provider_for(GPTModel)
 
 
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)
+    pretrain(train_valid_test_datasets_provider, model_provider,
+             ModelType.encoder_or_decoder, forward_step)

@@ -3,6 +3,7 @@
 LLaMA's architecture flags (RMSNorm, SwiGLU, rotary embeddings, no biases, untied output) are
 given on the command line as with Megatron; see shtools/ for complete launch lines.
 """
+from megatron.core.enums import ModelType
 from megatron.core.models import LlamaModel
 from megatron.training.gpt_step import (
     forward_step,
@@ -15,4 +16,5 @@ model_provider = model_provider_for(LlamaModel)
 
 
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)
+    pretrain(train_valid_test_datasets_provider, model_provider,
+             ModelType.encoder_or_decoder, forward_step)

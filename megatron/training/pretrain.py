@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training.arguments import ConfigError, build_configs, parse_args
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
@@ -65,8 +66,13 @@ def _flops(configs, args) -> int:
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
-             forward_step_func: Callable, argv: Optional[Sequence[str]] = None) -> List[dict]:
-    """Train as the flags say. Returns the per-iteration reported losses (last stage)."""
+             model_type: ModelType, forward_step_func: Callable,
+             argv: Optional[Sequence[str]] = None) -> List[dict]:
+    """Train as the flags say (Megatron's signature). Returns the per-iteration reported
+    losses (last stage)."""
+    if model_type is not ModelType.encoder_or_decoder:
+        raise ValueError(f"model_type {model_type} is not supported: only "
+                         f"ModelType.encoder_or_decoder (GPT/LLaMA) models are.")
     args, configs, _ = _configs_or_exit(argv)
     t = configs.training
     if (t.save or t.load) and int(os.environ.get("RANK", "0")) == 0:
