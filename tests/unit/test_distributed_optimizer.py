@@ -152,7 +152,9 @@ def _save_then_continue(kind, total_steps, save_after):
     model, optimizer = _build(kind, bucket_size=3000)
     batches = _global_batches(4, steps=total_steps)
     _train(model, optimizer, batches[:save_after])
-    saved = dict(model=model.state_dict(), optimizer=optimizer.state_dict())
+    # A snapshot, as a checkpoint file is (state_dict() tensors are live views).
+    saved = dict(model={k: v.clone() for k, v in model.state_dict().items()},
+                 optimizer=optimizer.state_dict())
     after = _train(model, optimizer, batches[save_after:])
     return saved, after
 

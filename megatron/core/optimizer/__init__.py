@@ -72,6 +72,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                                     _grad_scaler(config), model_chunks)
     if config.fp16 or config.bf16:
         main_groups, model_of = fp32_main_param_groups(groups)
-        return Float16OptimizerWithFloat16Params(_torch_optimizer(main_groups, config), config,
-                                                 _grad_scaler(config), model_of)
-    return FP32Optimizer(_torch_optimizer(groups, config), config, _grad_scaler(config))
+        optimizer = Float16OptimizerWithFloat16Params(_torch_optimizer(main_groups, config),
+                                                      config, _grad_scaler(config), model_of)
+    else:
+        optimizer = FP32Optimizer(_torch_optimizer(groups, config), config, _grad_scaler(config))
+    optimizer.set_param_names(model_chunks)
+    return optimizer

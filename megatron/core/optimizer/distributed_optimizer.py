@@ -21,8 +21,15 @@ import torch.distributed as dist
 
 from megatron.core import device, parallel_state
 from megatron.core.collectives import all_gather_into_tensor
+from megatron.core.optimizer.named_state import (
+    check_covers,
+    check_numel,
+    load_scaler_and_counters,
+    load_torch_state,
+    state_keys,
+    wrap_state,
+)
 from megatron.core.optimizer.optimizer import MegatronOptimizer
-from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 
 
 class _Shard:
@@ -67,8 +74,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 self._model_of[piece] = param
         groups = [{**g, "params": pieces} for g, pieces in zip(param_groups, piece_groups)]
         super().__init__(optimizer_factory(groups), config, grad_scaler)
-        self._names = {p: (c, name) for c, chunk in enumerate(model_chunks)
-                       for name, p in unwrap_model(chunk).named_parameters()}
+        self.set_param_names(model_chunks)
 
     # --- the step ------------------------------------------------------------------------------
     def _reduction_group(self):
@@ -96,24 +102,23 @@ class DistributedOptimizer(MegatronOptimizer):
         for chunk in self.model_chunks:
             chunk.finish_param_sync()
 
-    # --- checkpoints, independent of the DP size ----------------------------------------------
-    def _state_keys(self) -> List[str]:
-        keys = set()
-        for state in self.optimizer.state.values():
-            keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1)
-        return sorted(keys)
+    # --- checkpoints, independent of the DP size (format: named_state.py) --------------------
+    def reload_model_params(self) -> None:
+        for shard in self.shards:
+            if not shard.in_place:
+                shard.main.copy_(shard.bucket.param_data[shard.begin:shard.end])
 
     def state_dict(self) -> Optional[Dict]:
-        """Full per-parameter fp32 values and optimizer state, on DP rank 0 (None elsewhere).
-        Every DP rank must call it (it gathers)."""
+        """Full per-parameter optimizer state (and fp32 main params where they are copies),
+        on DP rank 0 (None elsewhere). Every DP rank must call it (it gathers)."""
         self._finish_param_gather()
         group = parallel_state.get_data_parallel_group()
         on_root = parallel_state.get_data_parallel_rank() == 0
-        keys = self._state_keys()
+        keys = state_keys(self.optimizer, lambda p, v: v.dim() == 1)
         params: Dict[str, Dict[str, torch.Tensor]] = {}
         step = None
         for shard in self.shards:
-            flats = {"param": shard.main}
+            flats = {} if shard.in_place else {"param": shard.main}
             for key in keys:
                 flat = device.zeros(shard.end - shard.begin, dtype=torch.float32)
                 for piece, _, _, _, offset in shard.pieces:
@@ -131,8 +136,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 full[key] = gathered
             if on_root:
                 for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
-                    chunk, name = self._names[param]
-                    params[f"{chunk}/{name}"] = {
+                    params[self._names[param]] = {
                         key: value[p_begin:p_end].view(param.shape).cpu().clone()
                         for key, value in full.items()}
         steps = [step if step is not None else -1.0]
@@ -141,47 +145,32 @@ class DistributedOptimizer(MegatronOptimizer):
         step = max(s[0] for s in all_steps)
         if not on_root:
             return None
-        state = {"params": params, "step": step if step >= 0 else None, "state_keys": keys,
-                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                  for g in self.optimizer.param_groups],
-                 "num_skipped_steps": self.num_skipped_steps}
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+        return wrap_state(self.optimizer, params, step if step >= 0 else None, keys,
+                          self.num_skipped_steps, self.grad_scaler)
 
     def load_state_dict(self, state: Dict) -> None:
-        """``state`` from ``state_dict()`` at any DP size; the same dict on every rank."""
+        """``state`` from any optimizer's ``state_dict()`` at any DP size; the same dict on
+        every rank. The model's weights must be loaded first (they are the main params
+        wherever the checkpoint holds no separate fp32 copy)."""
         self._finish_param_gather()
-        params = state["params"]
-        missing = [f"{c}/{n}" for p, (c, n) in self._names.items() if f"{c}/{n}" not in params]
-        if missing:
-            raise ValueError(f"the optimizer checkpoint lacks {len(missing)} parameters (e.g. "
-                             f"{missing[0]}); it is for another model or pipeline layout. Load "
-                             f"with --no-load-optim.")
+        check_covers(state, list(self._names.values()))
         per_piece = {}
-        for shard in self.shards:
-            for piece, param, begin, end, _ in shard.pieces:
-                saved = params["%d/%s" % self._names[param]]
-                if saved["param"].numel() != param.numel():
-                    raise ValueError(f"optimizer checkpoint: {self._names[param][1]} has "
-                                     f"{saved['param'].numel()} elements, the model "
-                                     f"{param.numel()}; load with --no-load-optim.")
-                with torch.no_grad():
-                    piece.copy_(saved["param"].view(-1)[begin:end])
-                if state["step"] is not None:
-                    per_piece[piece] = {"step": torch.tensor(state["step"]), **{
-                        key: saved[key].view(-1)[begin:end].clone()
-                        for key in state["state_keys"]}}
-        torch_state = self.optimizer.state_dict()
-        ids = {p: i for i, p in enumerate(p for g in self.optimizer.param_groups
-                                           for p in g["params"])}
-        torch_state["state"] = {ids[p]: s for p, s in per_piece.items()}
-        for group, saved_group in zip(torch_state["param_groups"], state["param_groups"]):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        self.optimizer.load_state_dict(torch_state)
-        self.num_skipped_steps = int(state.get("num_skipped_steps", 0))
-        if self.grad_scaler is not None and "grad_scaler" in state:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        with torch.no_grad():
+            for shard in self.shards:
+                for piece, param, begin, end, _ in shard.pieces:
+                    key = self._names[param]
+                    saved = state["params"][key]
+                    if "param" in saved:
+                        check_numel(key, saved["param"], param)
+                        piece.copy_(saved["param"].reshape(-1)[begin:end])
+                    else:
+                        piece.copy_(param.detach().reshape(-1)[begin:end])
+                    if state["step"] is not None:
+                        per_piece[piece] = {"step": torch.tensor(state["step"]), **{
+                            k: saved[k].reshape(-1)[begin:end].to(piece.device).clone()
+                            for k in state["state_keys"] if k in saved}}
+        load_torch_state(self.optimizer, per_piece, state["param_groups"])
+        load_scaler_and_counters(self, state)
         for shard in self.shards:
             if not shard.in_place:
                 shard.bucket.param_data[shard.begin:shard.end].copy_(shard.main)

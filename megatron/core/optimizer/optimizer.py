@@ -13,6 +13,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.optimizer.named_state import (
+    check_covers,
+    check_numel,
+    load_scaler_and_counters,
+    load_torch_state,
+    param_key,
+    state_keys,
+    wrap_state,
+)
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -108,22 +118,57 @@ class MegatronOptimizer:
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
 
-    # --- checkpoints ------------------------------------------------------------------------
+    # --- checkpoints (format: named_state.py) ------------------------------------------------
+    def set_param_names(self, model_chunks: List[torch.nn.Module]) -> None:
+        """Name each model parameter "{chunk}/{name}" for the checkpoint format."""
+        self._names = {p: param_key(c, name) for c, chunk in enumerate(model_chunks)
+                       for name, p in unwrap_model(chunk).named_parameters()}
+
+    def _main_params(self) -> List[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def reload_model_params(self) -> None:
+        """Main params from the model's (after loading model weights without optimizer)."""
+        for main in self._main_params():
+            model = self._model_param(main)
+            if main is not model:
+                main.data.copy_(model.data)
+
     def state_dict(self) -> Dict:
-        state = {"optimizer": self.optimizer.state_dict(),
-                 "num_skipped_steps": self.num_skipped_steps}
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+        keys = state_keys(self.optimizer, lambda p, v: v.shape == p.shape)
+        params, step = {}, None
+        for main in self._main_params():
+            model = self._model_param(main)
+            entry = {} if main is model else {"param": main.detach().cpu().clone()}
+            state = self.optimizer.state.get(main, {})
+            entry.update({k: state[k].detach().cpu().clone() for k in keys if k in state})
+            if "step" in state:
+                step = float(state["step"])
+            params[self._names[model]] = entry
+        return wrap_state(self.optimizer, params, step, keys, self.num_skipped_steps,
+                          self.grad_scaler)
 
     def load_state_dict(self, state: Dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.num_skipped_steps = int(state.get("num_skipped_steps", 0))
-        if self.grad_scaler is not None:
-            if "grad_scaler" not in state:
-                raise ValueError("the checkpoint has no loss-scaler state but this run scales "
-                                 "the loss; load without the optimizer (--no-load-optim).")
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        mains = self._main_params()
+        check_covers(state, [self._names[self._model_param(m)] for m in mains])
+        per_param = {}
+        with torch.no_grad():
+            for main in mains:
+                model = self._model_param(main)
+                key = self._names[model]
+                saved = state["params"][key]
+                if "param" in saved:
+                    check_numel(key, saved["param"], main)
+                    main.copy_(saved["param"].view_as(main))
+                elif main is not model:
+                    main.copy_(model)
+                if state["step"] is not None:
+                    per_param[main] = {"step": torch.tensor(state["step"]), **{
+                        k: saved[k].view_as(main).to(main.device).clone()
+                        for k in state["state_keys"] if k in saved}}
+        load_torch_state(self.optimizer, per_param, state["param_groups"])
+        load_scaler_and_counters(self, state)
+        self._copy_main_params_to_model_params()
 
 
 class FP32Optimizer(MegatronOptimizer):
@@ -194,20 +239,3 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         super().zero_grad()
         for model in self._model_of.values():
             model.grad = None
-
-    def state_dict(self) -> Dict:
-        state = super().state_dict()
-        state["fp32_from_fp16_params"] = [[p.detach().clone() for p in group["params"]]
-                                          for group in self.optimizer.param_groups]
-        return state
-
-    def load_state_dict(self, state: Dict) -> None:
-        super().load_state_dict(state)
-        saved = state["fp32_from_fp16_params"]
-        for group, saved_group in zip(self.optimizer.param_groups, saved):
-            if len(group["params"]) != len(saved_group):
-                raise ValueError("the checkpoint's optimizer holds a different set of "
-                                 "parameters; load without it (--no-load-optim).")
-            for main, value in zip(group["params"], saved_group):
-                main.data.copy_(value)
-        self._copy_main_params_to_model_params()
