@@ -153,8 +153,11 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, dataloader_typ
         from megatron.core import device
 
         pin_memory = device.device_type() == "cuda"
+    # Its own generator: each new iterator draws a worker seed, and drawing it from the global
+    # generator would shift the dropout masks after a resume (the iterator starts later).
+    generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=pin_memory,
+                                       pin_memory=pin_memory, generator=generator,
                                        persistent_workers=num_workers > 0)
 
 

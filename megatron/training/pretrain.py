@@ -16,6 +16,13 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training.arguments import ConfigError, build_configs, parse_args
+from megatron.training.checkpointing import (
+    CheckpointError,
+    CheckpointWriter,
+    LoadedCheckpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
@@ -75,10 +82,6 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                          f"ModelType.encoder_or_decoder (GPT/LLaMA) models are.")
     args, configs, _ = _configs_or_exit(argv)
     t = configs.training
-    if (t.save or t.load) and int(os.environ.get("RANK", "0")) == 0:
-        # Say it loudly rather than let a user believe work is being kept.
-        print("WARNING: checkpointing is not implemented yet: --save/--load are ignored and "
-              "nothing will be saved.", file=sys.stderr, flush=True)
     start_time = time.time()
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device)
@@ -87,15 +90,22 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     optimizer = get_megatron_optimizer(configs.optimizer, model)
     configs.transformer.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
+    resumed = _load_or_exit(model, optimizer, scheduler, configs)
 
     gbs = t.global_batch_size
     train_iters = t.train_iters or math.ceil(t.train_samples / gbs)
+    if resumed.iteration >= train_iters:
+        if dist.get_rank() == 0:
+            print(f"nothing to do: the checkpoint is at iteration {resumed.iteration} and "
+                  f"training stops at {train_iters}.", flush=True)
+        return []
     evals = train_iters // t.eval_interval + 1 if t.eval_interval else 0
     datasets = _with_configs(train_valid_test_datasets_provider, configs)(
         [train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs])
     chunks = len(model)
-    train_iter = _iterators(datasets[0], configs, 0, t.dataloader_type == "cyclic", chunks)
-    valid_iter = _iterators(datasets[1], configs, 0, True, chunks)
+    train_iter = _iterators(datasets[0], configs, resumed.consumed_train_samples,
+                            t.dataloader_type == "cyclic", chunks)
+    valid_iter = _iterators(datasets[1], configs, resumed.consumed_valid_samples, True, chunks)
     forward_step = _with_configs(forward_step_func, configs)
 
     num_micro = gbs // (t.micro_batch_size * t.data_parallel_size)
@@ -108,25 +118,90 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                             log_validation_ppl_to_tensorboard=t.log_validation_ppl_to_tensorboard,
                             log_throughput=t.log_throughput)
     logger.start()
-    history = []
-    for iteration in range(1, train_iters + 1):
-        losses, skipped, grad_norm, num_zeros = train_step(
-            forward_step, train_iter, model, optimizer, scheduler, num_micro, args.seq_length,
-            t.micro_batch_size)
-        history.append(losses)
-        logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
-                            optimizer.get_loss_scale(), skipped_iter=skipped, grad_norm=grad_norm,
-                            num_zeros=num_zeros, consumed_samples=iteration * gbs)
-        if t.eval_interval and valid_iter is not None and iteration % t.eval_interval == 0:
-            logger.log_validation(iteration, evaluate(
-                forward_step, valid_iter, model, t.eval_iters, num_micro, args.seq_length,
-                t.micro_batch_size))
-        if t.exit_interval and iteration % t.exit_interval == 0:
-            break
-        if t.exit_duration_in_mins and _minutes_elapsed(start_time) > t.exit_duration_in_mins:
-            break
+    checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args))
+    consumed_train, consumed_valid = resumed.consumed_train_samples, \
+        resumed.consumed_valid_samples
+    history, iteration = [], resumed.iteration
+    resumed.restore_rng()
+    try:
+        while iteration < train_iters:
+            iteration += 1
+            losses, skipped, grad_norm, num_zeros = train_step(
+                forward_step, train_iter, model, optimizer, scheduler, num_micro,
+                args.seq_length, t.micro_batch_size)
+            consumed_train += gbs
+            history.append(losses)
+            logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
+                                optimizer.get_loss_scale(), skipped_iter=skipped,
+                                grad_norm=grad_norm, num_zeros=num_zeros,
+                                consumed_samples=consumed_train)
+            checkpoints.poll()
+            if t.eval_interval and valid_iter is not None and iteration % t.eval_interval == 0:
+                logger.log_validation(iteration, evaluate(
+                    forward_step, valid_iter, model, t.eval_iters, num_micro, args.seq_length,
+                    t.micro_batch_size))
+                consumed_valid += t.eval_iters * gbs
+            if t.save_interval and iteration % t.save_interval == 0:
+                checkpoints.save(iteration, consumed_train, consumed_valid)
+            if (t.exit_interval and iteration % t.exit_interval == 0) or (
+                    t.exit_duration_in_mins and
+                    _minutes_elapsed(start_time) > t.exit_duration_in_mins):
+                break
+        checkpoints.save(iteration, consumed_train, consumed_valid)  # unless just saved
+        checkpoints.wait()
+    except CheckpointError as exc:
+        _exit_with(exc, code=1)
     logger.close()
     return history
+
+
+def _exit_with(exc: Exception, code: int) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _load_or_exit(model, optimizer, scheduler, configs) -> LoadedCheckpoint:
+    try:
+        resumed = load_checkpoint(model, optimizer, scheduler, configs)
+    except CheckpointError as exc:
+        _exit_with(exc, code=1)
+    if dist.get_rank() == 0 and configs.training.load is not None:
+        where = f" from {resumed.path}" if resumed.path else ""
+        notes = "".join(f"; {n}" for n in resumed.notes)
+        print(f"loaded checkpoint{where} at iteration {resumed.iteration}{notes}", flush=True)
+    return resumed
+
+
+class _Checkpoints:
+    """The loop's saves: at --save-interval, at the end (once per iteration), in the
+    background with --async-save."""
+
+    def __init__(self, model, optimizer, scheduler, configs, args: dict):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.configs, self.args = configs, args
+        self.writer = CheckpointWriter(configs.training.async_save)
+        self.last_saved = None
+
+    def save(self, iteration: int, consumed_train: int, consumed_valid: int) -> None:
+        root = self.configs.training.save
+        if root is None or iteration == self.last_saved or iteration == 0:
+            return
+        save_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler,
+                        self.configs, {**self.args, "iteration": iteration,
+                                       "consumed_train_samples": consumed_train,
+                                       "consumed_valid_samples": consumed_valid},
+                        consumed_train, consumed_valid, self.writer)
+        self.last_saved = iteration
+        if dist.get_rank() == 0:
+            mode = "started (async)" if self.writer.async_save else "saved"
+            print(f"checkpoint of iteration {iteration} {mode} in {root}", flush=True)
+
+    def poll(self) -> None:
+        self.writer.poll()
+
+    def wait(self) -> None:
+        self.writer.wait()
 
 
 def _minutes_elapsed(start_time: float) -> float:

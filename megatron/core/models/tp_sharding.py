@@ -86,6 +86,7 @@ def select_layers(full: Dict[str, torch.Tensor], layer_range: Tuple[int, int],
                 out[name] = tensor
         elif post_process:
             out[name] = tensor
-    if post_process and tied_output and not pre_process:
+    if post_process and tied_output and not pre_process and \
+            "embedding.word_embeddings.weight" in full:
         out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
     return out

@@ -1,0 +1,281 @@
+"""``load_checkpoint``: resume (or start a fine-tune) from a checkpoint of any layout.
+
+Reading and checking happen first, with no collective calls, and every rank learns whether
+any rank failed before anything is applied; so a bad checkpoint stops every rank with the
+same message instead of leaving some of them waiting in a collective.
+"""
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.layout import current_layout, model_key, same_model_cut
+from megatron.training.checkpointing.paths import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRACKER_FILE,
+    CheckpointError,
+    complete_iterations,
+    iteration_dir_name,
+    parse_rank_dir_name,
+    rank_dir_name,
+    read_tracker,
+)
+from megatron.training.checkpointing.reshard import (
+    join_optimizer_params,
+    merge_tensor_parallel,
+    renumber_layers,
+    shard_for_rank,
+    split_optimizer_params,
+)
+from megatron.training.checkpointing.rng_state import restore_rng_state
+from megatron.training.checkpointing.safe_io import safe_load
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Where training continues; ``iteration`` 0 and nothing loaded for a fresh start."""
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    path: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+    rng_state: Optional[Dict] = None
+
+    def restore_rng(self) -> None:
+        """Call right before the first iteration: anything drawn after it (building data
+        loaders draws a seed) would shift the random streams away from the saved run's."""
+        if self.rng_state is not None:
+            restore_rng_state(self.rng_state)
+
+
+@dataclass
+class _Read:
+    result: LoadedCheckpoint
+    models: List[Dict[str, torch.Tensor]]
+    optimizer: Optional[Dict] = None
+    scheduler: Optional[Dict] = None
+
+
+def _choose_iteration(t):
+    """(iteration, release) to load, or None for a fresh start."""
+    if t.ckpt_step is not None:
+        if not os.path.isdir(os.path.join(t.load, iteration_dir_name(t.ckpt_step))):
+            raise CheckpointError(
+                f"--ckpt-step {t.ckpt_step}: {t.load} has no complete checkpoint of that "
+                f"iteration (it has: {complete_iterations(t.load) or 'none'}).")
+        return t.ckpt_step, False
+    tracker = read_tracker(t.load)
+    if tracker is not None:
+        return tracker
+    iterations = complete_iterations(t.load)
+    if iterations:  # a crash between the rename and the tracker update: that dir is complete
+        return iterations[-1], False
+    same_as_save = t.save is not None and os.path.realpath(t.save) == os.path.realpath(t.load)
+    if same_as_save:
+        return None  # auto-resume: the first start of a job finds nothing and starts fresh
+    raise CheckpointError(
+        f"--load {t.load}: there is no checkpoint there (no {TRACKER_FILE} and no iter_* "
+        f"directory). Check the path; to start from scratch drop --load.")
+
+
+def _saved_rank_dirs(iteration_dir: str) -> Dict:
+    found = {}
+    for name in sorted(os.listdir(iteration_dir)):
+        coords = parse_rank_dir_name(name)
+        if coords is not None:
+            found[coords] = os.path.join(iteration_dir, name)
+    if not found:
+        raise CheckpointError(f"{iteration_dir} holds no mp_rank_* directories; the checkpoint "
+                              f"is empty or damaged. Load another with --ckpt-step.")
+    return found
+
+
+def _check_architecture(chunks, states: List[Dict[str, torch.Tensor]]) -> None:
+    for chunk, state in zip(chunks, states):
+        want = unwrap_model(chunk).state_dict()
+        for name, tensor in want.items():
+            if name not in state:
+                raise CheckpointError(f"the checkpoint is for another architecture: it has no "
+                                      f"{name} (shape {tuple(tensor.shape)} here).")
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"the checkpoint is for another architecture: {name} has shape "
+                    f"{tuple(state[name].shape)} there and {tuple(tensor.shape)} here.")
+        extra = sorted(set(state) - set(want))
+        if extra:
+            raise CheckpointError(f"the checkpoint is for another architecture: it has "
+                                  f"{extra[0]}, which this model does not.")
+
+
+class _Resharder:
+    """Builds this rank's tensors from every saved (TP, PP) file of another layout."""
+
+    def __init__(self, files: Dict, saved_layout: Dict, layout: Dict, chunks, optim_files):
+        self.files, self.saved, self.layout = files, saved_layout, layout
+        self.chunks = [unwrap_model(c) for c in chunks]
+        self.optim_files = optim_files
+
+    def _wanted(self, name: str) -> bool:
+        """Whether a full-model tensor can end up in one of this rank's chunks."""
+        if name.startswith("decoder.layers."):
+            index = int(name.split(".")[2])
+            return any(s <= index < e for s, e in self.layout["layer_ranges"])
+        if name.startswith("embedding."):
+            return any(c.pre_process or (c.post_process and self.layout["tied_output"])
+                       for c in self.chunks)
+        return any(c.post_process for c in self.chunks)
+
+    def _full(self, pick) -> Dict[str, torch.Tensor]:
+        """``pick(file_state, saved_chunk)`` -> that chunk's tensors; merged over TP, global."""
+        full = {}
+        tp_size = self.saved["tensor_model_parallel_size"]
+        for pp in range(self.saved["pipeline_model_parallel_size"]):
+            ranges = self.files[(0, pp)]["layout"]["layer_ranges"]
+            for saved_chunk, (start, _) in enumerate(ranges):
+                shards = [pick((tp, pp), saved_chunk) for tp in range(tp_size)]
+                if any(s is None for s in shards):
+                    return {}
+                merged = merge_tensor_parallel(shards, self.saved["gated_mlp"],
+                                               self.saved["vocab_size"])
+                for name, tensor in renumber_layers(merged, start).items():
+                    if self._wanted(name):
+                        full[name] = tensor
+        if self.saved["tied_output"]:
+            full.pop("output_layer.weight", None)  # the last stage's copy of the embedding
+        return full
+
+    def _for_chunk(self, full, chunk_index):
+        chunk = self.chunks[chunk_index]
+        return shard_for_rank(
+            full, tuple(self.layout["layer_ranges"][chunk_index]), chunk.pre_process,
+            chunk.post_process, self.layout["tied_output"], self.layout["gated_mlp"],
+            self.layout["padded_vocab_size"], self.layout["tensor_model_parallel_size"],
+            parallel_state.get_tensor_model_parallel_rank())
+
+    def models(self) -> List[Dict[str, torch.Tensor]]:
+        vpp = self.saved["virtual_pipeline_model_parallel_size"]
+        full = self._full(lambda rank, c: self.files[rank][model_key(c, vpp)])
+        return [self._for_chunk(full, c) for c in range(len(self.chunks))]
+
+    def optimizer(self) -> Optional[Dict]:
+        states = {rank: self.optim_files(rank) for rank in self.files}
+        if any(s is None for s in states.values()):
+            return None
+        keys = sorted({k for s in states.values() for e in s["params"].values() for k in e})
+        per_key = {}
+        for key in keys:
+            full = self._full(lambda rank, c: {
+                n: t for n, t in split_optimizer_params(states[rank]["params"], c)
+                .get(key, {}).items()})
+            per_key[key] = [self._for_chunk(full, c) for c in range(len(self.chunks))]
+        params = {}
+        for c in range(len(self.chunks)):
+            params.update(join_optimizer_params({k: v[c] for k, v in per_key.items()}, c))
+        first = states[(0, 0)]
+        return {**first, "params": params}
+
+
+def _read(model_chunks, configs) -> Optional[_Read]:
+    t = configs.training
+    chosen = _choose_iteration(t)
+    if chosen is None:
+        return None
+    iteration, release = chosen
+    iteration_dir = os.path.join(t.load, iteration_dir_name(iteration, release))
+    if not os.path.isdir(iteration_dir):
+        raise CheckpointError(f"{os.path.join(t.load, TRACKER_FILE)} names "
+                              f"{iteration_dir}, which does not exist; load another iteration "
+                              f"with --ckpt-step.")
+    rank_dirs = _saved_rank_dirs(iteration_dir)
+    layout = current_layout(model_chunks, configs)
+    own_coords = (parallel_state.get_tensor_model_parallel_rank(),
+                  parallel_state.get_pipeline_model_parallel_rank())
+    own_dir = os.path.join(iteration_dir, rank_dir_name(
+        *own_coords, layout["pipeline_model_parallel_size"]))
+    probe = safe_load(os.path.join(own_dir if own_dir in rank_dirs.values()
+                                   else next(iter(rank_dirs.values())), MODEL_FILE))
+    saved_layout = probe.get("layout") if isinstance(probe, dict) else None
+    if saved_layout is None:
+        raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "
+                              f"(no layout record); convert it with tools/checkpoint.")
+    load_optim = not (t.finetune or t.no_load_optim or release)
+    notes = []
+
+    def optimizer_of(rank_state, rank_dir):
+        if "optimizer" in rank_state:
+            return rank_state["optimizer"]
+        path = os.path.join(rank_dir, OPTIMIZER_FILE)
+        return safe_load(path) if os.path.isfile(path) else None
+
+    if same_model_cut(saved_layout, layout) and own_dir in rank_dirs.values():
+        models = [probe[model_key(c, layout["virtual_pipeline_model_parallel_size"])]
+                  for c in range(len(model_chunks))]
+        optimizer = optimizer_of(probe, own_dir) if load_optim else None
+    else:
+        files = {coords: safe_load(os.path.join(path, MODEL_FILE))
+                 for coords, path in rank_dirs.items()}
+        resharder = _Resharder(files, saved_layout, layout, model_chunks,
+                               lambda rank: optimizer_of(files[rank], rank_dirs[rank]))
+        models = resharder.models()
+        optimizer = resharder.optimizer() if load_optim else None
+        notes.append(f"resharded from TP={saved_layout['tensor_model_parallel_size']} x "
+                     f"PP={saved_layout['pipeline_model_parallel_size']}")
+    _check_architecture(model_chunks, models)
+    if load_optim and optimizer is None:
+        raise CheckpointError(f"{iteration_dir} holds no optimizer state (saved with "
+                              f"--no-save-optim?); resume with --no-load-optim.")
+
+    rng = None
+    if not (t.finetune or t.no_load_rng or release):
+        states = probe.get("rng_state")
+        if states and same_model_cut(saved_layout, layout) and \
+                len(states) == layout["data_parallel_size"]:
+            rng = states[parallel_state.get_data_parallel_rank()]
+        else:
+            notes.append("random-generator state not restored (another layout, or none saved)")
+    fresh = t.finetune or release
+    result = LoadedCheckpoint(
+        iteration=0 if fresh else iteration,
+        consumed_train_samples=0 if fresh else int(probe.get("consumed_train_samples", 0)),
+        consumed_valid_samples=0 if fresh else int(probe.get("consumed_valid_samples", 0)),
+        path=iteration_dir, notes=notes, rng_state=rng)
+    return _Read(result, models, optimizer,
+                 probe.get("opt_param_scheduler") if load_optim else None)
+
+
+def _agree_on_errors(error: Optional[str]) -> None:
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise CheckpointError(failed[0])
+
+
+def load_checkpoint(model_chunks, optimizer, scheduler, configs) -> LoadedCheckpoint:
+    """Collective: every rank calls it after building its model, optimizer and scheduler."""
+    if configs.training.load is None:
+        return LoadedCheckpoint()
+    read, error = None, None
+    try:
+        read = _read(model_chunks, configs)
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # e.g. shards that do not fit together: still stop every rank
+        error = f"cannot load {configs.training.load}: {type(exc).__name__}: {exc}"
+    _agree_on_errors(error)
+    if read is None:
+        return LoadedCheckpoint(notes=["no checkpoint yet: starting from scratch"])
+    with torch.no_grad():
+        for chunk, state in zip(model_chunks, read.models):
+            unwrap_model(chunk).load_state_dict(state, strict=True)
+    optimizer.reload_model_params()
+    if read.optimizer is not None:
+        optimizer.load_state_dict(read.optimizer)
+        if read.scheduler is not None:
+            scheduler.load_state_dict(read.scheduler)
+    return read.result

@@ -1,0 +1,39 @@
+"""Writing checkpoint files atomically and reading them without running pickled code."""
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from megatron.training.checkpointing.paths import CheckpointError
+from megatron.training.fault_injection import maybe_crash_while_writing
+
+
+def atomic_save(obj: Any, path: str, iteration: int = -1) -> None:
+    """torch.save to ``path.tmp``, fsync, then rename: a reader sees all of it or nothing."""
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    maybe_crash_while_writing(tmp, iteration)  # tests only: see fault_injection.py
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def safe_load(path: str) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped: only tensors and plain data are
+    rebuilt, so a file crafted to run code on unpickling is refused instead."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is "
+                              f"incomplete (or for another parallel layout).")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"refusing to load {path}: it holds objects other than tensors and plain data, "
+            f"which could run code when unpickled ({first_line}). Only load checkpoints you "
+            f"trust, and convert them with a tool that checks them.") from None
+    except Exception as exc:  # torch raises RuntimeError/EOFError/... for a damaged zip
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated "
+                              f"({type(exc).__name__}: {exc}); load an earlier iteration with "
+                              f"--ckpt-step.") from None

@@ -1,0 +1,124 @@
+"""``save_checkpoint``: every rank's part of one checkpoint, written atomically.
+
+Data-parallel rank 0 of each (TP, PP) position writes ``model_optim_rng.pt`` (model chunks,
+plain optimizer state, LR schedule, the RNG states of all its DP replicas, iteration, consumed
+samples, args, layout) and, with the distributed optimizer, ``distrib_optim.pt`` (gathered
+from all DP ranks, independent of the DP size). See paths.py for the directory protocol.
+"""
+import os
+import shutil
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.layout import current_layout, model_key
+from megatron.training.checkpointing.paths import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STAGING_SUFFIX,
+    fsync_dir,
+    iteration_dir_name,
+    rank_dir_name,
+    write_tracker,
+)
+from megatron.training.checkpointing.rng_state import capture_rng_state
+from megatron.training.checkpointing.safe_io import atomic_save
+from megatron.training.checkpointing.writer import CheckpointWriter
+
+CHECKPOINT_VERSION = 3.0
+
+
+def _plain(value):
+    """Args as plain data (weights_only loads nothing else)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def _gather_rng_states() -> List[Dict]:
+    states = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(states, capture_rng_state(),
+                           group=parallel_state.get_data_parallel_group())
+    return states
+
+
+def _publish(root: str, staging: str, iteration: int) -> None:
+    """Rank 0, once every rank has written: rename into place, then point the tracker at it."""
+    final = os.path.join(root, iteration_dir_name(iteration))
+    replaced = final + ".old"
+    if os.path.exists(final):  # saving an iteration again (e.g. after resuming from it)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    fsync_dir(root)
+    write_tracker(root, iteration)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _remove_stale_staging(root: str) -> None:
+    for name in os.listdir(root):
+        if name.endswith(STAGING_SUFFIX) or name.endswith(".old"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, configs,
+                    args: Dict, consumed_train_samples: int, consumed_valid_samples: int,
+                    writer: CheckpointWriter) -> None:
+    """Collective: every rank calls it. Returns once the state is captured (async) or saved."""
+    t = configs.training
+    writer.wait()  # one save at a time: the previous one is published first
+    snapshot = (lambda x: x.detach().clone()) if writer.async_save else (lambda x: x.detach())
+    dp_root = parallel_state.get_data_parallel_rank() == 0
+    optimizer_state = None
+    if not t.no_save_optim and (configs.optimizer.sharded or dp_root):
+        optimizer_state = optimizer.state_dict()  # the distributed one gathers over DP
+    rng_states = None if t.no_save_rng else _gather_rng_states()
+
+    staging = os.path.join(root, iteration_dir_name(iteration) + STAGING_SUFFIX)
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        _remove_stale_staging(root)
+        os.makedirs(staging)
+    dist.barrier()
+
+    files = []
+    if dp_root:
+        state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                 "args": _plain(args), "layout": current_layout(model_chunks, configs),
+                 "consumed_train_samples": consumed_train_samples,
+                 "consumed_valid_samples": consumed_valid_samples}
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        for c, chunk in enumerate(model_chunks):
+            state[model_key(c, vpp)] = {k: snapshot(v) for k, v in
+                                        unwrap_model(chunk).state_dict().items()}
+        if optimizer_state is not None:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+            if not configs.optimizer.sharded:
+                state["optimizer"] = optimizer_state
+        if rng_states is not None:
+            state["rng_state"] = rng_states
+        rank_dir = os.path.join(staging, rank_dir_name(
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size()))
+        files.append((os.path.join(rank_dir, MODEL_FILE), state))
+        if configs.optimizer.sharded and optimizer_state is not None:
+            files.append((os.path.join(rank_dir, OPTIMIZER_FILE), optimizer_state))
+
+    def write():
+        for path, obj in files:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_save(obj, path, iteration)
+
+    def finalize():
+        if dist.get_rank() == 0:
+            _publish(root, staging, iteration)
+
+    writer.submit(write, finalize)
