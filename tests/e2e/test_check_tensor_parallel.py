@@ -1,5 +1,5 @@
-"""The quickstart job end to end: torchrun launches tools/check_tensor_parallel.py on 2 CPU
-processes; the TP=2 model must match its unsharded twin at every step and learn."""
+"""tools/check_tensor_parallel.py end to end: torchrun launches it on 2 CPU processes; the TP=2
+model must match its unsharded twin at every step and learn."""
 import os
 import re
 import subprocess

@@ -1,44 +1,18 @@
 """pretrain_llama.py / pretrain_gpt.py end to end on CPU: one process, and torchrun with
 TP=2 x PP=2 x DP=2 on 8 processes, give the same per-iteration losses (fp32; the layouts
 differ only in the order of sums, <= 1e-5 as in the models issue; the log prints 7 digits)."""
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script
+
 TOL = 1e-5
-TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
-        "--train-iters 6 --lr 1e-3 --lr-decay-style constant --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 64 --log-interval 1 --eval-interval 3 "
-        "--eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split()
-LLAMA = ("--normalization RMSNorm --swiglu --ffn-hidden-size 48 --position-embedding-type rope "
-         "--disable-bias-linear --untie-embeddings-and-output-weights").split()
-
-
-def _run(script, flags, nproc=1):
-    env = dict(os.environ, MEGATRON_DEVICE="cpu", OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
-    proc = subprocess.run(launcher + [os.path.join(ROOT, script)] + flags, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    return proc
-
-
-def _losses(proc):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return ([float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", proc.stdout)],
-            [float(x) for x in re.findall(r"lm loss value: ([0-9.E+-]+)", proc.stdout)])
 
 
 @pytest.mark.parametrize("script,flags", [("pretrain_llama.py", TINY + LLAMA),
                                           ("pretrain_gpt.py", TINY)])
 def test_tp_pp_dp_on_8_processes_equals_one_process(script, flags):
-    single, single_valid = _losses(_run(script, flags))
-    parallel, parallel_valid = _losses(_run(script, flags + [
+    single, single_valid = parse_losses(run_script(script, flags))
+    parallel, parallel_valid = parse_losses(run_script(script, flags + [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], nproc=8))
     assert len(single) == 6 and len(single_valid) == 2
     for a, b in zip(single + single_valid, parallel + parallel_valid, strict=True):
@@ -46,20 +20,20 @@ def test_tp_pp_dp_on_8_processes_equals_one_process(script, flags):
 
 
 def test_bad_flags_fail_before_any_work_with_one_message():
-    proc = _run("pretrain_llama.py", TINY + LLAMA + ["--global-batch-size", "7"])
+    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--global-batch-size", "7"])
     assert proc.returncode == 2
     assert "global" in proc.stderr and "divisible" in proc.stderr, proc.stderr
-    proc = _run("pretrain_llama.py", TINY + LLAMA + ["--num-layer", "4"])
+    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--num-layer", "4"])
     assert proc.returncode == 2 and "did you mean" in proc.stderr, proc.stderr
 
 
 def test_interleaved_on_4_processes_equals_one_process():
     flags = TINY + LLAMA
-    single, single_valid = _losses(_run("pretrain_llama.py", flags))
-    proc = _run("pretrain_llama.py", flags + [
+    single, single_valid = parse_losses(run_script("pretrain_llama.py", flags))
+    proc = run_script("pretrain_llama.py", flags + [
         "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
         "--save", "/nonexistent/not-used"], nproc=4)
-    parallel, parallel_valid = _losses(proc)
+    parallel, parallel_valid = parse_losses(proc)
     for a, b in zip(single + single_valid, parallel + parallel_valid, strict=True):
         assert abs(a - b) <= TOL, (single, parallel)
     assert "checkpointing is not implemented yet" in proc.stderr  # never silently dropped
@@ -71,7 +45,7 @@ def test_tensorboard_holds_the_logged_values(tmp_path):
     flags = TINY + LLAMA + ["--tensorboard-dir", str(tmp_path),
                             "--log-validation-ppl-to-tensorboard",
                             "--log-batch-size-to-tensorboard"]
-    losses, valid = _losses(_run("pretrain_llama.py", flags))
+    losses, valid = parse_losses(run_script("pretrain_llama.py", flags))
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])

@@ -1,0 +1,73 @@
+"""Running the entry points as a user would (python or torchrun, CPU, one thread per process)
+and reading Megatron's console lines back."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
+        "--train-iters 6 --lr 1e-3 --lr-decay-style constant --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 64 --log-interval 1 --eval-interval 3 "
+        "--eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split()
+LLAMA = ("--normalization RMSNorm --swiglu --ffn-hidden-size 48 --position-embedding-type rope "
+         "--disable-bias-linear --untie-embeddings-and-output-weights").split()
+
+
+def start_script(script, flags, nproc=1):
+    """Start ``python script flags`` (nproc 1) or ``torchrun --nproc-per-node nproc script
+    flags``; several started at once share the cost of importing torch."""
+    env = dict(os.environ, MEGATRON_DEVICE="cpu", OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
+    return subprocess.Popen(launcher + [os.path.join(ROOT, script)] + [str(f) for f in flags],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(popen, timeout=300):
+    """Wait for a started script; a CompletedProcess as subprocess.run returns."""
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)  # torchrun's workers too
+        stdout, stderr = popen.communicate()
+        raise AssertionError(f"timed out after {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+
+
+def run_script(script, flags, nproc=1, timeout=300):
+    return finish(start_script(script, flags, nproc), timeout)
+
+
+def without(flags, *names):
+    """``flags`` less each flag in ``names`` and its value."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in names:
+            skip = True
+        else:
+            out.append(flag)
+    return out
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def parse_losses(proc):
+    """(training 'lm loss' per logged interval, validation 'lm loss value's); asserts exit 0."""
+    _ok(proc)
+    return ([float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", proc.stdout)],
+            [float(x) for x in re.findall(r"lm loss value: ([0-9.E+-]+)", proc.stdout)])
+
+
+def parse_iterations(proc):
+    """[(iteration, train_iters, consumed_samples)] from the logged training lines."""
+    _ok(proc)
+    return [tuple(map(int, m)) for m in re.findall(
+        r" iteration +(\d+)/ *(\d+) \| consumed samples: +(\d+) \|", proc.stdout)]
