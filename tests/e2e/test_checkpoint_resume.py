@@ -100,13 +100,18 @@ def saved_at_tp2_pp2_dp2(tmp_path_factory):
 @pytest.mark.parametrize("layout,nproc", [
     ([], 1),  # TP=1 x PP=1, plain optimizer: also loads distributed-optimizer state
     (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 8),  # DP=4
-], ids=["tp1-pp1-dp1", "tp1-pp2-dp4"])
+    (PARALLEL + ["--num-layers-per-virtual-pipeline-stage", "1"], 4),  # VPP=2, DP=1
+], ids=["tp1-pp1-dp1", "tp1-pp2-dp4", "tp2-pp2-vpp2-dp1"])
 def test_checkpoint_loads_into_another_layout(saved_at_tp2_pp2_dp2, tmp_path, layout, nproc):
     flags, root, want = saved_at_tp2_pp2_dp2
     proc = run_script("pretrain_llama.py", flags + layout + [
         "--load", root, "--ckpt-step", "2", "--save", tmp_path / "again"], nproc)
     got = _iteration_losses(proc)
     assert "resharded from TP=2 x PP=2" in proc.stdout
+    if "--num-layers-per-virtual-pipeline-stage" in layout:  # saved per virtual chunk
+        assert {"model0", "model1"} <= torch.load(
+            tmp_path / "again" / "iter_0000004" / "mp_rank_00_000" / "model_optim_rng.pt",
+            weights_only=True).keys()
     assert sorted(got) == ["3", "4"]
     for i in "34":
         assert abs(float(got[i]) - float(want[i])) <= TOL, (got, want)

@@ -275,7 +275,10 @@ def load_checkpoint(model_chunks, optimizer, scheduler, configs) -> LoadedCheckp
             unwrap_model(chunk).load_state_dict(state, strict=True)
     optimizer.reload_model_params()
     if read.optimizer is not None:
-        optimizer.load_state_dict(read.optimizer)
-        if read.scheduler is not None:
-            scheduler.load_state_dict(read.scheduler)
+        try:  # these checks see the same values on every rank: all raise alike
+            optimizer.load_state_dict(read.optimizer)
+            if read.scheduler is not None:
+                scheduler.load_state_dict(read.scheduler)
+        except ValueError as exc:
+            raise CheckpointError(f"{read.result.path}: {exc}") from None
     return read.result
