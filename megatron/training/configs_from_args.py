@@ -41,6 +41,10 @@ def _check_world(args, world_size: int) -> int:
           f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
           f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); make it "
           f"a multiple of {mbs * dp}.")
+    _need(args.train_samples is None or args.train_samples >= args.global_batch_size,
+          f"--train-samples {args.train_samples} is less than one global batch "
+          f"({args.global_batch_size}): Megatron trains train_samples // global_batch_size "
+          f"iterations, here none.")
     _need(args.num_attention_heads % tp == 0,
           f"--num-attention-heads {args.num_attention_heads} is not divisible by "
           f"--tensor-model-parallel-size {tp}.")

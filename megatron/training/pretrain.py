@@ -2,7 +2,6 @@
 distributed start -> model, optimizer, LR schedule -> data -> the training loop with logging,
 evaluation and the exit conditions."""
 import inspect
-import math
 import os
 import sys
 import time
@@ -93,7 +92,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     resumed = _load_or_exit(model, optimizer, scheduler, configs)
 
     gbs = t.global_batch_size
-    train_iters = t.train_iters or math.ceil(t.train_samples / gbs)
+    # Megatron's rule: whole global batches (a remainder of samples is not trained on).
+    train_iters = t.train_iters or t.train_samples // gbs
     if resumed.iteration >= train_iters:
         if dist.get_rank() == 0:
             print(f"nothing to do: the checkpoint is at iteration {resumed.iteration} and "

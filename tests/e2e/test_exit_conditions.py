@@ -7,9 +7,9 @@ from tests.e2e.runner import LLAMA, TINY, finish, parse_iterations, start_script
 
 BASE = without(TINY + LLAMA, "--train-iters", "--eval-interval") + ["--eval-interval", "100"]
 RUNS = {
-    # 24 samples at global batch 8: 3 iterations (a whole number of batches: Megatron floors,
-    # train_iters = train_samples // global_batch_size).
-    "train_samples": ["--train-samples", "24"],
+    # 30 samples at global batch 8: 3 iterations (Megatron floors: train_iters =
+    # train_samples // global_batch_size; the 6 left over are not trained on).
+    "train_samples": ["--train-samples", "30"],
     "exit_interval": ["--train-iters", "10", "--exit-interval", "2"],
     "exit_duration": ["--train-iters", "10", "--exit-duration-in-mins", "1e-6"],
 }

@@ -236,6 +236,12 @@ def test_flag_errors(extra, message):
     assert message in str(info.value)
 
 
+def test_train_samples_below_one_global_batch():
+    argv = [a for a in small("--global-batch-size", "8", "--train-samples", "7")
+            if a not in ("--train-iters", "10")]
+    assert "--train-samples 7 is less than one global batch (8)" in error_of(argv)
+
+
 def test_neither_train_length_and_required_flags():
     argv = [a for a in small() if a not in ("--train-iters", "10")]
     with pytest.raises(ConfigError, match=r"--train-samples \(got neither\)"):

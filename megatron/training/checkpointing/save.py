@@ -9,7 +9,6 @@ import os
 import shutil
 from typing import Dict, List
 
-import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
