@@ -137,7 +137,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if on_root:
                 for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
                     params[self._names[param]] = {
-                        key: value[p_begin:p_end].view(param.shape).cpu().clone()
+                        key: value[p_begin:p_end].view(param.shape).to("cpu", copy=True)
                         for key, value in full.items()}
         steps = [step if step is not None else -1.0]
         all_steps = [None] * dist.get_world_size(group)

@@ -139,9 +139,9 @@ class MegatronOptimizer:
         params, step = {}, None
         for main in self._main_params():
             model = self._model_param(main)
-            entry = {} if main is model else {"param": main.detach().cpu().clone()}
+            entry = {} if main is model else {"param": main.detach().to("cpu", copy=True)}
             state = self.optimizer.state.get(main, {})
-            entry.update({k: state[k].detach().cpu().clone() for k in keys if k in state})
+            entry.update({k: state[k].detach().to("cpu", copy=True) for k in keys if k in state})
             if "step" in state:
                 step = float(state["step"])
             params[self._names[model]] = entry

@@ -73,7 +73,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     """Collective: every rank calls it. Returns once the state is captured (async) or saved."""
     t = configs.training
     writer.wait()  # one save at a time: the previous one is published first
-    snapshot = (lambda x: x.detach().clone()) if writer.async_save else (lambda x: x.detach())
+    # The background write needs a copy that training will not change (and host memory).
+    snapshot = (lambda x: x.detach().to("cpu", copy=True)) if writer.async_save else \
+        (lambda x: x.detach())
     dp_root = parallel_state.get_data_parallel_rank() == 0
     optimizer_state = None
     if not t.no_save_optim and (configs.optimizer.sharded or dp_root):
