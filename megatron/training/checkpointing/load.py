@@ -77,7 +77,7 @@ def _choose_iteration(t):
         f"directory). Check the path; to start from scratch drop --load.")
 
 
-def _saved_rank_dirs(iteration_dir: str) -> Dict:
+def saved_rank_dirs(iteration_dir: str) -> Dict:
     found = {}
     for name in sorted(os.listdir(iteration_dir)):
         coords = parse_rank_dir_name(name)
@@ -117,7 +117,7 @@ def _read(model_chunks, configs) -> Optional[_Read]:
         raise CheckpointError(f"{os.path.join(t.load, TRACKER_FILE)} names "
                               f"{iteration_dir}, which does not exist; load another iteration "
                               f"with --ckpt-step.")
-    rank_dirs = _saved_rank_dirs(iteration_dir)
+    rank_dirs = saved_rank_dirs(iteration_dir)
     layout = current_layout(model_chunks, configs)
     own_coords = (parallel_state.get_tensor_model_parallel_rank(),
                   parallel_state.get_pipeline_model_parallel_rank())

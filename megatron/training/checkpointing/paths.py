@@ -62,8 +62,9 @@ def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
     return int(text), False
 
 
-def write_tracker(root: str, iteration: int) -> None:
-    """Replace the tracker file atomically (write, fsync, rename)."""
+def write_tracker(root: str, iteration) -> None:
+    """Replace the tracker file atomically (write, fsync, rename); ``iteration`` is a number
+    or "release"."""
     path = os.path.join(root, TRACKER_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

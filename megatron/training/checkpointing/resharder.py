@@ -1,7 +1,7 @@
 """Building this rank's model and optimizer tensors from a checkpoint of another layout:
 every saved (TP, PP) file is merged into full tensors (only those this rank needs), then cut
 for this rank (see reshard.py for the arithmetic)."""
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -15,6 +15,26 @@ from megatron.training.checkpointing.reshard import (
     shard_for_rank,
     split_optimizer_params,
 )
+
+
+def full_from_files(files: Dict, saved_layout: Dict, pick,
+                    wanted: Callable[[str], bool] = lambda name: True) -> Dict[str, torch.Tensor]:
+    """Full tensors (global layer numbers, TP merged, vocab unpadded) from every saved (TP, PP)
+    file. ``pick((tp, pp), saved_chunk)`` -> that chunk's tensors; ``wanted(name)`` filters."""
+    full = {}
+    for pp in range(saved_layout["pipeline_model_parallel_size"]):
+        ranges = files[(0, pp)]["layout"]["layer_ranges"]
+        for saved_chunk, (start, _) in enumerate(ranges):
+            shards = [pick((tp, pp), saved_chunk)
+                      for tp in range(saved_layout["tensor_model_parallel_size"])]
+            merged = merge_tensor_parallel(shards, saved_layout["gated_mlp"],
+                                           saved_layout["vocab_size"])
+            for name, tensor in renumber_layers(merged, start).items():
+                if wanted(name):
+                    full[name] = tensor
+    if saved_layout["tied_output"]:
+        full.pop("output_layer.weight", None)  # the last stage's copy of the embedding
+    return full
 
 
 class Resharder:
@@ -36,23 +56,7 @@ class Resharder:
         return any(c.post_process for c in self.chunks)
 
     def _full(self, pick) -> Dict[str, torch.Tensor]:
-        """``pick(file_state, saved_chunk)`` -> that chunk's tensors; merged over TP, global."""
-        full = {}
-        tp_size = self.saved["tensor_model_parallel_size"]
-        for pp in range(self.saved["pipeline_model_parallel_size"]):
-            ranges = self.files[(0, pp)]["layout"]["layer_ranges"]
-            for saved_chunk, (start, _) in enumerate(ranges):
-                shards = [pick((tp, pp), saved_chunk) for tp in range(tp_size)]
-                if any(s is None for s in shards):
-                    return {}
-                merged = merge_tensor_parallel(shards, self.saved["gated_mlp"],
-                                               self.saved["vocab_size"])
-                for name, tensor in renumber_layers(merged, start).items():
-                    if self._wanted(name):
-                        full[name] = tensor
-        if self.saved["tied_output"]:
-            full.pop("output_layer.weight", None)  # the last stage's copy of the embedding
-        return full
+        return full_from_files(self.files, self.saved, pick, self._wanted)
 
     def _for_chunk(self, full, chunk_index):
         chunk = self.chunks[chunk_index]

@@ -48,16 +48,17 @@ def _gather_rng_states() -> List[Dict]:
     return states
 
 
-def _publish(root: str, staging: str, iteration: int) -> None:
-    """Rank 0, once every rank has written: rename into place, then point the tracker at it."""
-    final = os.path.join(root, iteration_dir_name(iteration))
+def publish(root: str, staging: str, final_name: str, tracker_value) -> None:
+    """Once every file is written: rename the staging directory into place, then point the
+    tracker at it (the tracker is replaced last, so it always names a complete directory)."""
+    final = os.path.join(root, final_name)
     replaced = final + ".old"
     if os.path.exists(final):  # saving an iteration again (e.g. after resuming from it)
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)
     os.rename(staging, final)
     fsync_dir(root)
-    write_tracker(root, iteration)
+    write_tracker(root, tracker_value)
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -120,6 +121,6 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
 
     def finalize():
         if dist.get_rank() == 0:
-            _publish(root, staging, iteration)
+            publish(root, staging, iteration_dir_name(iteration), iteration)
 
     writer.submit(write, finalize)
