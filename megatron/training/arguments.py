@@ -27,7 +27,7 @@ from megatron.training.training_config import (
 )
 
 __all__ = ["ConfigError", "MegatronConfigs", "TrainingConfig", "build_configs", "get_parser",
-           "parse_args", "NOOP_FLAGS"]
+           "parse_args", "validate_args", "NOOP_FLAGS"]
 
 # Flags accepted for compatibility that change nothing here: each only selects a CUDA kernel
 # (apex / Megatron fused ops) or states what is always true in this framework.
@@ -84,11 +84,20 @@ def _add_network_args(parser):
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--use-rope-scaling", action="store_true", help="LLaMA-3.1 RoPE scaling.")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--rope-low-freq-factor", type=float, default=1.0,
+                   help="LLaMA-3.1 RoPE scaling (with --use-rope-scaling).")
+    g.add_argument("--rope-high-freq-factor", type=float, default=4.0,
+                   help="LLaMA-3.1 RoPE scaling (with --use-rope-scaling).")
+    g.add_argument("--rope-original-max-position-embeddings", type=int, default=8192,
+                   help="LLaMA-3.1 RoPE scaling: the context length before scaling (with "
+                        "--use-rope-scaling).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--RMSNorm", action="store_true", help="Old spelling of --normalization RMSNorm.")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
                    default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GeLU's tanh approximation (GPT-2's 'gelu_new') instead of the exact one.")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -353,6 +362,8 @@ def _check_flags(args):
         _need(args.start_weight_decay is not None and args.end_weight_decay is not None,
               f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
               "--start-weight-decay and --end-weight-decay.")
+    _need(not (args.swiglu and args.openai_gelu),
+          "--swiglu and --openai-gelu both choose the MLP activation; give one.")
     _need(args.num_query_groups == 1 or args.group_query_attention,
           "--num-query-groups needs --group-query-attention (Megatron ignores it otherwise).")
     _need(not args.sequence_parallel or args.tensor_model_parallel_size > 1,
@@ -374,6 +385,12 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     args, extras = parser.parse_known_args(argv)
     if extras:
         raise _unknown_flags_error(parser, extras)
+    return validate_args(args)
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``parse_args``' folding of old spellings, derived values and checks, for a Namespace
+    built another way (e.g. from a checkpoint's saved args: ``training/checkpoint_model.py``)."""
     _fold_aliases(args)
     _check_flags(args)
     return args

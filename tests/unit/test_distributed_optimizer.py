@@ -5,6 +5,7 @@ Not bitwise, for the reason given in test_data_parallel: the reduce-scatter adds
 partial gradient sums in another order than one process accumulating microbatch by microbatch
 (Adam then passes the rounding on): <= 1e-6 on every parameter.
 """
+import copy
 import math
 
 import pytest
@@ -153,8 +154,9 @@ def _save_then_continue(kind, total_steps, save_after):
     batches = _global_batches(4, steps=total_steps)
     _train(model, optimizer, batches[:save_after])
     # A snapshot, as a checkpoint file is (state_dict() tensors are live views).
+    optimizer_state = optimizer.state_dict()
     saved = dict(model={k: v.clone() for k, v in model.state_dict().items()},
-                 optimizer=optimizer.state_dict())
+                 optimizer=None if optimizer_state is None else copy.deepcopy(optimizer_state))
     after = _train(model, optimizer, batches[save_after:])
     return saved, after
 

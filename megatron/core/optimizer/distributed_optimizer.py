@@ -137,7 +137,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if on_root:
                 for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
                     params[self._names[param]] = {
-                        key: value[p_begin:p_end].view(param.shape).to("cpu", copy=True)
+                        key: value[p_begin:p_end].view(param.shape).to("cpu")
                         for key, value in full.items()}
         steps = [step if step is not None else -1.0]
         all_steps = [None] * dist.get_world_size(group)
@@ -167,7 +167,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         piece.copy_(param.detach().reshape(-1)[begin:end])
                     if state["step"] is not None:
                         per_piece[piece] = {"step": torch.tensor(state["step"]), **{
-                            k: saved[k].reshape(-1)[begin:end].to(piece.device).clone()
+                            k: saved[k].reshape(-1)[begin:end].to(piece.device, copy=True)
                             for k in state["state_keys"] if k in saved}}
         load_torch_state(self.optimizer, per_piece, state["param_groups"])
         load_scaler_and_counters(self, state)

@@ -10,7 +10,8 @@ loads into another, and the checkpoint code can reshard it like the model's own 
      "step": float or None, "state_keys": [...], "param_groups": [hyperparameters],
      "num_skipped_steps": int, "grad_scaler": {...} (with loss scaling)}
 
-Every per-parameter tensor has the model parameter's shape.
+Every per-parameter tensor has the model parameter's shape. As with torch's optimizers, the
+tensors may be the live state (on CPU): copy them to keep a snapshot.
 """
 from typing import Dict, List, Optional
 

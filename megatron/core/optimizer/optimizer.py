@@ -135,13 +135,15 @@ class MegatronOptimizer:
                 main.data.copy_(model.data)
 
     def state_dict(self) -> Dict:
+        """As torch's: host tensors that are the live state on CPU (copy before training on if
+        the dict must stay a snapshot)."""
         keys = state_keys(self.optimizer, lambda p, v: v.shape == p.shape)
         params, step = {}, None
         for main in self._main_params():
             model = self._model_param(main)
-            entry = {} if main is model else {"param": main.detach().to("cpu", copy=True)}
+            entry = {} if main is model else {"param": main.detach().to("cpu")}
             state = self.optimizer.state.get(main, {})
-            entry.update({k: state[k].detach().to("cpu", copy=True) for k in keys if k in state})
+            entry.update({k: state[k].detach().to("cpu") for k in keys if k in state})
             if "step" in state:
                 step = float(state["step"])
             params[self._names[model]] = entry
@@ -164,7 +166,7 @@ class MegatronOptimizer:
                     main.copy_(model)
                 if state["step"] is not None:
                     per_param[main] = {"step": torch.tensor(state["step"]), **{
-                        k: saved[k].view_as(main).to(main.device).clone()
+                        k: saved[k].view_as(main).to(main.device, copy=True)
                         for k in state["state_keys"] if k in saved}}
         load_torch_state(self.optimizer, per_param, state["param_groups"])
         load_scaler_and_counters(self, state)

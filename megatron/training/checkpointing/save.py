@@ -9,6 +9,7 @@ import os
 import shutil
 from typing import Dict, List
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
@@ -39,6 +40,16 @@ def _plain(value):
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     return str(value)
+
+
+def _map_tensors(tree, fn):
+    if torch.is_tensor(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree
 
 
 def _gather_rng_states() -> List[Dict]:
@@ -80,7 +91,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     dp_root = parallel_state.get_data_parallel_rank() == 0
     optimizer_state = None
     if not t.no_save_optim and (configs.optimizer.sharded or dp_root):
-        optimizer_state = optimizer.state_dict()  # the distributed one gathers over DP
+        optimizer_state = _map_tensors(optimizer.state_dict(), snapshot)  # dist: gathers
     rng_states = None if t.no_save_rng else _gather_rng_states()
 
     staging = os.path.join(root, iteration_dir_name(iteration) + STAGING_SUFFIX)

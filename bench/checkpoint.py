@@ -1,0 +1,532 @@
+"""Checkpoint save/load throughput against plain torch.save/torch.load, and how long
+--async-save blocks training against a synchronous save.
+
+    python bench/checkpoint.py [--size-gb 1.0] [--repeats 5] [--dir /tmp] [--threads 2]
+                               [--parts save,load,async] [--idle 0]
+
+One process (world size 1, gloo, CPU), built as ``pretrain()`` builds a run: Megatron flags ->
+``build_configs`` -> ``initialize_megatron`` -> ``build_model`` (LLaMA, fp32, DDP-wrapped) ->
+``get_megatron_optimizer`` (fused AdamW) -> ``OptimizerParamScheduler``; mock data,
+NullTokenizer. The model's shape is chosen so that its parameters plus Adam's exp_avg and
+exp_avg_sq (12 bytes per parameter) come to about ``--size-gb``; one real training step
+(``train_step``) runs first, so the Adam state exists. Everything is written under a fresh
+directory in ``--dir`` (same disk for both sides) and removed at the end. Saves and loads each
+get one untimed warm-up of every contender first (the VM's first touch of fresh page-cache and
+heap memory is slow and would land on whichever side runs first).
+
+1. Save. Ours: ``save_checkpoint`` with a synchronous ``CheckpointWriter`` (state capture,
+   torch.save to a staging file, fsync, rename, publish: directory rename + tracker file).
+   Peer: ``torch.save({"model": model.state_dict(), "optimizer": adam.state_dict()}, path)``,
+   the same tensors as one dict, then (timed separately) an fsync of the file: ours fsyncs
+   (atomic save), plain torch.save does not, so both figures are given. Dirty pages are
+   flushed (os.sync, untimed) before every timed save, so neither side pays for the other's
+   writeback. Ours and the peer alternate (order swapped every repeat); medians and bests.
+   Separately, ``optimizer.state_dict()`` alone (the part of ours that copies the Adam state).
+2. Load. Ours: ``load_checkpoint`` (memory-maps the file with weights_only=True, copies the
+   weights into the model, clones the Adam state into the optimizer): timed until the tensors
+   are in the model and the optimizer. Peer: ``torch.load(path, weights_only=True)`` +
+   ``model.load_state_dict`` + ``adam.load_state_dict``; also ``torch.load`` alone. Each is
+   timed cold (the file's pages evicted from the page cache with posix_fadvise(DONTNEED)
+   after an fsync: the read comes from the disk, or whatever caches the VM's disk on the host)
+   and warm (right after: the file is in the page cache). After the first load of each kind
+   the model and optimizer state (overwritten before it) are compared with the state that
+   was saved (exact).
+3. Async. With ``CheckpointWriter(async_save=True)``: the time ``save_checkpoint`` blocks the
+   caller (it clones the state, starts the writer thread and returns), then training steps
+   with ``writer.poll()`` after each, as in ``pretrain()``, until the checkpoint is published
+   (the publish runs inside the poll that sees the write done: counted as blocking too).
+   Each repeat also takes, side by side, steps without any save, a synchronous save between
+   steps, and an async save followed at once by ``wait()`` (the background write on its own).
+   The honest cost of an async save is the blocked time plus how much longer the steps that
+   ran during the background write took than steps without one.
+
+On the 2-vCPU development VM a 1 GB write into the page cache takes 0.5 to 3.5 s depending on
+whether the kernel can reuse memory freed moments before (see ``settle``); single samples
+swing by 2-3x for both sides alike, hence the repeats, the alternation and the bests.
+"""
+import argparse
+import functools
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("MEGATRON_DEVICE", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from megatron.core.datasets.builder import build_train_valid_test_datasets  # noqa: E402
+from megatron.core.models import LlamaModel  # noqa: E402
+from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model  # noqa: E402
+from megatron.training.arguments import build_configs, parse_args as parse_megatron  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    CheckpointWriter,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron.training.data_samplers import (  # noqa: E402
+    build_pretraining_data_loader,
+    cyclic_iter,
+)
+from megatron.training.gpt_step import forward_step, model_provider_for  # noqa: E402
+from megatron.training.initialize import initialize_megatron  # noqa: E402
+from megatron.training.tokenizer.build import build_tokenizer_from_args  # noqa: E402
+from megatron.training.training import build_model, train_step  # noqa: E402
+
+GB = 1e9
+VOCAB = 32000
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=1.0,
+                   help="target size of fp32 params + Adam exp_avg + exp_avg_sq (1e9 bytes)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default=tempfile.gettempdir(),
+                   help="a fresh directory is made (and removed) under this one")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128, help="tokens per training step")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps without a save per repeat of the async part (step-time baseline)")
+    p.add_argument("--max-steps-during-write", type=int, default=100)
+    p.add_argument("--parts", default="save,load,async",
+                   help="which parts to run (load needs save)")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="seconds to wait before each timed save/load (see settle())")
+    return p.parse_args(argv)
+
+
+def model_shape(size_gb: float):
+    """(hidden, ffn, layers) of an untied LLaMA with a 32000-token vocabulary whose
+    params + Adam state (12 bytes/param) come closest to ``size_gb``."""
+    params = size_gb * GB / 12
+    vocab = math.ceil((VOCAB + 1) / 128) * 128  # NullTokenizer adds eod; padded to 128
+
+    def count(hidden, ffn, layers):
+        return 2 * vocab * hidden + hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn
+                                                       + 2 * hidden)
+
+    # hidden from 2*V*h + 6 layers * 12 h^2 = params, to a multiple of 64
+    hidden = (-2 * vocab + math.sqrt(4 * vocab ** 2 + 4 * 72 * params)) / (2 * 72)
+    hidden = max(64, 64 * round(hidden / 64))
+    ffn = max(64, 64 * round(8 * hidden / 3 / 64))
+    layers = min(range(1, 65), key=lambda n: abs(count(hidden, ffn, n) - params))
+    return hidden, ffn, layers
+
+
+def megatron_argv(args, root):
+    hidden, ffn, layers = model_shape(args.size_gb)
+    return (f"--num-layers {layers} --hidden-size {hidden} --ffn-hidden-size {ffn} "
+            f"--num-attention-heads {hidden // 64} --seq-length {args.seq} "
+            f"--max-position-embeddings {args.seq} --normalization RMSNorm --swiglu "
+            f"--position-embedding-type rope --disable-bias-linear "
+            f"--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
+            f"--micro-batch-size 1 --global-batch-size 1 --train-iters 100000 --lr 1e-4 "
+            f"--lr-decay-style constant --weight-decay 0.1 --clip-grad 1.0 --mock-data "
+            f"--tokenizer-type NullTokenizer --vocab-size {VOCAB} --num-workers 0 "
+            f"--device cpu --save {root} --load {root}").split()
+
+
+class Run:
+    """What pretrain() builds, and its training step."""
+
+    def __init__(self, args, root):
+        self.margs = parse_megatron(megatron_argv(args, root))
+        tokenizer = build_tokenizer_from_args(self.margs)
+        self.configs = c = build_configs(self.margs, 1, tokenizer)
+        t = c.training
+        initialize_megatron(1, 1, None, t.seed, t.device)
+        self.model = build_model(functools.partial(model_provider_for(LlamaModel), configs=c),
+                                 c.transformer, c.ddp, t.seed)
+        self.optimizer = get_megatron_optimizer(c.optimizer, self.model)
+        c.transformer.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = OptimizerParamScheduler(self.optimizer, **c.scheduler_kwargs)
+        train, _, _ = build_train_valid_test_datasets(c.dataset, [10_000, 0, 0])
+        self.data = cyclic_iter(build_pretraining_data_loader(
+            train, 0, "cyclic", t.micro_batch_size, 0, 0, 1, t.seed))
+        self.forward_step = functools.partial(forward_step, configs=c)
+        self.iteration = 0
+
+    @property
+    def module(self):
+        return unwrap_model(self.model[0])
+
+    @property
+    def adam(self):
+        return self.optimizer.optimizer
+
+    def step(self):
+        train_step(self.forward_step, self.data, self.model, self.optimizer, self.scheduler,
+                   1, self.margs.seq_length, 1)
+        self.iteration += 1
+
+    def save(self, root, writer):
+        save_checkpoint(root, self.iteration, self.model, self.optimizer, self.scheduler,
+                        self.configs, vars(self.margs), self.iteration, 0, writer)
+
+    def state_tensors(self):
+        """(name, tensor) of every param and its Adam state, as they are now."""
+        out = []
+        for name, p in self.module.named_parameters():
+            out.append((name, p))
+            for k in ("exp_avg", "exp_avg_sq"):
+                out.append((f"{name}.{k}", self.adam.state[p][k]))
+        return out
+
+
+# --- files and the page cache -----------------------------------------------------------------
+
+def files_under(path):
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def size_of(path):
+    return sum(os.path.getsize(f) for f in files_under(path))
+
+
+def fsync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def evict(path):
+    """Drop the (clean, after fsync) pages of the files under ``path`` from the page cache."""
+    for f in files_under(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_fraction(path):
+    """Fraction of the files' bytes in the page cache (util-linux fincore), or None."""
+    try:
+        total = 0
+        for f in files_under(path):
+            out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", f],
+                                 capture_output=True, text=True, check=True).stdout
+            total += int(out.split()[0])
+        return total / size_of(path)
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def settle(idle):
+    """Untimed, right before every timed save or load: flush dirty pages (os.sync), then
+    wait ``idle`` seconds. Measured on the development VM: writing 644 MB to a new file takes
+    0.16 s right after deleting a file of that size that was in the page cache, and 1.8-2.1 s
+    after a few seconds idle or with no such file (its virtio-balloon has free page
+    reporting: memory free for ~2 s goes back to the host, the likely cause). With the
+    default 0 the saves run back to back, each right after deleting its previous file; with
+    ``--idle 4`` every save/load starts from "cold" free memory, as after a quiet spell."""
+    os.sync()
+    if idle:
+        time.sleep(idle)
+
+
+def remove_iterations(root):
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith("iter_"):
+                shutil.rmtree(os.path.join(root, name))
+
+
+# --- the three parts ------------------------------------------------------------------------
+
+def bench_save(run, args, root, peer_path):
+    ours, peer, peer_fsync, optim_sd = [], [], [], []
+    ours_bytes = peer_bytes = 0
+
+    def save_ours():
+        nonlocal ours_bytes
+        remove_iterations(root)
+        run.iteration += 1  # a new iteration directory each time (nothing to replace)
+        settle(args.idle)
+        start = time.perf_counter()
+        run.save(root, CheckpointWriter(async_save=False))
+        ours.append(time.perf_counter() - start)
+        ours_bytes = size_of(root)
+
+    def save_peer():
+        nonlocal peer_bytes
+        if os.path.exists(peer_path):
+            os.remove(peer_path)
+        settle(args.idle)
+        start = time.perf_counter()
+        torch.save({"model": run.module.state_dict(), "optimizer": run.adam.state_dict()},
+                   peer_path)
+        mid = time.perf_counter()
+        fsync_file(peer_path)
+        end = time.perf_counter()
+        peer.append(mid - start)
+        peer_fsync.append(end - start)
+        peer_bytes = size_of(peer_path)
+
+    save_ours(), save_peer()  # untimed warm-up: the VM's first touch of page-cache memory
+    for lst in (ours, peer, peer_fsync):
+        lst.clear()
+    for r in range(args.repeats):
+        for fn in ((save_ours, save_peer) if r % 2 == 0 else (save_peer, save_ours)):
+            fn()
+        # the part of ours that clones the Adam state (optimizer.state_dict()), on its own
+        settle(args.idle)
+        start = time.perf_counter()
+        sd = run.optimizer.state_dict()
+        optim_sd.append(time.perf_counter() - start)
+        del sd
+    return dict(ours=ours, peer=peer, peer_fsync=peer_fsync, ours_bytes=ours_bytes,
+                peer_bytes=peer_bytes, optim_state_dict=optim_sd)
+
+
+def check_state(run, reference):
+    bad = [n for (n, t), (_, ref) in zip(run.state_tensors(), reference)
+           if not torch.equal(t, ref)]
+    return "exact" if not bad else f"MISMATCH in {len(bad)} tensors (e.g. {bad[0]})"
+
+
+def scramble(run):
+    """Overwrite params and Adam state, so a load that did nothing would be caught."""
+    with torch.no_grad():
+        for _, t in run.state_tensors():
+            t.fill_(0.5)
+
+
+def bench_load(run, args, root, peer_path, reference):
+    times = {k: {"cold": [], "warm": []} for k in ("ours", "peer", "torch.load")}
+    checks = {}
+    residency = {}
+
+    def ours():
+        load_checkpoint(run.model, run.optimizer, run.scheduler, run.configs)
+
+    def peer():
+        sd = torch.load(peer_path, weights_only=True)
+        run.module.load_state_dict(sd["model"])
+        run.adam.load_state_dict(sd["optimizer"])
+
+    def plain():
+        return torch.load(peer_path, weights_only=True)
+
+    contenders = (("ours", ours, root), ("peer", peer, peer_path), ("torch.load", plain,
+                                                                     peer_path))
+    ours(), peer(), plain()  # untimed warm-up, as for the saves
+    for r in range(args.repeats):
+        order = contenders if r % 2 == 0 else contenders[::-1]
+        for name, fn, path in order:
+            for temp in ("cold", "warm"):
+                if temp == "cold":
+                    evict(path)
+                    if r == 0:
+                        residency[name] = resident_fraction(path)
+                if name != "torch.load" and r == 0 and temp == "cold":
+                    scramble(run)
+                settle(args.idle)
+                start = time.perf_counter()
+                out = fn()
+                times[name][temp].append(time.perf_counter() - start)
+                del out
+                if name != "torch.load" and r == 0 and temp == "cold":
+                    checks[name] = check_state(run, reference)
+    return times, checks, residency
+
+
+def bench_async(run, args, root):
+    baseline, during, sync = [], [], []
+    blocked_save, blocked_poll, published, steps_during, alone = [], [], [], [], []
+    for r in range(args.repeats):
+        # steps without a save
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            run.step()
+            baseline.append(time.perf_counter() - start)
+        # a synchronous save between steps
+        remove_iterations(root)
+        run.step()
+        settle(args.idle)
+        start = time.perf_counter()
+        run.save(root, CheckpointWriter(async_save=False))
+        sync.append(time.perf_counter() - start)
+        # an async save, then steps polling as pretrain() does, until it is published
+        remove_iterations(root)
+        run.step()
+        settle(args.idle)
+        writer = CheckpointWriter(async_save=True)
+        start = time.perf_counter()
+        run.save(root, writer)
+        returned = time.perf_counter()
+        blocked_save.append(returned - start)
+        poll_time, n = 0.0, 0
+        while True:
+            s = time.perf_counter()
+            run.step()
+            during.append(time.perf_counter() - s)
+            n += 1
+            s = time.perf_counter()
+            done = writer.poll()
+            poll_time += time.perf_counter() - s
+            if done:
+                break
+            if n >= args.max_steps_during_write:
+                writer.wait()
+                break
+        published.append(time.perf_counter() - start)
+        blocked_poll.append(poll_time)
+        steps_during.append(n)
+        # the background write on its own: an async save, then wait() at once (no steps)
+        remove_iterations(root)
+        run.iteration += 1
+        settle(args.idle)
+        writer = CheckpointWriter(async_save=True)
+        start = time.perf_counter()
+        run.save(root, writer)
+        writer.wait()
+        alone.append(time.perf_counter() - start)
+    return dict(baseline=baseline, during=during, sync=sync, blocked_save=blocked_save,
+                blocked_poll=blocked_poll, published=published, steps_during=steps_during,
+                alone=alone)
+
+
+# --- report ---------------------------------------------------------------------------------
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def spread(xs):
+    """median (best-worst) and every value, in run order."""
+    return (f"{med(xs):6.3f} s ({min(xs):.3f}-{max(xs):.3f}) ["
+            + " ".join(f"{x:.2f}" for x in xs) + "]")
+
+
+def report_save(s, repeats):
+    ob, pb = s["ours_bytes"], s["peer_bytes"]
+    print(f"SAVE ({repeats} repeats after a warm-up, alternating, order swapped each repeat; "
+          f"median (best-worst) [each]; GB/s of the file written, at the median)")
+    rows = (("ours", "ours save_checkpoint (sync, fsync+publish)", ob),
+            ("peer", "peer torch.save (no fsync)", pb),
+            ("peer_fsync", "peer torch.save + fsync", pb))
+    for key, label, b in rows:
+        print(f"  {label:44s} {b / GB / med(s[key]):6.3f} GB/s  {spread(s[key])}")
+    print(f"  file sizes: ours {ob:,} bytes, peer {pb:,} bytes")
+    for stat, fn in (("median", med), ("best", min)):
+        ours = ob / fn(s["ours"])
+        print(f"  ratio ours/peer GB/s ({stat}): vs torch.save+fsync "
+              f"{ours / (pb / fn(s['peer_fsync'])):.3f}, vs torch.save alone "
+              f"{ours / (pb / fn(s['peer'])):.3f}   (target >= 0.9)")
+    print(f"  in ours: optimizer.state_dict() (clones exp_avg, exp_avg_sq) alone "
+          f"{spread(s['optim_state_dict'])}")
+
+
+def report_load(times, checks, residency, ob, pb, repeats):
+    print(f"LOAD ({repeats} repeats after a warm-up; cold = the file's pages evicted with "
+          f"fadvise, warm = in the page cache; GB/s of the file read, at the median)")
+    if any(v is not None for v in residency.values()):
+        print("  in page cache after eviction (fincore): " + ", ".join(
+            f"{k} {v:.1%}" for k, v in residency.items() if v is not None))
+    for name, label, b in (("ours", "ours load_checkpoint (into model+optim)", ob),
+                           ("peer", "peer torch.load + 2x load_state_dict", pb),
+                           ("torch.load", "torch.load alone", pb)):
+        for temp in ("cold", "warm"):
+            ts = times[name][temp]
+            check = f"  state {checks[name]}" if name in checks and temp == "cold" else ""
+            print(f"  {label:40s} {temp} {b / GB / med(ts):6.3f} GB/s  {spread(ts)}{check}")
+    for temp in ("cold", "warm"):
+        for stat, fn in (("median", med), ("best", min)):
+            ours = ob / fn(times["ours"][temp])
+            print(f"  ratio ours/peer GB/s ({temp}, {stat}): vs torch.load+load_state_dict "
+                  f"{ours / (pb / fn(times['peer'][temp])):.3f}, vs torch.load alone "
+                  f"{ours / (pb / fn(times['torch.load'][temp])):.3f}")
+
+
+def report_async(a, args):
+    print(f"ASYNC ({args.repeats} repeats; training steps of seq {args.seq} with poll() after "
+          f"each, as pretrain() does)")
+    base = med(a["baseline"])
+    blocked = [x + y for x, y in zip(a["blocked_save"], a["blocked_poll"])]
+    bounds = [sum(a["steps_during"][:i]) for i in range(len(a["steps_during"]) + 1)]
+    per_save = [a["during"][bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+    extra = [sum(steps) - len(steps) * base for steps in per_save]
+    sync, alone = med(a["sync"]), med(a["alone"])
+    print(f"  sync save_checkpoint between steps      {spread(a['sync'])}")
+    print(f"  async save + wait() at once (no steps)  {spread(a['alone'])}")
+    print(f"  async: save_checkpoint blocks           {spread(a['blocked_save'])}")
+    print(f"         poll() calls incl. publish       {spread(a['blocked_poll'])}")
+    print(f"         blocked in all                   {spread(blocked)}")
+    print(f"         -> {med(blocked) / sync:.3f} of the sync save, {med(blocked) / alone:.3f} "
+          f"of async save + wait()   (target < 0.2)")
+    print(f"         save to published                {spread(a['published'])}, "
+          f"{a['steps_during']} steps meanwhile")
+    print(f"  step time without a save                {spread(a['baseline'])}")
+    print("  steps during each write: " + "; ".join(
+        ", ".join(f"{x:.2f}" for x in steps) for steps in per_save) +
+        f" s: median x{med(a['during']) / base:.2f} the step without a save")
+    print(f"  extra step time during a write (sum of its steps - as many steps without a save) "
+          f"{spread(extra)}")
+    print(f"  blocked + extra = {med(blocked) + med(extra):.3f} s = "
+          f"{(med(blocked) + med(extra)) / sync:.3f} of the sync save")
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    work = tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir)
+    root, peer_path = os.path.join(work, "ckpt"), os.path.join(work, "peer", "state.pt")
+    os.makedirs(os.path.dirname(peer_path))
+    try:
+        run = Run(args, root)
+        start = time.perf_counter()
+        run.step()  # Adam state now exists
+        first_step = time.perf_counter() - start
+        n_params = sum(p.numel() for p in run.module.parameters())
+        state_bytes = sum(t.numel() * t.element_size() for _, t in run.state_tensors())
+        hidden, ffn, layers = model_shape(args.size_gb)
+        print("=" * 100)
+        print(f"checkpoint bench: torch {torch.__version__}, {args.threads} threads, "
+              f"{os.cpu_count()} CPUs, dir {work}")
+        print(f"model: LLaMA fp32 layers={layers} hidden={hidden} heads={hidden // 64} "
+              f"ffn={ffn} vocab={run.configs.model_kwargs['padded_vocab_size']} (untied), "
+              f"{n_params:,} params")
+        print(f"state: params + exp_avg + exp_avg_sq = {state_bytes:,} bytes "
+              f"({state_bytes / GB:.3f} GB); first training step (seq {args.seq}) "
+              f"{first_step:.2f} s; before each timed save/load: os.sync()"
+              + (f" and {args.idle:g} s idle" if args.idle else ""), flush=True)
+        parts = set(args.parts.split(","))
+        if parts & {"save", "load"}:
+            s = bench_save(run, args, root, peer_path)
+            print("-" * 100)
+            report_save(s, args.repeats)
+            if "load" in parts:
+                # The state stays as saved by bench_save's last saves (both sides) until the
+                # loads are done; the reference is that state.
+                reference = [(n, t.detach().clone()) for n, t in run.state_tensors()]
+                times, checks, residency = bench_load(run, args, root, peer_path, reference)
+                del reference
+                report_load(times, checks, residency, s["ours_bytes"], s["peer_bytes"],
+                            args.repeats)
+        if "async" in parts:
+            a = bench_async(run, args, root)
+            report_async(a, args)
+        print("=" * 100)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
