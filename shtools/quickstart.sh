@@ -6,7 +6,9 @@
 #   4. pretrain a small LLaMA (RMSNorm, SwiGLU, RoPE, GQA, untied output) with
 #      torchrun pretrain_llama.py on 4 processes: tensor parallel 2 x pipeline parallel 2,
 #      CPU/gloo, fp32, with evaluation, checkpoints and TensorBoard,
-#   5. print where everything went, and the final loss against the corpus's unigram entropy
+#   5. convert the last checkpoint to a Hugging Face model (tools/checkpoint/convert.py) and
+#      generate a few tokens from it with transformers (tools/checkpoint/generate.py),
+#   6. print where everything went, and the final loss against the corpus's unigram entropy
 #      (the loss of a model that knows only token frequencies).
 # Everything goes under $QUICKSTART_DIR; a rerun regenerates it all (the same bytes: fixed seeds)
 # and replaces the previous run's checkpoints and TensorBoard events.
@@ -47,21 +49,22 @@ TOKENIZER=$RUN_DIR/tokenizer
 CHECKPOINTS=$RUN_DIR/checkpoints
 TENSORBOARD=$RUN_DIR/tensorboard
 TRAIN_LOG=$RUN_DIR/train.log
+HF_MODEL=$RUN_DIR/hf_model
 
-echo "== 1/4 install check"
+echo "== 1/5 install check"
 bash shtools/install_deps.sh dev
 
-echo "== 2/4 corpus and tokenizer -> $RUN_DIR"
+echo "== 2/5 corpus and tokenizer -> $RUN_DIR"
 "$PYTHON" tools/make_quickstart_corpus.py --output-dir "$RUN_DIR" --num-docs "$NUM_DOCS" \
     --vocab-size "$VOCAB_SIZE"
 
-echo "== 3/4 preprocess -> ${DATA_PREFIX}_text_document.bin/.idx"
+echo "== 3/5 preprocess -> ${DATA_PREFIX}_text_document.bin/.idx"
 mkdir -p "$RUN_DIR/data"
 "$PYTHON" tools/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --output-prefix "$DATA_PREFIX" \
     --tokenizer-type PretrainedFromHF --tokenizer-name-or-path "$TOKENIZER" \
     --append-eod --workers 2 --log-interval 100000
 
-echo "== 4/4 pretrain_llama.py: $NPROC processes, TP=$TP x PP=$PP (log: $TRAIN_LOG)"
+echo "== 4/5 pretrain_llama.py: $NPROC processes, TP=$TP x PP=$PP (log: $TRAIN_LOG)"
 # Start over: a previous run's checkpoints and TensorBoard events would mix with this run's.
 rm -rf "$CHECKPOINTS" "$TENSORBOARD"
 MEGATRON_DEVICE=cpu OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone \
@@ -74,6 +77,12 @@ MEGATRON_DEVICE=cpu OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --stand
     --save "$CHECKPOINTS" --save-interval "$SAVE_INTERVAL" \
     --tensorboard-dir "$TENSORBOARD" --log-validation-ppl-to-tensorboard \
     "$@" 2>&1 | tee "$TRAIN_LOG"
+
+echo "== 5/5 the last checkpoint as a Hugging Face model -> $HF_MODEL, and a few tokens from it"
+rm -rf "$HF_MODEL"
+"$PYTHON" tools/checkpoint/convert.py megatron-to-hf --load "$CHECKPOINTS" --save "$HF_MODEL"
+"$PYTHON" tools/checkpoint/generate.py --hf-dir "$HF_MODEL" \
+    --prompt "three plus four is" --prompt "Mia lives in" --prompt "one two three"
 
 # ---- summary ----
 number() {  # number PATTERN FIELD head|tail: a value from the training log, 3 decimals
@@ -94,6 +103,7 @@ cat <<EOF
   data         ${DATA_PREFIX}_text_document.bin/.idx
   checkpoints  $CHECKPOINTS $SAVED
   tensorboard  $TENSORBOARD   (tensorboard --logdir $TENSORBOARD)
+  HF model     $HF_MODEL   (AutoModelForCausalLM.from_pretrained)
   train log    $TRAIN_LOG
   unigram token entropy of the corpus: $(printf '%.3f' "$ENTROPY") nats
   lm loss: first logged $(number 'lm loss:' 3 head), final $(number 'lm loss:' 3 tail), \

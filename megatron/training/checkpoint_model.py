@@ -42,8 +42,6 @@ LAYOUT_DESTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 # Values parse_args derives; recomputed from the others (a saved run holds them already).
 _DERIVED = ("virtual_pipeline_model_parallel_size", "data_parallel_size", "padded_vocab_size")
-# Old spellings and flags with no effect: never written back as launch flags.
-_NOT_FLAGS = ("RMSNorm", "use_rotary_position_embeddings", "no_position_embedding")
 
 # A forward-only run: no data, no schedule, no optimizer state; fp32; weights only.
 INFERENCE_OVERRIDES = dict(
@@ -131,30 +129,12 @@ def args_from_checkpoint(load_dir: str, ckpt_step: Optional[int] = None,
                       num_layers_per_virtual_pipeline_stage=None,
                       num_virtual_stages_per_pipeline_rank=layout[
                           "virtual_pipeline_model_parallel_size"])
+        values.update({k: saved[k] for k in LAYOUT_DESTS[4:] if k in saved})  # uneven stages
     if values.get("weight_decay_incr_style") == "constant":
         values.update(start_weight_decay=None, end_weight_decay=None)  # derived when constant
     values.update(overrides)
     values.update(load=load_dir, ckpt_step=ckpt_step)
     return validate_args(argparse.Namespace(**values))
-
-
-def architecture_flags(args: Dict) -> List[str]:
-    """Launch-line flags for the model flags in a saved args dict (``--num-layers 32 ...``),
-    e.g. to start training from a converted checkpoint."""
-    parser = get_parser()
-    dests = _model_dests(parser)
-    flags = []
-    for action in parser._actions:
-        if action.dest not in dests or action.dest in _NOT_FLAGS or \
-                action.dest not in args or not action.option_strings:
-            continue
-        value = args[action.dest]
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            flags += [flag] if value else []
-        elif value is not None and action.nargs is None:
-            flags += [flag, str(value)]
-    return flags
 
 
 class _WeightsOnly:

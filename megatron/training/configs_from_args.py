@@ -135,7 +135,8 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     """The configs of a parsed command line for ``world_size`` processes.
 
     ``tokenizer`` (optional, from ``build_tokenizer_from_args``) supplies the vocabulary and
-    end-of-document id; without it the dataset's vocab is ``--vocab-size`` and eod 0."""
+    end-of-document id; without it the dataset's vocab is ``--vocab-size`` (a placeholder 1 when
+    a tokenizer file will supply it) and eod 0."""
     dp = _check_world(args, world_size)
     _check_files(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
@@ -190,6 +191,8 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     _built("learning-rate flags", lambda: OptimizerParamScheduler(
         types.SimpleNamespace(param_groups=[]), **scheduler_kwargs))
     vocab_size = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
+    if vocab_size is None and tokenizer is None and args.tokenizer_type != "NullTokenizer":
+        vocab_size = 1  # checking the flags before the tokenizer (which has the vocab) is loaded
     eod = getattr(tokenizer, "eod", None)
     _need(not args.mock_data or vocab_size is not None,
           "--mock-data needs a vocabulary: pass --vocab-size or a tokenizer.")

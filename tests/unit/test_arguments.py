@@ -174,6 +174,23 @@ def test_swiglu_default_ffn_and_old_position_flags():
     assert parse_args(small()).max_position_embeddings == 32  # defaults to --seq-length
 
 
+def test_llama3_rope_scaling_and_gelu_flags():
+    """Every field of LLaMA-3.1 RoPE scaling has a flag (checkpoint conversion writes them),
+    and --openai-gelu selects GPT-2's tanh GeLU."""
+    t = build_configs(parse_args(small(
+        "--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "16",
+        "--rope-low-freq-factor", "2", "--rope-high-freq-factor", "8",
+        "--rope-original-max-position-embeddings", "4096"))).transformer
+    assert (t.rope_scaling_factor, t.rope_low_freq_factor, t.rope_high_freq_factor,
+            t.rope_original_max_position_embeddings) == (16.0, 2.0, 8.0, 4096)
+    t = build_configs(parse_args(small())).transformer
+    assert (t.rope_scaling_factor, t.rope_low_freq_factor, t.rope_high_freq_factor,
+            t.rope_original_max_position_embeddings) == (None, 1.0, 4.0, 8192)  # LLaMA-3.1's
+    assert t.activation == "gelu"
+    assert build_configs(parse_args(small("--openai-gelu"))).transformer.activation == \
+        "gelu_tanh"
+
+
 @pytest.mark.parametrize("flag", sorted(NOOP_FLAGS))
 def test_noop_flags_are_accepted(flag):
     assert getattr(parse_args(small(flag)), flag.lstrip("-").replace("-", "_"))
@@ -229,6 +246,7 @@ def test_world_and_model_errors(extra, world, message):
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x "
      "--num-layers-per-virtual-pipeline-stage 3"),
     (["--max-position-embeddings", "16"], "--max-position-embeddings 16 is smaller than"),
+    (["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu both choose the MLP activation"),
 ])
 def test_flag_errors(extra, message):
     with pytest.raises(ConfigError) as info:
@@ -288,3 +306,11 @@ def test_tokenizer_supplies_vocab():
     assert cfg.model_kwargs["vocab_size"] == tokenizer.vocab_size == 101  # ids + eod
     assert cfg.model_kwargs["padded_vocab_size"] == args.padded_vocab_size == 112
     assert cfg.dataset.eod_token == tokenizer.eod == 100
+
+
+def test_mock_data_with_a_tokenizer_file(files):
+    """pretrain checks the flags before loading the tokenizer: with --mock-data the vocabulary
+    is the tokenizer's, so that first check needs no --vocab-size."""
+    argv = small()[:-4] + ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+                           files["tok"]]  # small() ends with NullTokenizer --vocab-size 100
+    assert build_configs(parse_args(argv)).dataset.mock

@@ -1,0 +1,63 @@
+"""What every conversion shares: the error a user sees, a progress line, and output
+directories that appear whole or not at all."""
+import contextlib
+import os
+import shutil
+import sys
+
+
+class ConversionError(Exception):
+    """A problem the user can act on; convert.py prints it on one line and exits 1."""
+
+
+def check_output_dir(path: str) -> str:
+    """The absolute path of a new (or empty) output directory; nothing is ever overwritten."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConversionError(f"output directory {path} exists and is not empty; give a new "
+                              f"or empty directory (nothing is overwritten).")
+    return path
+
+
+@contextlib.contextmanager
+def staged_output_dir(path: str):
+    """Yield a staging directory next to ``path``, renamed to ``path`` when the block ends
+    without an error and removed when it raises: a failed conversion leaves nothing behind."""
+    path = check_output_dir(path)
+    staging = path + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)  # a previous run's leftover
+    os.makedirs(staging)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if os.path.isdir(path):
+        os.rmdir(path)  # empty, checked above
+    os.rename(staging, path)
+
+
+class Progress:
+    """``what: [#####.....] 5/10`` on stderr: redrawn in place on a terminal, one line per
+    step in a log file."""
+
+    def __init__(self, what: str, total: int, stream=None, width: int = 30):
+        self.what, self.total, self.width = what, max(int(total), 1), width
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def __call__(self, done: int, total: int = None, note: str = "") -> None:
+        total = self.total if total is None else max(int(total), 1)
+        filled = int(self.width * done / total)
+        line = (f"{self.what}: [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}"
+                f"{' ' + note if note else ''}")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def say(message: str) -> None:
+    """A status line on stderr (stdout keeps only the final summary)."""
+    print(message, file=sys.stderr, flush=True)

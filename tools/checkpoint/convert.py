@@ -1,0 +1,365 @@
+"""Convert checkpoints between Hugging Face and Megatron, and reshard Megatron checkpoints.
+
+    python tools/checkpoint/convert.py hf-to-megatron --load HF_DIR --save CKPT_DIR \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+    python tools/checkpoint/convert.py megatron-to-hf --load CKPT_DIR --save HF_OUT
+    python tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+
+Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
+scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
+window) and GPT2LMHeadModel. HF -> Megatron writes a ``release`` checkpoint (tracker file
+included), the vocabulary padded as training pads it, the tokenizer files under
+``CKPT_DIR/tokenizer`` and the launch flags in ``CKPT_DIR/megatron_flags.txt``. Megatron -> HF
+rebuilds config.json from the checkpoint's args and writes sharded safetensors that
+``AutoModelForCausalLM.from_pretrained`` loads. Every output directory is written under
+``NAME.partial`` and renamed when complete: a failed run leaves nothing behind.
+"""
+import argparse
+import os
+import re
+import shutil
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(1, os.path.join(_HERE, os.pardir, os.pardir))
+
+import torch  # noqa: E402
+
+import hf_io  # noqa: E402
+import megatron_args  # noqa: E402
+from conversion_utils import (  # noqa: E402
+    ConversionError,
+    Progress,
+    check_output_dir,
+    say,
+    staged_output_dir,
+)
+from megatron.core.models.hf_conversion import (  # noqa: E402
+    GPT2,
+    LLAMA,
+    hf_to_megatron,
+    megatron_to_hf,
+)
+from megatron.training.checkpointing.offline import (  # noqa: E402
+    TargetLayout,
+    find_iteration_dir,
+    read_model,
+    write_model,
+)
+from megatron.training.checkpointing.paths import CheckpointError  # noqa: E402
+
+FLAGS_FILE = "megatron_flags.txt"
+TOKENIZER_DIR = "tokenizer"
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _dtype_note(dtype) -> str:
+    if dtype == torch.bfloat16:
+        return "The weights are bfloat16: train with --bf16 (fp32 main parameters)."
+    if dtype == torch.float16:
+        return "The weights are float16: train with --fp16 or --bf16."
+    return None
+
+
+def _write_flags(stage: str, args, final_dir: str, arch: str, source: str, release: bool,
+                 dtype) -> None:
+    with open(os.path.join(stage, FLAGS_FILE), "w") as f:
+        f.write(megatron_args.flags_text(args, final_dir, arch, source, release,
+                                         _dtype_note(dtype)))
+
+
+def _heads_and_groups(args):
+    heads = args["num_attention_heads"]
+    return heads, args["num_query_groups"] if args["group_query_attention"] else heads
+
+
+# --------------------------------------------------------------------------------------------
+def _check_tokenizer_dir(path) -> None:
+    if path and not os.path.isdir(path):
+        raise ConversionError(f"--tokenizer-dir {path} does not exist.")
+
+
+def hf_to_megatron_cmd(a) -> str:
+    config = hf_io.read_config(a.load)
+    _check_tokenizer_dir(a.tokenizer_dir)
+    warning = hf_io.check_sliding_window(config, a.ignore_sliding_window)
+    if warning:
+        say(f"warning: {warning}")
+    args = megatron_args.args_from_hf(config, None, a.seq_length)
+    tp, pp, per_stage = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                         a.num_layers_per_virtual_pipeline_stage)
+    vpp = megatron_args.check_target(args["num_layers"], *_heads_and_groups(args),
+                                     args["ffn_hidden_size"], tp, pp, per_stage)
+    save = check_output_dir(a.save)
+    num_layers, vocab = args["num_layers"], args["vocab_size"]
+    tied = not args["untie_embeddings_and_output_weights"]
+    hf_state = hf_io.normalized_weights(hf_io.read_weights(a.load), config, num_layers, tied,
+                                        a.load)
+    rows = hf_state[hf_io.embedding_name(config.model_type)].shape[0]
+    if rows != vocab:
+        raise ConversionError(f"the embedding of {a.load} has {rows} rows but config.json's "
+                              f"vocab_size is {vocab}; fix config.json.")
+    try:
+        full = hf_to_megatron(hf_state, config)
+    except (ValueError, RuntimeError) as exc:
+        raise ConversionError(f"the weights of {a.load} do not fit its config.json: {exc}") \
+            from None
+    del hf_state
+
+    tokenizer_src = a.tokenizer_dir or a.load
+    has_tokenizer = any(os.path.isfile(os.path.join(tokenizer_src, n))
+                        for n in hf_io.TOKENIZER_FILES if n != "generation_config.json")
+    if has_tokenizer:
+        args.update(tokenizer_type="PretrainedFromHF",
+                    tokenizer_name_or_path=os.path.join(save, TOKENIZER_DIR))
+        size = hf_io.tokenizer_size(tokenizer_src)
+        if size is not None and size != vocab:
+            say(f"warning: the tokenizer has {size} tokens but the model's vocabulary "
+                f"{vocab}; training with this tokenizer builds a {size}-token embedding, "
+                f"which does not load this checkpoint.")
+    else:
+        say(f"note: no tokenizer files in {tokenizer_src}; add your own tokenizer flags when "
+            f"training.")
+    args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab,
+                                     a.make_vocab_size_divisible_by)
+    dtype = full[_EMBEDDING].dtype
+    with staged_output_dir(save) as stage:
+        hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
+        write_model(stage, full, num_layers, vocab, gated_mlp=args["swiglu"], tied_output=tied,
+                    target=TargetLayout(tp, pp, vpp, a.make_vocab_size_divisible_by),
+                    args=args, iteration=None,
+                    progress=Progress("writing Megatron checkpoint files", tp * pp))
+        _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
+                     os.path.abspath(a.load), True, dtype)
+    layout = f"TP={tp} x PP={pp}" + (f" x VPP={vpp}" if vpp else "")
+    return (f"wrote a release checkpoint ({layout}) of {config.model_type} to {save}; "
+            f"training flags in {os.path.join(save, FLAGS_FILE)}")
+
+
+# --------------------------------------------------------------------------------------------
+def _read_checkpoint(load: str, step):
+    if not os.path.isdir(load):
+        raise ConversionError(f"checkpoint directory {load} does not exist.")
+    try:
+        iteration_dir = find_iteration_dir(load, step)
+        say(f"reading {iteration_dir}")
+        full, layout, saved = read_model(iteration_dir)
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
+    if not saved:
+        raise ConversionError(f"{iteration_dir} records no args; the model's architecture is "
+                              f"unknown.")
+    return iteration_dir, full, layout, {**megatron_args.parser_defaults(), **saved}
+
+
+def _checkpoint_tokenizer_dir(load: str, args, override):
+    if override:
+        return override
+    for candidate in (os.path.join(load, TOKENIZER_DIR), args.get("tokenizer_name_or_path"),
+                      args.get("tokenizer_model")):
+        if candidate and os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+def _copy_megatron_tokenizer_files(args, out_dir, copied) -> None:
+    """GPT-2 BPE and sentencepiece tokenizers given as files: their HF file names."""
+    kind = args.get("tokenizer_type")
+    sources = {"GPT2BPETokenizer": (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")),
+               "SentencePieceTokenizer": (("tokenizer_model", "tokenizer.model"),),
+               "Llama2Tokenizer": (("tokenizer_model", "tokenizer.model"),)}.get(kind, ())
+    for dest, name in sources:
+        path = args.get(dest)
+        if path and os.path.isfile(path) and name not in copied:
+            shutil.copyfile(path, os.path.join(out_dir, name))
+
+
+def _check_against_transformers(state, hf_config) -> None:
+    """Every tensor has the name and shape transformers' own model gives it."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in state]
+    wrong = [f"{n} {tuple(t.shape)} (expected {shapes.get(n)})" for n, t in state.items()
+             if shapes.get(n) != tuple(t.shape)]
+    if missing or wrong:
+        raise ConversionError("the checkpoint's tensors do not match the model its args "
+                              "describe: " + (f"missing {missing[0]}" if missing else wrong[0]))
+
+
+def megatron_to_hf_cmd(a) -> str:
+    max_shard = a.max_shard_size
+    _check_tokenizer_dir(a.tokenizer_dir)
+    save = check_output_dir(a.save)
+    iteration_dir, full, layout, args = _read_checkpoint(a.load, a.ckpt_step)
+    tokenizer_dir = _checkpoint_tokenizer_dir(a.load, args, a.tokenizer_dir)
+    dtype = full[_EMBEDDING].dtype
+    hf_config = megatron_args.hf_config_from_args(args, layout["vocab_size"], dtype,
+                                                  hf_io.special_token_ids(tokenizer_dir))
+    try:
+        state = megatron_to_hf(full, hf_config)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise ConversionError(f"the checkpoint's tensors do not match the model its args "
+                              f"describe ({type(exc).__name__}: {exc}).") from None
+    del full
+    if hf_config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # as save_pretrained: the embedding serves both
+    _check_against_transformers(state, hf_config)
+    with staged_output_dir(save) as stage:
+        shards = hf_io.write_weights(stage, state, max_shard)
+        hf_config.save_pretrained(stage)
+        copied = hf_io.copy_tokenizer_files(tokenizer_dir, stage)
+        _copy_megatron_tokenizer_files(args, stage, copied)
+        if "generation_config.json" not in copied:
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(hf_config).save_pretrained(stage)
+    what = hf_config.architectures[0]
+    return (f"wrote {what} ({len(shards)} safetensors file(s)) from {iteration_dir} to {save}"
+            + ("" if tokenizer_dir else "; no tokenizer found (pass --tokenizer-dir)"))
+
+
+# --------------------------------------------------------------------------------------------
+def megatron_to_megatron_cmd(a) -> str:
+    if os.path.abspath(a.load) == os.path.abspath(a.save):
+        raise ConversionError("--save must differ from --load.")
+    save = check_output_dir(a.save)
+    iteration_dir, full, layout, args = _read_checkpoint(a.load, a.ckpt_step)
+    name = os.path.basename(iteration_dir.rstrip(os.sep))
+    match = re.fullmatch(r"iter_(\d+)", name)
+    iteration = int(match.group(1)) if match else None  # None: release
+    tp, pp, per_stage = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                         a.num_layers_per_virtual_pipeline_stage)
+    num_layers, vocab = layout["num_layers"], layout["vocab_size"]
+    ffn = full["decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
+    vpp = megatron_args.check_target(num_layers, *_heads_and_groups(args), ffn, tp, pp,
+                                     per_stage)
+    divisible = a.make_vocab_size_divisible_by or args["make_vocab_size_divisible_by"]
+    tokenizer_src = os.path.join(a.load, TOKENIZER_DIR)
+    if os.path.isdir(tokenizer_src) and args.get("tokenizer_name_or_path") and \
+            os.path.abspath(args["tokenizer_name_or_path"]) == os.path.abspath(tokenizer_src):
+        args["tokenizer_name_or_path"] = os.path.join(save, TOKENIZER_DIR)
+    args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab, divisible)
+    with staged_output_dir(save) as stage:
+        if os.path.isdir(tokenizer_src):
+            hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
+        write_model(stage, full, num_layers, vocab, layout["gated_mlp"], layout["tied_output"],
+                    TargetLayout(tp, pp, vpp, divisible), args, iteration=iteration,
+                    progress=Progress("writing Megatron checkpoint files", tp * pp))
+        _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
+                     os.path.abspath(iteration_dir), iteration is None, full[_EMBEDDING].dtype)
+    layout_text = f"TP={tp} x PP={pp}" + (f" x VPP={vpp}" if vpp else "")
+    return (f"wrote {'release' if iteration is None else f'iteration {iteration}'} "
+            f"({layout_text}, model weights only) to {save}")
+
+
+# --------------------------------------------------------------------------------------------
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not >= 1")
+    return value
+
+
+def _size(text):
+    try:
+        return hf_io.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_layout_flags(p, required: bool):
+    g = p.add_argument_group("target parallel layout")
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, required=required,
+                   metavar="N", default=None if required else 1,
+                   help="Must divide the attention heads and query groups." +
+                        ("" if required else " Default 1."))
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, required=required,
+                   metavar="N", default=None if required else 1,
+                   help="Must divide the layers." + ("" if required else " Default 1."))
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   metavar="N",
+                   help="Interleaved (virtual) pipeline stages of this many layers.")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convert.py", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split(
+            "\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("hf-to-megatron", help="Hugging Face directory -> Megatron release "
+                       "checkpoint for any TP/PP/VPP.",
+                       description="Hugging Face model directory (config.json + safetensors or "
+                       "pytorch_model*.bin) -> a Megatron 'release' checkpoint.")
+    p.add_argument("--load", "--load-dir", required=True, metavar="HF_DIR",
+                   help="The Hugging Face model directory (local; nothing is downloaded).")
+    p.add_argument("--save", "--save-dir", required=True, metavar="DIR",
+                   help="New or empty output directory.")
+    _add_layout_flags(p, required=False)
+    p.add_argument("--make-vocab-size-divisible-by", type=_positive_int, metavar="N", default=128,
+                   help="Pad the vocabulary to a multiple of this x TP, as training does "
+                        "(default 128; use the value you will train with).")
+    p.add_argument("--seq-length", type=_positive_int, default=None, metavar="N",
+                   help="--seq-length recorded in the args and flags (default: the model's "
+                        f"max positions, at most {megatron_args.DEFAULT_MAX_SEQ_LENGTH}).")
+    p.add_argument("--tokenizer-dir", default=None, metavar="DIR",
+                   help="Take the tokenizer files from here instead of HF_DIR.")
+    p.add_argument("--ignore-sliding-window", action="store_true",
+                   help="Convert a Mistral model with sliding-window attention anyway (equal "
+                        "only for sequences within the window).")
+    p.set_defaults(run=hf_to_megatron_cmd)
+
+    p = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any layout) -> Hugging "
+                       "Face directory (safetensors).",
+                       description="Megatron checkpoint (any TP/PP/VPP) -> a Hugging Face "
+                       "directory that AutoModelForCausalLM.from_pretrained loads.")
+    p.add_argument("--load", "--load-dir", required=True, metavar="DIR",
+                   help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
+    p.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="Iteration to convert (default: the tracker's, latest or release).")
+    p.add_argument("--save", "--save-dir", required=True, metavar="HF_DIR",
+                   help="New or empty output directory.")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="Largest safetensors file, e.g. 5GB, 500MB (default 5GB).")
+    p.add_argument("--tokenizer-dir", default=None, metavar="DIR",
+                   help="Tokenizer files to ship (default: DIR/tokenizer, else the "
+                        "checkpoint's --tokenizer-name-or-path).")
+    p.set_defaults(run=megatron_to_hf_cmd)
+
+    p = sub.add_parser("megatron-to-megatron", help="Reshard a Megatron checkpoint to another "
+                       "TP/PP/VPP offline.",
+                       description="Reshard a Megatron checkpoint to another TP/PP/VPP "
+                       "(model weights and args; optimizer state is not carried over). Training "
+                       "loads any layout as it is; this serves tools and pre-cut copies.")
+    p.add_argument("--load", "--load-dir", required=True, metavar="DIR",
+                   help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
+    p.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="Iteration to reshard (default: the tracker's); it keeps its number.")
+    p.add_argument("--save", "--save-dir", required=True, metavar="NEW_DIR",
+                   help="New or empty output directory.")
+    _add_layout_flags(p, required=True)
+    p.add_argument("--make-vocab-size-divisible-by", type=_positive_int, metavar="N", default=None,
+                   help="Default: the checkpoint's.")
+    p.set_defaults(run=megatron_to_megatron_cmd)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = get_parser().parse_args(argv)
+    try:
+        print(args.run(args))
+    except ConversionError as exc:
+        message = " ".join(str(exc).split())
+        print(f"convert.py {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

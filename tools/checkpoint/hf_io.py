@@ -1,0 +1,289 @@
+"""Reading and writing Hugging Face model directories without a running model: config.json,
+weights (safetensors, single or sharded with an index; ``pytorch_model*.bin`` loaded with
+``weights_only=True``), and the tokenizer files that travel with a checkpoint."""
+import json
+import os
+import pickle
+import re
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+
+from conversion_utils import ConversionError, Progress
+
+# architectures entry -> model_type
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+             "GPT2LMHeadModel": "gpt2"}
+SUPPORTED_TEXT = ", ".join(f"{a} (model_type {t})" for a, t in SUPPORTED.items())
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "generation_config.json")
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+# Buffers some checkpoints carry next to the parameters: recomputed by the model, not mapped.
+_BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
+
+
+def read_config(hf_dir: str):
+    """The transformers config of ``hf_dir``, after checking it is a supported architecture."""
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"Hugging Face model directory {hf_dir} does not exist.")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir} has no config.json; give the directory written by "
+                              f"save_pretrained() (or downloaded from the hub).")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{path} is not valid JSON ({exc}).") from None
+    model_type, archs = raw.get("model_type"), raw.get("architectures") or []
+    unknown = [a for a in archs if a not in SUPPORTED]
+    if model_type not in SUPPORTED.values() or unknown:
+        raise ConversionError(
+            f"unsupported architecture: model_type {model_type!r}, architectures {archs} "
+            f"in {path}; supported: {SUPPORTED_TEXT}.")
+    import transformers  # deferred: seconds to import
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "gpt2": transformers.GPT2Config}[model_type]
+    config = cls.from_dict(raw)
+    if model_type in ("llama", "mistral") and getattr(config, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"{path}: hidden_act {config.hidden_act!r} is not supported "
+                              f"(LLaMA's MLP is SwiGLU: 'silu').")
+    return config
+
+
+def check_sliding_window(config, allowed: bool) -> Optional[str]:
+    """Mistral's sliding-window attention is LLaMA's attention only while sequences fit in
+    the window. Returns a warning when ``allowed``, raises otherwise."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type != "mistral" or window is None or \
+            window >= config.max_position_embeddings:
+        return None
+    message = (f"this Mistral model uses sliding-window attention (window {window} < "
+               f"max_position_embeddings {config.max_position_embeddings}), which this "
+               f"framework does not implement: attention is identical for sequences up to "
+               f"{window} tokens only")
+    if not allowed:
+        raise ConversionError(message + "; pass --ignore-sliding-window to convert anyway.")
+    return message + "."
+
+
+def _load_bin(path: str) -> Dict[str, torch.Tensor]:
+    """A ``pytorch_model*.bin``; only tensors and plain data are unpickled, so a file made to
+    run code when loaded is refused instead."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+    except pickle.UnpicklingError as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConversionError(
+            f"refusing to load {path}: it holds objects other than tensors and plain data, "
+            f"which could run code when unpickled ({first[:120]}). Get the safetensors "
+            f"version of this model, or a .bin from a source you trust.") from None
+    except Exception as exc:
+        raise ConversionError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict):
+        raise ConversionError(f"{path} does not hold a state dict.")
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _load_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except Exception as exc:
+        raise ConversionError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+
+
+def weight_files(hf_dir: str) -> List[str]:
+    """The weight files of ``hf_dir`` (safetensors preferred), all checked to exist."""
+    for name in _WEIGHT_FILES:
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if not name.endswith(".index.json"):
+            return [path]
+        try:
+            with open(path) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise ConversionError(f"{path} is not a valid weight index ({exc}).") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+        if missing:
+            raise ConversionError(f"{path} lists {len(missing)} weight file(s) missing from "
+                                  f"{hf_dir}, e.g. {missing[0]}; the download is incomplete.")
+        return [os.path.join(hf_dir, s) for s in shards]
+    raise ConversionError(f"{hf_dir} holds no weights: expected one of {', '.join(_WEIGHT_FILES)}.")
+
+
+def read_weights(hf_dir: str, progress: bool = True) -> Dict[str, torch.Tensor]:
+    files = weight_files(hf_dir)
+    bar = Progress("reading Hugging Face weights", len(files)) if progress else None
+    state = {}
+    for i, path in enumerate(files):
+        state.update(_load_safetensors(path) if path.endswith(".safetensors")
+                     else _load_bin(path))
+        if bar:
+            bar(i + 1, note=os.path.basename(path))
+    return state
+
+
+def embedding_name(model_type: str) -> str:
+    return "transformer.wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight"
+
+
+def expected_names(model_type: str, num_layers: int, tied: bool) -> List[str]:
+    """The HF parameter names this converter maps (``lm_head.weight`` only when untied)."""
+    if model_type == "gpt2":
+        names = ["transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+                 "transformer.ln_f.bias"]
+        per_layer = [f"{m}.{k}" for m in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj",
+                                          "mlp.c_fc", "mlp.c_proj") for k in ("weight", "bias")]
+        prefix = "transformer.h.{}."
+    else:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"] + \
+            [f"self_attn.{x}_proj.weight" for x in "qkvo"] + \
+            [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        prefix = "model.layers.{}."
+    names += [prefix.format(i) + n for i in range(num_layers) for n in per_layer]
+    return names + ([] if tied else ["lm_head.weight"])
+
+
+def normalized_weights(state: Dict[str, torch.Tensor], config, num_layers: int, tied: bool,
+                       where: str) -> Dict[str, torch.Tensor]:
+    """HF weights under the names of ``*ForCausalLM`` (a base model's checkpoint lacks the
+    ``transformer.``/``model.`` prefix), buffers dropped, checked complete and with nothing
+    this converter would silently ignore."""
+    top = "transformer." if config.model_type == "gpt2" else "model."
+    out = {}
+    for name, tensor in state.items():
+        if _BUFFERS.search(name):
+            continue
+        if not name.startswith((top, "lm_head.")):
+            name = top + name
+        out[name] = tensor
+    wanted = expected_names(config.model_type, num_layers, tied)
+    missing = [n for n in wanted if n not in out]
+    if missing:
+        raise ConversionError(f"the weights in {where} lack {len(missing)} tensor(s) of a "
+                              f"{config.model_type} model with {num_layers} layers, e.g. "
+                              f"{missing[0]}; the checkpoint is incomplete or does not match "
+                              f"its config.json.")
+    extra = sorted(set(out) - set(wanted) - {"lm_head.weight"})
+    if extra:
+        raise ConversionError(f"the weights in {where} hold {len(extra)} tensor(s) this "
+                              f"converter does not map, e.g. {extra[0]}; this is not a plain "
+                              f"{config.model_type} model (or config.json does not match it).")
+    return out
+
+
+def parse_size(text: str) -> int:
+    """'5GB' (10^9), '500MiB' (2^20), '100KB', or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{text!r} is not a size like 5GB, 500MB or 1000000")
+    number, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12,
+             "KI": 2 ** 10, "MI": 2 ** 20, "GI": 2 ** 30, "TI": 2 ** 40}[unit]
+    size = int(number * scale)
+    if size < 1:
+        raise ValueError(f"{text!r} is not a positive size")
+    return size
+
+
+def _model_order(name: str):
+    """Embeddings first, then layer by layer, then the rest (final norm, head)."""
+    match = re.search(r"\.(?:layers|h)\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), name)
+    return (0 if "emb" in name or ".wte." in name or ".wpe." in name else 2, 0, name)
+
+
+def write_weights(out_dir: str, state: Dict[str, torch.Tensor], max_shard_bytes: int,
+                  progress: bool = True) -> List[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards of at most
+    ``max_shard_bytes`` (a larger tensor gets a shard of its own) with
+    ``model.safetensors.index.json``, as ``save_pretrained`` writes them."""
+    from safetensors.torch import save_file
+
+    shards, current, size = [], {}, 0
+    for name in sorted(state, key=_model_order):
+        nbytes = state[name].numel() * state[name].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = state[name]
+        size += nbytes
+    shards.append(current)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    bar = Progress("writing safetensors", len(shards)) if progress else None
+    for i, (name, shard) in enumerate(zip(names, shards)):
+        save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name),
+                  metadata={"format": "pt"})
+        if bar:
+            bar(i + 1, note=name)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in state.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return names
+
+
+def copy_tokenizer_files(src: Optional[str], dst: str) -> List[str]:
+    """Copy the tokenizer (and generation config) files found in ``src`` into ``dst``;
+    returns their names (none: ``dst`` is not created)."""
+    if not src or not os.path.isdir(src):
+        return []
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    if names:
+        os.makedirs(dst, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    return names
+
+
+def tokenizer_size(tokenizer_dir: str) -> Optional[int]:
+    """Tokens of a ``tokenizer.json`` (added tokens included), or None without one."""
+    path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    except Exception:  # an unreadable tokenizer is the training run's problem, not ours
+        return None
+
+
+def special_token_ids(tokenizer_dir: Optional[str]) -> Dict[str, int]:
+    """bos/eos/pad ids for the HF config: from generation_config.json, else the tokenizer."""
+    if not tokenizer_dir or not os.path.isdir(tokenizer_dir):
+        return {}
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    path = os.path.join(tokenizer_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            found = json.load(f)
+        return {k: found[k] for k in keys if found.get(k) is not None}
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except Exception:
+        return {}
+    return {k: getattr(tok, k) for k in keys if getattr(tok, k, None) is not None}

@@ -1,0 +1,244 @@
+"""Hugging Face configs <-> the ``args`` a Megatron checkpoint records (``vars(args)`` of
+megatron/training/arguments.py: argparse dest names), and the launch flags that rebuild the
+same model. A checkpoint's args start from the parser's defaults, so a reader can rebuild the
+model from ``{**parser defaults, **saved args}`` alone."""
+from typing import Dict, List, Optional
+
+from conversion_utils import ConversionError
+from megatron.core.models.hf_conversion import GPT2, LLAMA, config_from_hf
+from megatron.core.utils import vocab_size_with_padding
+from megatron.training.arguments import get_parser
+
+DEFAULT_MAX_SEQ_LENGTH = 4096  # --seq-length recorded when HF allows longer (LLaMA-3.1: 128K)
+
+
+def parser_defaults() -> Dict:
+    return vars(get_parser().parse_args([]))
+
+
+def check_target(num_layers: int, heads: int, groups: int, ffn_hidden_size: int, tp: int,
+                 pp: int, layers_per_virtual_stage: Optional[int]) -> Optional[int]:
+    """ConversionError unless the model cuts into this layout; returns the number of virtual
+    stages per pipeline rank (None without interleaving)."""
+    if tp < 1 or pp < 1:
+        raise ConversionError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                              "must be >= 1.")
+    if heads % tp:
+        raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the model's "
+                              f"{heads} attention heads; choose a divisor of {heads}.")
+    if groups % tp:
+        raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the model's "
+                              f"{groups} query groups (key/value heads); choose a divisor of "
+                              f"{groups}.")
+    if ffn_hidden_size % tp:
+        raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the model's "
+                              f"FFN hidden size {ffn_hidden_size}.")
+    if num_layers % pp:
+        raise ConversionError(f"--pipeline-model-parallel-size {pp} does not divide the "
+                              f"model's {num_layers} layers.")
+    if layers_per_virtual_stage is None:
+        return None
+    if pp < 2:
+        raise ConversionError("--num-layers-per-virtual-pipeline-stage needs "
+                              "--pipeline-model-parallel-size > 1.")
+    if layers_per_virtual_stage < 1 or num_layers % (pp * layers_per_virtual_stage):
+        raise ConversionError(
+            f"the model's {num_layers} layers do not split into --pipeline-model-parallel-size "
+            f"{pp} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}.")
+    vpp = num_layers // (pp * layers_per_virtual_stage)
+    return vpp if vpp > 1 else None
+
+
+def layout_args(args: Dict, tp: int, pp: int, layers_per_virtual_stage: Optional[int],
+                vpp: Optional[int], vocab_size: int, divisible_by: int) -> Dict:
+    """``args`` with the parallel layout (and the vocab padding it implies) replaced."""
+    return {**args, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "num_layers_per_virtual_pipeline_stage": layers_per_virtual_stage if vpp else None,
+            "num_virtual_stages_per_pipeline_rank": None,
+            "virtual_pipeline_model_parallel_size": vpp,
+            "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+            "account_for_embedding_in_pipeline_split": False,
+            "account_for_loss_in_pipeline_split": False,
+            "make_vocab_size_divisible_by": divisible_by,
+            "padded_vocab_size": vocab_size_with_padding(vocab_size, divisible_by, tp)}
+
+
+def args_from_hf(hf_config, tokenizer_dir: Optional[str],
+                 seq_length: Optional[int] = None) -> Dict:
+    """The args of a checkpoint holding ``hf_config``'s model (layout fields: ``layout_args``)."""
+    try:
+        config, model_kwargs = config_from_hf(hf_config)
+    except ValueError as exc:
+        raise ConversionError(f"unsupported model: {exc}") from None
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    gqa = groups != heads
+    scaling = config.rope_scaling_factor is not None
+    args = parser_defaults()
+    args.update(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
+        group_query_attention=gqa, num_query_groups=groups if gqa else 1,
+        kv_channels=config.kv_channels, max_position_embeddings=config.max_position_embeddings,
+        seq_length=seq_length or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LENGTH),
+        position_embedding_type=config.position_embedding_type,
+        rotary_base=config.rotary_base, rotary_percent=1.0, use_rope_scaling=scaling,
+        normalization=config.normalization, norm_epsilon=config.layernorm_epsilon,
+        swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
+        disable_bias_linear=not config.add_bias_linear, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not model_kwargs[
+            "share_embeddings_and_output_weights"],
+        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std, vocab_size=model_kwargs["vocab_size"],
+        tokenizer_type="PretrainedFromHF" if tokenizer_dir else None,
+        tokenizer_name_or_path=tokenizer_dir)
+    if scaling:
+        args.update(rope_scaling_factor=config.rope_scaling_factor,
+                    rope_low_freq_factor=config.rope_low_freq_factor,
+                    rope_high_freq_factor=config.rope_high_freq_factor,
+                    rope_original_max_position_embeddings=(
+                        config.rope_original_max_position_embeddings))
+    return args
+
+
+def architecture_of_args(args: Dict) -> str:
+    """LLAMA or GPT2 for a checkpoint's args (defaults filled in), or ConversionError saying
+    which settings have no Hugging Face counterpart here."""
+    arch = LLAMA if args["swiglu"] else GPT2
+    if arch == LLAMA:
+        wanted = {"normalization": "RMSNorm", "position_embedding_type": "rope",
+                  "disable_bias_linear": True, "add_qkv_bias": False, "rotary_percent": 1.0}
+    else:
+        wanted = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+                  "disable_bias_linear": False, "untie_embeddings_and_output_weights": False}
+    wrong = [f"{k}={args[k]!r} (needs {v!r})" for k, v in wanted.items() if args[k] != v]
+    if arch == GPT2:
+        heads = args["num_attention_heads"]
+        if args["group_query_attention"] and args["num_query_groups"] != heads:
+            wrong.append(f"num_query_groups={args['num_query_groups']} (GPT-2 has none)")
+        if args["kv_channels"] not in (None, args["hidden_size"] // heads):
+            wrong.append(f"kv_channels={args['kv_channels']} (GPT-2's is hidden/heads)")
+    if wrong:
+        name = "LlamaForCausalLM (--swiglu)" if arch == LLAMA else "GPT2LMHeadModel (no --swiglu)"
+        raise ConversionError(f"this checkpoint's model has no Hugging Face equivalent: as "
+                              f"{name} it has {', '.join(wrong)}.")
+    return arch
+
+
+def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
+    """A LlamaConfig or GPT2Config (``architectures`` set) for a checkpoint's args."""
+    import transformers
+
+    arch = architecture_of_args(args)
+    heads, hidden = args["num_attention_heads"], args["hidden_size"]
+    max_positions = args["max_position_embeddings"] or args["seq_length"]
+    common = dict(vocab_size=vocab_size, initializer_range=args["init_method_std"], **token_ids)
+    if arch == LLAMA:
+        rope_scaling = None
+        if args["use_rope_scaling"]:
+            rope_scaling = {"rope_type": "llama3", "factor": args["rope_scaling_factor"],
+                            "low_freq_factor": args["rope_low_freq_factor"],
+                            "high_freq_factor": args["rope_high_freq_factor"],
+                            "original_max_position_embeddings":
+                                args["rope_original_max_position_embeddings"]}
+        config = transformers.LlamaConfig(
+            hidden_size=hidden, intermediate_size=args["ffn_hidden_size"],
+            num_hidden_layers=args["num_layers"], num_attention_heads=heads,
+            num_key_value_heads=args["num_query_groups"] if args["group_query_attention"]
+            else heads, head_dim=args["kv_channels"] or hidden // heads,
+            max_position_embeddings=max_positions, rms_norm_eps=args["norm_epsilon"],
+            rope_theta=args["rotary_base"], rope_scaling=rope_scaling, hidden_act="silu",
+            attention_bias=False, mlp_bias=False, attention_dropout=args["attention_dropout"],
+            tie_word_embeddings=not args["untie_embeddings_and_output_weights"], **common)
+        config.architectures = ["LlamaForCausalLM"]
+    else:
+        ffn = args["ffn_hidden_size"] or 4 * hidden
+        config = transformers.GPT2Config(
+            n_embd=hidden, n_layer=args["num_layers"], n_head=heads, n_positions=max_positions,
+            n_inner=None if ffn == 4 * hidden else ffn,
+            activation_function="gelu_new" if args["openai_gelu"] else "gelu",
+            layer_norm_epsilon=args["norm_epsilon"], resid_pdrop=args["hidden_dropout"],
+            embd_pdrop=args["hidden_dropout"], attn_pdrop=args["attention_dropout"],
+            tie_word_embeddings=True, **common)
+        config.architectures = ["GPT2LMHeadModel"]
+    config.dtype = dtype
+    return config
+
+
+def _num(value) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value)) if value >= 1 else repr(value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def architecture_flags(args: Dict) -> List[str]:
+    """Megatron flags that rebuild this model and its parallel layout."""
+    a = args
+    flags = [f"--tensor-model-parallel-size {a['tensor_model_parallel_size']}",
+             f"--pipeline-model-parallel-size {a['pipeline_model_parallel_size']}"]
+    if a.get("num_layers_per_virtual_pipeline_stage"):
+        flags.append(f"--num-layers-per-virtual-pipeline-stage "
+                     f"{a['num_layers_per_virtual_pipeline_stage']}")
+    flags += [f"--num-layers {a['num_layers']}", f"--hidden-size {a['hidden_size']}",
+              f"--ffn-hidden-size {a['ffn_hidden_size']}",
+              f"--num-attention-heads {a['num_attention_heads']}"]
+    if a["group_query_attention"]:
+        flags.append(f"--group-query-attention --num-query-groups {a['num_query_groups']}")
+    if a.get("kv_channels"):
+        flags.append(f"--kv-channels {a['kv_channels']}")
+    flags += [f"--seq-length {a['seq_length']}",
+              f"--max-position-embeddings {a['max_position_embeddings']}",
+              f"--position-embedding-type {a['position_embedding_type']}"]
+    if a["position_embedding_type"] == "rope":
+        flags.append(f"--rotary-base {_num(a['rotary_base'])}")
+        if a["use_rope_scaling"]:
+            flags.append(f"--use-rope-scaling --rope-scaling-factor "
+                         f"{_num(a['rope_scaling_factor'])} --rope-low-freq-factor "
+                         f"{_num(a['rope_low_freq_factor'])} --rope-high-freq-factor "
+                         f"{_num(a['rope_high_freq_factor'])} "
+                         f"--rope-original-max-position-embeddings "
+                         f"{a['rope_original_max_position_embeddings']}")
+    flags.append(f"--normalization {a['normalization']} --norm-epsilon "
+                 f"{_num(a['norm_epsilon'])}")
+    flags += [flag for flag, on in (
+        ("--swiglu", a["swiglu"]), ("--openai-gelu", a.get("openai_gelu")),
+        ("--disable-bias-linear", a["disable_bias_linear"]),
+        ("--add-qkv-bias", a["add_qkv_bias"]),
+        ("--untie-embeddings-and-output-weights", a["untie_embeddings_and_output_weights"]))
+        if on]
+    flags.append(f"--attention-dropout {_num(a['attention_dropout'])} --hidden-dropout "
+                 f"{_num(a['hidden_dropout'])} --init-method-std {_num(a['init_method_std'])}")
+    if a.get("tokenizer_type") in ("PretrainedFromHF", "HuggingFaceTokenizer") and \
+            a.get("tokenizer_name_or_path"):
+        flags.append(f"--tokenizer-type {a['tokenizer_type']} --tokenizer-name-or-path "
+                     f"{a['tokenizer_name_or_path']}")
+    flags.append(f"--make-vocab-size-divisible-by {a['make_vocab_size_divisible_by']}")
+    return flags
+
+
+def flags_text(args: Dict, checkpoint_dir: str, arch: str, source: str, release: bool,
+               dtype_note: Optional[str] = None) -> str:
+    """megatron_flags.txt: comments, then one flag group per line (``grep -v '^#'`` gives
+    the flags)."""
+    script = "pretrain_llama.py" if arch == LLAMA else "pretrain_gpt.py"
+    lines = [
+        f"# Megatron flags for the checkpoint in {checkpoint_dir}",
+        f"# (converted from {source}). Train from it with",
+        f"#   torchrun --nproc-per-node N {script} $(grep -v '^#' megatron_flags.txt) \\",
+        "#       --micro-batch-size ... --global-batch-size ... --train-iters ... --lr ... \\",
+        "#       --data-path ... --save NEW_DIR",
+        "# The parallel sizes below are the checkpoint's own; any other TP/PP/VPP loads it too",
+        "# (the heads and query groups must divide by TP, the layers by PP).",
+    ]
+    if release:
+        lines.append("# A 'release' checkpoint loads as --finetune does: weights only, from "
+                     "iteration 0 with a fresh optimizer.")
+    else:
+        lines.append("# It holds no optimizer state: continue with --no-load-optim (same "
+                     "iteration), or --finetune (from iteration 0).")
+    if not (args.get("tokenizer_type") and args.get("tokenizer_name_or_path")):
+        lines.append(f"# No tokenizer came with the model: add tokenizer flags for a "
+                     f"{args['vocab_size']}-token vocabulary.")
+    if dtype_note:
+        lines.append(f"# {dtype_note}")
+    lines += [f"--load {checkpoint_dir}"] + architecture_flags(args)
+    return "\n".join(lines) + "\n"
