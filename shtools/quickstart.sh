@@ -82,7 +82,7 @@ echo "== 5/5 the last checkpoint as a Hugging Face model -> $HF_MODEL, and a few
 rm -rf "$HF_MODEL"
 "$PYTHON" tools/checkpoint/convert.py megatron-to-hf --load "$CHECKPOINTS" --save "$HF_MODEL"
 "$PYTHON" tools/checkpoint/generate.py --hf-dir "$HF_MODEL" \
-    --prompt "three plus four is" --prompt "Mia lives in" --prompt "one two three"
+    --prompt "Mia lives in" --prompt "Count with me: three, four," --prompt "two plus two is"
 
 # ---- summary ----
 number() {  # number PATTERN FIELD head|tail: a value from the training log, 3 decimals
