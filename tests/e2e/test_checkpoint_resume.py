@@ -109,9 +109,8 @@ def test_checkpoint_loads_into_another_layout(saved_at_tp2_pp2_dp2, tmp_path, la
     got = _iteration_losses(proc)
     assert "resharded from TP=2 x PP=2" in proc.stdout
     if "--num-layers-per-virtual-pipeline-stage" in layout:  # saved per virtual chunk
-        assert {"model0", "model1"} <= torch.load(
-            tmp_path / "again" / "iter_0000004" / "mp_rank_00_000" / "model_optim_rng.pt",
-            weights_only=True).keys()
+        path = tmp_path / "again" / "iter_0000004" / "mp_rank_00_000" / "model_optim_rng.pt"
+        assert {"model0", "model1"} <= torch.load(path, weights_only=True).keys()
     assert sorted(got) == ["3", "4"]
     for i in "34":
         assert abs(float(got[i]) - float(want[i])) <= TOL, (got, want)

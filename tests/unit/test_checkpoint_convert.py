@@ -113,8 +113,9 @@ def test_round_trip_is_bitwise(hf_dirs, tmp_path, name, tp, pp, per_stage):
             layout["virtual_pipeline_model_parallel_size"]) == (tp, pp, vpp)
     padded = vocab_size_with_padding(VOCAB, 128, tp)
     assert layout["padded_vocab_size"] == padded == 128 * tp and layout["vocab_size"] == VOCAB
-    rank0 = torch.load(os.path.join(meg, "release", "mp_rank_00" + ("_000" if pp > 1 else ""),
-                                    "model_optim_rng.pt"), weights_only=True)
+    rank0_file = os.path.join(meg, "release", "mp_rank_00" + ("_000" if pp > 1 else ""),
+                              "model_optim_rng.pt")
+    rank0 = torch.load(rank0_file, weights_only=True)
     embedding = rank0["model0" if vpp else "model"]["embedding.word_embeddings.weight"]
     assert embedding.shape[0] == padded // tp
     assert sorted(os.listdir(os.path.join(meg, "tokenizer"))) == [
