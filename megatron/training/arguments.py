@@ -190,6 +190,16 @@ def _add_training_args(parser):
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM (Slurm, preemption): finish the iteration, save, exit 0.")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="Skip (and log) an update whose gradients are not finite (default).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
+    g.add_argument("--max-consecutive-nan-iterations", type=int, default=3,
+                   help="Stop (saving the last good state) after this many skipped updates in "
+                        "a row with non-finite gradients.")
     g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -333,6 +343,9 @@ def _check_flags(args):
                  "micro_batch_size", "lr"):
         _need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required.")
     _need(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive; pick one.")
+    _need(args.max_consecutive_nan_iterations >= 1,
+          f"--max-consecutive-nan-iterations must be >= 1, got "
+          f"{args.max_consecutive_nan_iterations}.")
     _need(not (args.use_distributed_optimizer and args.overlapped_distributed_optimizer),
           "--use-distributed-optimizer and --overlapped-distributed-optimizer are exclusive; "
           "pick one (the overlapped one is the distributed optimizer with overlapped "

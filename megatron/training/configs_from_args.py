@@ -177,6 +177,7 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlapped_distributed_optimizer=args.overlapped_distributed_optimizer))
     ddp = _built("data-parallel flags", lambda: ddp_config_for_optimizer(

@@ -1,28 +1,41 @@
-"""Deliberate failures for tests of what survives a crash.
+"""Deliberate failures for tests of what survives a crash or a bad step.
 
-``MEGATRON_FAULT_INJECTION="save:RANK:ITERATION"`` kills global rank RANK (SIGKILL, as the
-OOM killer or a lost node would) in the middle of writing the checkpoint of ITERATION: its
-file is half written and not yet renamed.
+``MEGATRON_FAULT_INJECTION="KIND:RANK:ITERATIONS"`` (ITERATIONS: ``7`` or ``3-5``), for global
+rank RANK:
+
+- ``save``: SIGKILL (as the OOM killer or a lost node would) in the middle of writing the
+  checkpoint of that iteration: its file is half written and not yet renamed;
+- ``nan``: a NaN in one gradient at those iterations, after the gradients are reduced and
+  before the optimizer step (the update must be skipped and logged).
 """
 import os
 import signal
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 ENV = "MEGATRON_FAULT_INJECTION"
-_KINDS = ("save",)
+_KINDS = ("save", "nan")
 
 
-def _parse(spec: str) -> Tuple[str, int, int]:
+def _parse(spec: str) -> Tuple[str, int, range]:
     parts = spec.split(":")
-    if len(parts) != 3 or parts[0] not in _KINDS or not all(p.isdigit() for p in parts[1:]):
-        raise ValueError(f"{ENV}={spec!r} is not KIND:RANK:ITERATION with KIND one of "
-                         f"{', '.join(_KINDS)} (e.g. save:1:4); unset it to run normally.")
-    return parts[0], int(parts[1]), int(parts[2])
+    bounds = parts[2].split("-") if len(parts) == 3 else []
+    if len(parts) != 3 or parts[0] not in _KINDS or not parts[1].isdigit() or \
+            not 1 <= len(bounds) <= 2 or not all(b.isdigit() for b in bounds):
+        raise ValueError(f"{ENV}={spec!r} is not KIND:RANK:ITERATION[-ITERATION] with KIND one "
+                         f"of {', '.join(_KINDS)} (e.g. save:1:4, nan:0:3-5); unset it to run "
+                         f"normally.")
+    return parts[0], int(parts[1]), range(int(bounds[0]), int(bounds[-1]) + 1)
 
 
-def planned_fault() -> Optional[Tuple[str, int, int]]:
+def planned_fault() -> Optional[Tuple[str, int, range]]:
     spec = os.environ.get(ENV)
     return _parse(spec) if spec else None
+
+
+def _active(kind: str, iteration: int) -> bool:
+    fault = planned_fault()
+    return fault is not None and fault[0] == kind and iteration in fault[2] and \
+        int(os.environ.get("RANK", "0")) == fault[1]
 
 
 def _kill_self() -> None:
@@ -31,10 +44,21 @@ def _kill_self() -> None:
 
 def maybe_crash_while_writing(path: str, iteration: int) -> None:
     """Called with a fully written but not yet renamed file: truncate it and die."""
-    fault = planned_fault()
-    if fault is None or fault[0] != "save" or fault[2] != iteration or \
-            int(os.environ.get("RANK", "0")) != fault[1]:
+    if not _active("save", iteration):
         return
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     _kill_self()
+
+
+def maybe_poison_gradients(model_chunks: List, iteration: int) -> None:
+    """Called between the gradient reduction and the optimizer step."""
+    if not _active("nan", iteration):
+        return
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                grad.view(-1)[0] = float("nan")
+                return

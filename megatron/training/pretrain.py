@@ -8,12 +8,12 @@ import time
 from functools import partial
 from typing import Callable, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from megatron.training import fault_injection
 from megatron.training.arguments import ConfigError, build_configs, parse_args
 from megatron.training.checkpointing import (
     CheckpointError,
@@ -23,8 +23,10 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.training.exit_signal import ExitSignal
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
+from megatron.training.nan_guard import NanGuard
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_log import TrainingLogger
@@ -122,13 +124,16 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     consumed_train, consumed_valid = resumed.consumed_train_samples, \
         resumed.consumed_valid_samples
     history, iteration = [], resumed.iteration
+    nan_guard = NanGuard(t.check_for_nan_in_loss_and_grad, t.max_consecutive_nan_iterations)
+    exit_signal = ExitSignal(t.exit_signal_handler)
     resumed.restore_rng()
     try:
         while iteration < train_iters:
             iteration += 1
             losses, skipped, grad_norm, num_zeros = train_step(
                 forward_step, train_iter, model, optimizer, scheduler, num_micro,
-                args.seq_length, t.micro_batch_size)
+                args.seq_length, t.micro_batch_size,
+                partial(fault_injection.maybe_poison_gradients, iteration=iteration))
             consumed_train += gbs
             history.append(losses)
             logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
@@ -136,6 +141,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                                 grad_norm=grad_norm, num_zeros=num_zeros,
                                 consumed_samples=consumed_train)
             checkpoints.poll()
+            if nan_guard.check(iteration, grad_norm):
+                checkpoints.save(iteration, consumed_train, consumed_valid)  # the last good state
+                checkpoints.wait()
+                _exit_with(nan_guard.stop_message(iteration, t.save), code=1)
             if t.eval_interval and valid_iter is not None and iteration % t.eval_interval == 0:
                 logger.log_validation(iteration, evaluate(
                     forward_step, valid_iter, model, t.eval_iters, num_micro, args.seq_length,
@@ -146,6 +155,11 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             if (t.exit_interval and iteration % t.exit_interval == 0) or (
                     t.exit_duration_in_mins and
                     _minutes_elapsed(start_time) > t.exit_duration_in_mins):
+                break
+            if exit_signal.received_on_any_rank():
+                if dist.get_rank() == 0:
+                    print(f"received SIGTERM: saving at iteration {iteration} and exiting",
+                          flush=True)
                 break
         checkpoints.save(iteration, consumed_train, consumed_valid)  # unless just saved
         checkpoints.wait()
@@ -206,6 +220,6 @@ class _Checkpoints:
 
 def _minutes_elapsed(start_time: float) -> float:
     """The slowest rank's view, so every rank stops at the same iteration."""
-    elapsed = torch.tensor([(time.time() - start_time) / 60.0])
+    elapsed = device.tensor([(time.time() - start_time) / 60.0])  # nccl needs it on GPU
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()

@@ -39,9 +39,11 @@ def _average_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Dict[str, 
 
 
 def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], optimizer,
-               scheduler, num_microbatches: int, seq_length: int, micro_batch_size: int
+               scheduler, num_microbatches: int, seq_length: int, micro_batch_size: int,
+               before_optimizer_step: Optional[Callable[[List[torch.nn.Module]], None]] = None
                ) -> Tuple[Dict[str, float], bool, Optional[float], Optional[int]]:
-    """Returns (mean reported losses, skipped?, grad norm, zeros in grads)."""
+    """Returns (mean reported losses, skipped?, grad norm, zeros in grads).
+    ``before_optimizer_step(model)`` sees the reduced gradients (fault injection in tests)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -49,6 +51,8 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length,
         micro_batch_size=micro_batch_size, forward_only=False)
+    if before_optimizer_step is not None:
+        before_optimizer_step(model)
     ok, grad_norm, num_zeros = optimizer.step()
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *

@@ -35,6 +35,9 @@ class TrainingConfig:
     seed: int = 1234
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
+    max_consecutive_nan_iterations: int = 3
     dataloader_type: str = "single"  # single | cyclic
     num_workers: int = 2
     device: Optional[str] = None  # None: auto (megatron.core.device decides)

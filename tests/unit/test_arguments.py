@@ -247,6 +247,7 @@ def test_world_and_model_errors(extra, world, message):
      "--num-layers-per-virtual-pipeline-stage 3"),
     (["--max-position-embeddings", "16"], "--max-position-embeddings 16 is smaller than"),
     (["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu both choose the MLP activation"),
+    (["--max-consecutive-nan-iterations", "0"], "--max-consecutive-nan-iterations must be >= 1"),
 ])
 def test_flag_errors(extra, message):
     with pytest.raises(ConfigError) as info:

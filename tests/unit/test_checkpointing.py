@@ -81,8 +81,10 @@ def test_tracker_file(tmp_path):
 
 
 def test_fault_injection_switch(monkeypatch, tmp_path):
+    monkeypatch.setenv(fault_injection.ENV, "nan:0:3-5")
+    assert fault_injection.planned_fault() == ("nan", 0, range(3, 6))
     monkeypatch.setenv(fault_injection.ENV, "save:1:4")
-    assert fault_injection.planned_fault() == ("save", 1, 4)
+    assert fault_injection.planned_fault() == ("save", 1, range(4, 5))
     monkeypatch.setenv("RANK", "0")  # another rank: nothing happens
     path = tmp_path / "f"
     path.write_bytes(b"x" * 100)
@@ -90,6 +92,9 @@ def test_fault_injection_switch(monkeypatch, tmp_path):
     assert path.stat().st_size == 100
     monkeypatch.setenv(fault_injection.ENV, "save:one:4")
     with pytest.raises(ValueError, match="KIND:RANK:ITERATION"):
+        fault_injection.planned_fault()
+    monkeypatch.setenv(fault_injection.ENV, "kill:0:4")
+    with pytest.raises(ValueError, match="KIND one of save, nan"):
         fault_injection.planned_fault()
 
 

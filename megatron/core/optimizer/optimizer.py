@@ -7,6 +7,7 @@
 3. clip by the global norm over all model-parallel ranks (``clip_grad``);
 4. the torch optimizer steps; mixed precision copies the fp32 main params back to the model.
 """
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -112,6 +113,8 @@ class MegatronOptimizer:
                 self.num_skipped_steps += 1
                 return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        if self.config.check_for_nan_in_grad and not math.isfinite(grad_norm):
+            return False, grad_norm, None  # the norm is global: every rank skips alike
         num_zeros = count_zeros_fp32(self._grads_for_norm(), self._reduction_group()) \
             if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()

@@ -28,6 +28,8 @@ class OptimizerConfig:
     hysteresis: int = 2
     clip_grad: float = 1.0  # --clip-grad (global L2 norm; 0 disables)
     log_num_zeros_in_grad: bool = False
+    # Skip the update when the global gradient norm is not finite (NaN/inf in any gradient).
+    check_for_nan_in_grad: bool = True
     use_distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
     # --overlapped-distributed-optimizer: ZeRO-1 with overlapped reduce-scatter / all-gather.
     overlapped_distributed_optimizer: bool = False

@@ -14,6 +14,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import device
+
 from megatron.training.checkpointing.paths import CheckpointError
 
 
@@ -58,7 +60,7 @@ class CheckpointWriter:
         """Publish the pending save if every rank has finished writing; True if it was."""
         if self._pending is None:
             return False
-        done = torch.tensor([1 if self._pending.done() else 0], dtype=torch.int32)
+        done = device.tensor([1 if self._pending.done() else 0], dtype=torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1:
             self._complete()
