@@ -6,14 +6,18 @@ rank RANK:
 - ``save``: SIGKILL (as the OOM killer or a lost node would) in the middle of writing the
   checkpoint of that iteration: its file is half written and not yet renamed;
 - ``nan``: a NaN in one gradient at those iterations, after the gradients are reduced and
-  before the optimizer step (the update must be skipped and logged).
+  before the optimizer step (the update must be skipped and logged);
+- ``kill``: SIGKILL at the start of that iteration.
+
+Faults fire only in a job's first attempt: a worker group that torchrun restarted
+(``TORCHELASTIC_RESTART_COUNT`` > 0) runs clean, so a test sees one fault and the recovery.
 """
 import os
 import signal
 from typing import List, Optional, Tuple
 
 ENV = "MEGATRON_FAULT_INJECTION"
-_KINDS = ("save", "nan")
+_KINDS = ("save", "nan", "kill")
 
 
 def _parse(spec: str) -> Tuple[str, int, range]:
@@ -35,11 +39,17 @@ def planned_fault() -> Optional[Tuple[str, int, range]]:
 def _active(kind: str, iteration: int) -> bool:
     fault = planned_fault()
     return fault is not None and fault[0] == kind and iteration in fault[2] and \
-        int(os.environ.get("RANK", "0")) == fault[1]
+        int(os.environ.get("RANK", "0")) == fault[1] and \
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_kill_at(iteration: int) -> None:
+    if _active("kill", iteration):
+        _kill_self()
 
 
 def maybe_crash_while_writing(path: str, iteration: int) -> None:

@@ -43,8 +43,20 @@ def initialize_distributed(device_type: Optional[str] = None,
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device.set_device(local_rank)
-    dist.init_process_group(device.dist_backend(),
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(device.dist_backend(), timeout=timeout)
+        return
+    # A worker group torchrun restarted: the store still holds the failed group's addresses
+    # under the same keys, and gloo/nccl would connect to dead peers (pytorch/pytorch#167288).
+    # Keys under a prefix of this attempt cannot be stale.
+    store = dist.PrefixStore(f"megatron_attempt_{restart}/", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout))
+    dist.init_process_group(device.dist_backend(), store=store,
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def set_random_seeds(seed: int) -> None:

@@ -130,6 +130,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     try:
         while iteration < train_iters:
             iteration += 1
+            fault_injection.maybe_kill_at(iteration)  # tests only
             losses, skipped, grad_norm, num_zeros = train_step(
                 forward_step, train_iter, model, optimizer, scheduler, num_micro,
                 args.seq_length, t.micro_batch_size,

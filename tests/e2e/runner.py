@@ -16,12 +16,15 @@ LLAMA = ("--normalization RMSNorm --swiglu --ffn-hidden-size 48 --position-embed
          "--disable-bias-linear --untie-embeddings-and-output-weights").split()
 
 
-def start_script(script, flags, nproc=1):
+def start_script(script, flags, nproc=1, torchrun_args=None):
     """Start ``python script flags`` (nproc 1) or ``torchrun --nproc-per-node nproc script
-    flags``; several started at once share the cost of importing torch."""
+    flags`` (``torchrun_args`` replace ``--standalone``: rendezvous, restarts...); several
+    started at once share the cost of importing torch."""
     env = dict(os.environ, MEGATRON_DEVICE="cpu", OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
+    launcher = [sys.executable]
+    if nproc > 1 or torchrun_args:
+        launcher = [sys.executable, "-m", "torch.distributed.run",
+                    *(torchrun_args or ["--standalone"]), "--nproc-per-node", str(nproc)]
     return subprocess.Popen(launcher + [os.path.join(ROOT, script)] + [str(f) for f in flags],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -38,8 +41,8 @@ def finish(popen, timeout=300):
     return subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
 
 
-def run_script(script, flags, nproc=1, timeout=300):
-    return finish(start_script(script, flags, nproc), timeout)
+def run_script(script, flags, nproc=1, timeout=300, torchrun_args=None):
+    return finish(start_script(script, flags, nproc, torchrun_args), timeout)
 
 
 def without(flags, *names):

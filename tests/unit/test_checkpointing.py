@@ -93,8 +93,8 @@ def test_fault_injection_switch(monkeypatch, tmp_path):
     monkeypatch.setenv(fault_injection.ENV, "save:one:4")
     with pytest.raises(ValueError, match="KIND:RANK:ITERATION"):
         fault_injection.planned_fault()
-    monkeypatch.setenv(fault_injection.ENV, "kill:0:4")
-    with pytest.raises(ValueError, match="KIND one of save, nan"):
+    monkeypatch.setenv(fault_injection.ENV, "boom:0:4")
+    with pytest.raises(ValueError, match="KIND one of save, nan, kill"):
         fault_injection.planned_fault()
 
 
