@@ -12,7 +12,14 @@ import re
 import pytest
 import torch
 
-from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
+from tests.e2e.runner import (
+    LLAMA,
+    TINY,
+    checkpoint_tensors,
+    parse_losses,
+    run_script,
+    without,
+)
 
 TOL = 1e-5
 PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -33,29 +40,8 @@ def _iteration_losses(proc):
     return dict(re.findall(r" iteration +(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|", proc.stdout))
 
 
-def _tensors(root, iteration):
-    """Every tensor of a saved iteration, keyed by file and path in the state."""
-    out = {}
-
-    def walk(prefix, value):
-        if torch.is_tensor(value):
-            out[prefix] = value
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}", v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{prefix}/{i}", v)
-    pattern = os.path.join(root, f"iter_{iteration:07d}", "mp_rank_*", "*.pt")
-    for path in sorted(glob.glob(pattern)):
-        state = torch.load(path, weights_only=True)
-        state.pop("args", None)  # holds the run's own --save/--load paths
-        walk(os.path.relpath(path, root).split("/", 1)[1], state)
-    return out
-
-
 def _assert_bitwise(a_root, b_root, iteration):
-    a, b = _tensors(a_root, iteration), _tensors(b_root, iteration)
+    a, b = checkpoint_tensors(a_root, iteration), checkpoint_tensors(b_root, iteration)
     assert a.keys() == b.keys() and a
     for key in a:
         assert torch.equal(a[key], b[key]), key

@@ -2,16 +2,22 @@
 restarted by torchrun (--max-restarts) and the job resumes from its last checkpoint with no
 manual step, ending bitwise equal to an uninterrupted run; two torchrun agents (two "nodes"
 of 2 processes, c10d rendezvous on 127.0.0.1) train exactly as one node of 4."""
-import glob
-import os
 import re
 import socket
 
 import pytest
 import torch
 
-from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script, \
-    without
+from tests.e2e.runner import (
+    LLAMA,
+    TINY,
+    checkpoint_tensors,
+    finish,
+    parse_losses,
+    run_script,
+    start_script,
+    without,
+)
 
 ITERS = 20
 FLAGS = without(TINY, "--train-iters", "--log-interval", "--eval-interval") + LLAMA + [
@@ -26,31 +32,15 @@ def _run(root, **kwargs):
                       **kwargs)
 
 
-def _final_state(root):
-    """Every tensor of the last checkpoint (model, optimizer, scheduler, RNG) of each rank."""
-    out = {}
-    for path in sorted(glob.glob(os.path.join(root, f"iter_{ITERS:07d}", "*", "*.pt"))):
-        state = torch.load(path, weights_only=True)
-        for key in ("model", "optimizer"):
-            stack = [(f"{os.path.basename(os.path.dirname(path))}/{key}", state[key])]
-            while stack:
-                name, value = stack.pop()
-                if isinstance(value, dict):
-                    stack += [(f"{name}/{k}", v) for k, v in value.items()]
-                elif torch.is_tensor(value):
-                    out[name] = value
-    return out
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted") / "ckpt"
     parse_losses(_run(root))
-    return _final_state(root)
+    return checkpoint_tensors(root, ITERS)
 
 
 def _assert_bitwise(root, want):
-    got = _final_state(root)
+    got = checkpoint_tensors(root, ITERS)
     assert got.keys() == want.keys() and want
     for key in want:
         assert torch.equal(got[key], want[key]), key
