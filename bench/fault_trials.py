@@ -12,7 +12,6 @@ the fault that had to be computed again.
     python bench/fault_trials.py            # 10 trials, ~5 minutes on 2 cores
 """
 import argparse
-import glob
 import os
 import re
 import subprocess
@@ -21,6 +20,9 @@ import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from megatron.training.checkpointing.offline import checkpoint_tensors  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS, SAVE_INTERVAL = 20, 5
@@ -52,18 +54,7 @@ def run(root, fault=None):
 
 
 def final_state(root):
-    out = {}
-    for path in sorted(glob.glob(os.path.join(root, f"iter_{ITERS:07d}", "*", "*.pt"))):
-        stack = [(os.path.relpath(path, root), torch.load(path, weights_only=True))]
-        while stack:
-            name, value = stack.pop()
-            if isinstance(value, dict):
-                stack += [(f"{name}/{k}", v) for k, v in value.items() if k != "args"]
-            elif isinstance(value, (list, tuple)):
-                stack += [(f"{name}/{i}", v) for i, v in enumerate(value)]
-            elif torch.is_tensor(value):
-                out[name] = value
-    return out
+    return checkpoint_tensors(os.path.join(root, f"iter_{ITERS:07d}"))
 
 
 def work_lost(stdout):

@@ -77,22 +77,7 @@ def parse_iterations(proc):
 
 
 def checkpoint_tensors(root, iteration):
-    """Every tensor of a saved iteration (all ranks' files; the args, which hold the run's own
-    paths, left out), keyed by file and path in the state: for bitwise comparisons."""
-    import glob
+    """Every tensor of a saved iteration, for bitwise comparisons (see offline.py)."""
+    from megatron.training.checkpointing.offline import checkpoint_tensors as tensors
 
-    import torch
-
-    out = {}
-    pattern = os.path.join(str(root), f"iter_{iteration:07d}", "mp_rank_*", "*.pt")
-    for path in sorted(glob.glob(pattern)):
-        stack = [(os.path.relpath(path, str(root)), torch.load(path, weights_only=True))]
-        while stack:
-            name, value = stack.pop()
-            if isinstance(value, dict):
-                stack += [(f"{name}/{k}", v) for k, v in value.items() if k != "args"]
-            elif isinstance(value, (list, tuple)):
-                stack += [(f"{name}/{i}", v) for i, v in enumerate(value)]
-            elif torch.is_tensor(value):
-                out[name.split("/", 1)[1]] = value
-    return out
+    return tensors(os.path.join(str(root), f"iter_{iteration:07d}"))

@@ -66,6 +66,28 @@ def read_model(iteration_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict, Dict]
     return full, layout, dict(first.get("args") or {})
 
 
+def checkpoint_tensors(iteration_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (all ranks' files; ``args`` left out, as it holds
+    the run's own paths), keyed "mp_rank_XX/file.pt/path/in/state": for comparing two
+    checkpoints bit for bit."""
+    out = {}
+    for coords, rank_dir in saved_rank_dirs(iteration_dir).items():
+        for file_name in sorted(os.listdir(rank_dir)):
+            if not file_name.endswith(".pt"):
+                continue
+            stack = [(f"{os.path.basename(rank_dir)}/{file_name}",
+                      safe_load(os.path.join(rank_dir, file_name)))]
+            while stack:
+                name, value = stack.pop()
+                if isinstance(value, dict):
+                    stack += [(f"{name}/{k}", v) for k, v in value.items() if k != "args"]
+                elif isinstance(value, (list, tuple)):
+                    stack += [(f"{name}/{i}", v) for i, v in enumerate(value)]
+                elif torch.is_tensor(value):
+                    out[name] = value
+    return out
+
+
 @dataclass
 class TargetLayout:
     """How to cut a model for ``write_model``."""
