@@ -27,6 +27,7 @@ from megatron.training.exit_signal import ExitSignal
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
 from megatron.training.nan_guard import NanGuard
+from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_log import TrainingLogger
@@ -89,6 +90,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     model = build_model(_with_configs(model_provider, configs), configs.transformer,
                         configs.ddp, t.seed)
     optimizer = get_megatron_optimizer(configs.optimizer, model)
+    if dist.get_rank() == 0:
+        print(report_theoretical_memory(configs, args.seq_length, device.device_type()),
+              flush=True)
     configs.transformer.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
     resumed = _load_or_exit(model, optimizer, scheduler, configs)

@@ -1,0 +1,241 @@
+"""Activation memory: what autograd keeps for one microbatch, per layer and per stage, and how
+many microbatches a pipeline stage holds at once.
+
+The per-layer tally follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", section 4): every tensor the backward pass needs, named, in bytes.
+Their GPT-3 layer (fp16, 1-byte dropout masks, unfused attention) gives sbh(34 + 5as/h);
+tensor parallelism divides the parts inside attention and the MLP by t, sequence parallelism
+also the norms, dropouts and linear inputs (sbh/t (34 + 5as/h)); selective recomputation drops
+the attention core (sbh/t x 34); full recomputation keeps only each checkpointed span's input.
+The same terms here are those of this code base's layers, so the estimate tracks what really
+stays alive:
+- norms keep their input in fp32 (statistics are computed in fp32) and their per-token
+  statistics; RMSNorm also keeps its normalized output for the weight's gradient;
+- attention is SDPA: the flash/memory-efficient kernels (CUDA, and CPU without attention
+  dropout) keep Q, K, V, the output and the log-sum-exp, no s x s matrix; CPU with attention
+  dropout runs the unfused math path, which keeps Korthikanti's softmax, mask and dropout
+  output (as^2b each);
+- V is a view of the fused QKV output, so the whole QKV output stays alive; RoPE makes Q and
+  K new tensors; grouped-query attention shrinks K and V;
+- SwiGLU keeps the fc1 output (gate and up), SiLU's output and the product (4 f per token);
+  GeLU its input and output (2 f);
+- dropout masks are 1 byte on CUDA (fused kernel) and a full-width tensor on CPU.
+"""
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
+from megatron.training.memory_params import chunk_span
+
+FP32, INT64 = 4, 8
+
+
+@dataclass(frozen=True)
+class ActivationSetup:
+    seq_length: int
+    micro_batch_size: int
+    activation_bytes: int  # 2 for bf16/fp16, 4 for fp32
+    padded_vocab_size: int
+    device: str = "cuda"  # "cuda" or "cpu": which attention kernel and dropout masks
+    training: bool = True
+
+    def mask_bytes(self) -> int:
+        return 1 if self.device == "cuda" else self.activation_bytes
+
+    def flash_attention(self, config) -> bool:
+        return self.device == "cuda" or not (self.training and config.attention_dropout > 0)
+
+
+def _norm_terms(config, tokens: int, h: int, e: int) -> Dict[str, int]:
+    terms = {"norm input (fp32)": FP32 * tokens * h,
+             "norm statistics": FP32 * tokens * (1 if config.normalization == "RMSNorm" else 2)}
+    if config.normalization == "RMSNorm":
+        terms["norm output before weight"] = e * tokens * h
+    return terms
+
+
+def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
+    """Bytes one transformer layer keeps for backward, one microbatch, no recomputation, on
+    one tensor-parallel rank."""
+    tp = config.tensor_model_parallel_size
+    s, b, e = setup.seq_length, setup.micro_batch_size, setup.activation_bytes
+    h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    tokens = s * b
+    # Sequence parallelism shards the norms, dropouts and linear inputs along the sequence.
+    sharded_tokens = tokens // tp if config.sequence_parallel and tp > 1 else tokens
+    m = setup.mask_bytes() if config.hidden_dropout > 0 else 0
+    terms: Dict[str, int] = {}
+
+    def add(name: str, value: int) -> None:
+        terms[name] = terms.get(name, 0) + value
+
+    for name, value in _norm_terms(config, sharded_tokens, h, e).items():
+        add(name, 2 * value)  # before attention and before the MLP
+    add("QKV input", e * sharded_tokens * h)
+    add("QKV output (V is a view of it)", e * tokens * (heads + 2 * groups) * d)
+    rope = config.position_embedding_type == "rope"
+    if rope or heads != groups:  # a new Q unless it is a plain view of the QKV output
+        add("Q", e * tokens * heads * d)
+    if rope:
+        add("K", e * tokens * groups * d)
+    for name, value in _attention_core_terms(config, setup, heads, groups).items():
+        add(name, value)
+    add("attention output projection input", e * tokens * heads * d)
+    add("dropout masks", 2 * m * sharded_tokens * h)
+    add("MLP input", e * sharded_tokens * h)
+    add("MLP intermediate", e * tokens * f // tp * (4 if config.activation == "swiglu" else 2))
+    return terms
+
+
+def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: int
+                          ) -> Dict[str, int]:
+    """What the attention kernel itself keeps (dropped by selective recomputation)."""
+    s, b, e = setup.seq_length, setup.micro_batch_size, setup.activation_bytes
+    d = config.kv_channels
+    if setup.flash_attention(config):
+        terms = {"attention log-sum-exp": FP32 * b * heads * s}
+        if b > 1:  # with one sequence the output is the same storage as the next GEMM's input
+            terms["attention output"] = e * s * b * heads * d
+        return terms
+    # Unfused (CPU with attention dropout): scaled Q and K^T copies, softmax, dropout mask
+    # and dropout output, and K/V expanded to all heads under grouped-query attention.
+    terms = {"attention Q, K copies": 2 * e * s * b * heads * d,
+             "softmax, dropout mask and output": (2 * e + setup.mask_bytes()) * b * heads * s * s}
+    if heads != groups:
+        terms["V expanded to all heads"] = e * s * b * heads * d
+    return terms
+
+
+def layer_bytes(config, setup: ActivationSetup, recompute: Optional[str] = None) -> int:
+    """One layer, one microbatch. ``recompute``: None, "selective" (the attention core is
+    recomputed) or "full" (nothing but the span inputs, see ``chunk_bytes``)."""
+    terms = layer_terms(config, setup)
+    if recompute == "selective":
+        tp = config.tensor_model_parallel_size
+        core = _attention_core_terms(config, setup, config.num_attention_heads // tp,
+                                     config.num_query_groups // tp)
+        return sum(terms.values()) - sum(core.values())
+    return sum(terms.values())
+
+
+def _hidden_input_bytes(config, setup: ActivationSetup) -> int:
+    """A [s, b, h] tensor between layers (sequence-sharded under SP or distributed saving)."""
+    tp = config.tensor_model_parallel_size
+    divided = (config.sequence_parallel or config.distribute_saved_activations) and tp > 1
+    tokens = setup.seq_length * setup.micro_batch_size
+    return setup.activation_bytes * (tokens // tp if divided else tokens) * config.hidden_size
+
+
+def layers_bytes(config, setup: ActivationSetup, num_layers: int) -> int:
+    """``num_layers`` consecutive layers of a chunk under the config's recomputation."""
+    granularity = config.recompute_granularity
+    if granularity != "full":
+        return num_layers * layer_bytes(config, setup, granularity)
+    k = config.recompute_num_layers
+    if config.recompute_method == "uniform":  # one saved input per group of k layers
+        return math.ceil(num_layers / k) * _hidden_input_bytes(config, setup)
+    recomputed = min(k, num_layers)  # "block": the first k layers one by one
+    return recomputed * _hidden_input_bytes(config, setup) + \
+        (num_layers - recomputed) * layer_bytes(config, setup)
+
+
+def recompute_working_bytes(config, setup: ActivationSetup, num_layers: int) -> int:
+    """Full recomputation rebuilds one span's activations during its backward: the transient
+    peak on top of what is stored."""
+    if config.recompute_granularity != "full":
+        return 0
+    span = config.recompute_num_layers if config.recompute_method == "uniform" else 1
+    return min(span, num_layers) * layer_bytes(config, setup)
+
+
+def embedding_bytes(config, setup: ActivationSetup) -> int:
+    """The first stage: token ids (and positions) and the embedding dropout mask."""
+    tp = config.tensor_model_parallel_size
+    tokens = setup.seq_length * setup.micro_batch_size
+    total = INT64 * tokens  # the ids (under TP: shifted into this rank's vocabulary range)
+    if tp > 1:  # which ids are outside this rank's range
+        total += tokens
+    if config.position_embedding_type == "learned_absolute":
+        total += INT64 * setup.seq_length
+    if config.hidden_dropout > 0:
+        sharded = tokens // tp if config.sequence_parallel and tp > 1 else tokens
+        total += setup.mask_bytes() * sharded * config.hidden_size
+    return total
+
+
+def output_bytes(config, setup: ActivationSetup) -> int:
+    """The last stage: final norm, output-layer input and the cross entropy's fp32 logits
+    with its per-token sums, mask and targets."""
+    tp = config.tensor_model_parallel_size
+    tokens = setup.seq_length * setup.micro_batch_size
+    sharded = tokens // tp if config.sequence_parallel and tp > 1 else tokens
+    e, h = setup.activation_bytes, config.hidden_size
+    norm = sum(_norm_terms(config, sharded, h, e).values())
+    # sum_exp is a view of the stacked [predicted logit; sum_exp] buffer: 2 floats a token
+    loss = FP32 * tokens * setup.padded_vocab_size // tp + 2 * FP32 * tokens + tokens + \
+        INT64 * tokens
+    return norm + e * sharded * h + loss
+
+
+def rotary_bytes(config, setup: ActivationSetup) -> int:
+    """cos and sin, computed once per chunk and shared by its layers."""
+    if config.position_embedding_type != "rope":
+        return 0
+    rotary_dim = int(config.kv_channels * config.rotary_percent)
+    return 2 * FP32 * setup.seq_length * rotary_dim
+
+
+def chunk_bytes(config, setup: ActivationSetup, pipeline_rank: int, chunk: int = 0) -> int:
+    """One microbatch's stored activations in one model chunk."""
+    span = chunk_span(config, pipeline_rank, chunk)
+    total = layers_bytes(config, setup, span.end - span.start) + rotary_bytes(config, setup)
+    if span.pre_process:
+        total += embedding_bytes(config, setup)
+    elif setup.activation_bytes != FP32 and config.recompute_granularity != "full":
+        # The received input stays alive for backward; the first norm keeps an fp32 copy.
+        total += _hidden_input_bytes(config, setup)
+    if span.post_process:
+        total += output_bytes(config, setup)
+    return total
+
+
+@dataclass
+class StageActivations:
+    pipeline_rank: int
+    in_flight: int  # (microbatch, chunk) forwards alive at the peak
+    stored_bytes: int  # at the peak of the schedule
+    recompute_working_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.stored_bytes + self.recompute_working_bytes
+
+
+def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
+                      num_microbatches: int) -> StageActivations:
+    """Walk this rank's schedule (the order the executor runs): each forward adds its chunk's
+    microbatch activations until its backward frees them; the peak is what must fit."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    chunks = range(vpp or 1)
+    per_chunk = [chunk_bytes(config, setup, pipeline_rank, c) for c in chunks]
+    if pp == 1:  # no pipelining: each microbatch's backward follows its forward
+        live_peak, in_flight = per_chunk[0], 1
+    else:
+        live = count = live_peak = in_flight = 0
+        for step in schedule_order(pp, pipeline_rank, num_microbatches, vpp):
+            sign = 1 if step.kind == FORWARD else -1
+            live += sign * per_chunk[step.chunk]
+            count += sign
+            if live > live_peak:
+                live_peak, in_flight = live, count
+    layers = max(span.end - span.start for span in
+                 (chunk_span(config, pipeline_rank, c) for c in chunks))
+    return StageActivations(pipeline_rank, in_flight, live_peak,
+                            recompute_working_bytes(config, setup, layers))
+
+
+def describe_layer(config, setup: ActivationSetup) -> List[str]:
+    """The per-layer terms as lines (for the report)."""
+    return [f"{name}: {value}" for name, value in layer_terms(config, setup).items()]

@@ -1,0 +1,231 @@
+"""Bytes a rank holds for parameters, gradients and optimizer state, from the configuration.
+
+Exact for this code base, not a rule of thumb: the parameter list of each model chunk is
+derived in registration order (so DDP's buckets and the distributed optimizer's shards, with
+their padding, come out as the real run lays them out), and each kind of tensor is counted at
+its dtype. Per parameter the totals reduce to the table in Megatron's distributed-optimizer
+documentation (bytes/param; d = data-parallel size):
+
+    params / grads       plain optimizer    distributed optimizer
+    fp16 / fp16          20                 4 + 16/d
+    bf16 / fp32          18                 6 + 12/d
+    fp32 / fp32          16                 8 + 8/d
+
+(2 param + 2 grad + fp32 main param, Adam m and v, and an fp32 copy of the gradient; with
+fp32 gradient buffers the copy is the buffer itself; with fp32 params the main params are the
+params.) Adam's per-tensor ``step`` counters (4 bytes each) are counted too.
+"""
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class OptimizerSetup:
+    """What decides the state's size besides the model: the DDP/optimizer flags."""
+    data_parallel_size: int = 1
+    use_distributed_optimizer: bool = False
+    grad_reduce_in_fp32: bool = False
+    bucket_size: Optional[int] = None  # elements; None: one bucket per buffer
+    optimizer: str = "adam"  # or "sgd"
+    sgd_momentum: float = 0.9
+
+    def states_per_element(self) -> int:
+        if self.optimizer == "adam":
+            return 2  # exp_avg, exp_avg_sq
+        return 1 if self.sgd_momentum else 0
+
+    def has_step_counters(self) -> bool:
+        return self.optimizer == "adam"
+
+
+@dataclass
+class ModelStateBytes:
+    """One rank's persistent training state, by kind (bytes)."""
+    params: int = 0
+    grads: int = 0  # DDP gradient buffers (main_grad)
+    main_params: int = 0  # fp32 copies of bf16/fp16 params
+    main_grads: int = 0  # fp32 copies of bf16/fp16 gradients for the update
+    optimizer_states: int = 0  # Adam m, v (SGD momentum)
+    step_counters: int = 0  # Adam's per-tensor step
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.main_params + self.main_grads +
+                self.optimizer_states + self.step_counters)
+
+
+def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
+    h, d, tp_f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
+    a, g = config.num_attention_heads, config.num_query_groups
+    prefix = f"decoder.layers.{number}."
+    norm = ["weight"] + (["bias"] if config.normalization == "LayerNorm" else [])
+    qkv = (a + 2 * g) * d // tp
+    fc1 = tp_f * (2 if config.activation == "swiglu" else 1) // tp
+    shapes = [ParamShape(prefix + "input_layernorm." + n, h) for n in norm]
+    shapes.append(ParamShape(prefix + "self_attention.linear_qkv.weight", qkv * h))
+    if config.add_qkv_bias:
+        shapes.append(ParamShape(prefix + "self_attention.linear_qkv.bias", qkv))
+    shapes.append(ParamShape(prefix + "self_attention.linear_proj.weight", h * a * d // tp))
+    if config.add_bias_linear:
+        shapes.append(ParamShape(prefix + "self_attention.linear_proj.bias", h))
+    shapes += [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
+    shapes.append(ParamShape(prefix + "mlp.linear_fc1.weight", fc1 * h))
+    if config.add_bias_linear:
+        shapes.append(ParamShape(prefix + "mlp.linear_fc1.bias", fc1))
+    shapes.append(ParamShape(prefix + "mlp.linear_fc2.weight", h * tp_f // tp))
+    if config.add_bias_linear:
+        shapes.append(ParamShape(prefix + "mlp.linear_fc2.bias", h))
+    return shapes
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Layers [start, end) of one model chunk, and whether it holds the embedding / output."""
+    start: int
+    end: int
+    pre_process: bool
+    post_process: bool
+
+
+def chunk_span(config, pipeline_rank: int, chunk: int = 0) -> ChunkSpan:
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    start, end = chunk_layer_range(
+        config.num_layers, pp, pipeline_rank, chunk, vpp,
+        config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage,
+        config.account_for_embedding_in_pipeline_split,
+        config.account_for_loss_in_pipeline_split)
+    stage = chunk * pp + pipeline_rank
+    return ChunkSpan(start, end, stage == 0, stage == pp * (vpp or 1) - 1)
+
+
+def chunk_param_shapes(config, padded_vocab_size: int, pipeline_rank: int, chunk: int = 0,
+                       share_embeddings_and_output_weights: bool = True) -> List[ParamShape]:
+    """This chunk's parameters in the order the model registers them (GPTModel)."""
+    tp = config.tensor_model_parallel_size
+    span = chunk_span(config, pipeline_rank, chunk)
+    start, end = span.start, span.end
+    pre_process, post_process = span.pre_process, span.post_process
+    h, vocab = config.hidden_size, padded_vocab_size // tp
+    shapes = []
+    if pre_process:
+        shapes.append(ParamShape("embedding.word_embeddings.weight", vocab * h))
+        if config.position_embedding_type == "learned_absolute":
+            shapes.append(ParamShape("embedding.position_embeddings.weight",
+                                     config.max_position_embeddings * h))
+    for number in range(start, end):
+        shapes += _layer_params(config, tp, number)
+    if post_process:
+        norm = ["weight"] + (["bias"] if config.normalization == "LayerNorm" else [])
+        shapes += [ParamShape("decoder.final_layernorm." + n, h) for n in norm]
+        if not (share_embeddings_and_output_weights and pre_process):
+            shapes.append(ParamShape("output_layer.weight", vocab * h))
+    return shapes
+
+
+def _is_tied_copy_alone(shape: ParamShape, share: bool, pre_process: bool,
+                        post_process: bool) -> bool:
+    """The embedding and the output layer tied across stages get a bucket of their own when
+    sharded (see GradBuffer)."""
+    if not share or pre_process == post_process:
+        return False
+    return shape.name in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def bucket_layout(shapes: List[ParamShape], setup: OptimizerSetup,
+                  alone=lambda shape: False) -> List[Tuple[List[ParamShape], int]]:
+    """(params, padded size) per bucket, as GradBuffer builds them: reverse registration
+    order, a new bucket once ``bucket_size`` elements are reached, each padded to a multiple
+    of the DP size when sharded."""
+    shard, dp = setup.use_distributed_optimizer, setup.data_parallel_size
+    groups, current, count = [], [], 0
+    for shape in reversed(shapes):
+        by_itself = shard and alone(shape)
+        if by_itself and current:
+            groups.append(current)
+            current, count = [], 0
+        current.append(shape)
+        count += shape.numel
+        if by_itself or (setup.bucket_size is not None and count >= setup.bucket_size):
+            groups.append(current)
+            current, count = [], 0
+    if current:
+        groups.append(current)
+    layout = []
+    for group in groups:
+        size = sum(s.numel for s in group)
+        layout.append((group, math.ceil(size / dp) * dp if shard else size))
+    return layout
+
+
+def _shard_pieces(group: List[ParamShape], padded: int, dp: int, dp_rank: int
+                  ) -> Tuple[int, int]:
+    """(parameters overlapping this DP rank's shard of a bucket, elements they cover): the
+    optimizer holds one tensor per piece; the bucket's padding has no optimizer state."""
+    size = padded // dp
+    begin, end, offset, pieces, covered = dp_rank * size, (dp_rank + 1) * size, 0, 0, 0
+    for shape in group:
+        overlap = min(offset + shape.numel, end) - max(offset, begin)
+        if overlap > 0:
+            pieces, covered = pieces + 1, covered + overlap
+        offset += shape.numel
+    return pieces, covered
+
+
+def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_bytes: int,
+                      data_parallel_rank: int = 0, alone=lambda shape: False
+                      ) -> ModelStateBytes:
+    """The state one model chunk costs on one rank."""
+    grad_bytes = FP32 if setup.grad_reduce_in_fp32 else param_bytes
+    mixed = param_bytes != FP32
+    states = setup.states_per_element()
+    result = ModelStateBytes()
+    layout = bucket_layout(shapes, setup, alone)
+    if setup.use_distributed_optimizer:
+        dp = setup.data_parallel_size
+        for group, padded in layout:
+            shard = padded // dp
+            pieces, covered = _shard_pieces(group, padded, dp, data_parallel_rank)
+            result.params += padded * param_bytes  # params live in the padded buffer
+            result.grads += padded * grad_bytes
+            result.main_params += shard * FP32 if mixed else 0
+            result.main_grads += shard * FP32 if grad_bytes != FP32 else 0
+            result.optimizer_states += states * covered * FP32
+            result.step_counters += pieces * FP32 if setup.has_step_counters() else 0
+        return result
+    numel = sum(s.numel for s in shapes)
+    result.params = numel * param_bytes
+    result.grads = numel * grad_bytes
+    result.main_params = numel * FP32 if mixed else 0
+    result.main_grads = numel * FP32 if grad_bytes != FP32 else 0
+    result.optimizer_states = states * numel * FP32
+    result.step_counters = len(shapes) * FP32 if setup.has_step_counters() else 0
+    return result
+
+
+def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
+                     pipeline_rank: int, param_bytes: int, data_parallel_rank: int = 0,
+                     share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
+    """Every chunk of one pipeline rank (DDP wraps each chunk on its own)."""
+    total = ModelStateBytes()
+    for chunk in range(config.virtual_pipeline_model_parallel_size or 1):
+        shapes = chunk_param_shapes(config, padded_vocab_size, pipeline_rank, chunk,
+                                    share_embeddings_and_output_weights)
+        span = chunk_span(config, pipeline_rank, chunk)
+        part = chunk_state_bytes(
+            shapes, setup, param_bytes, data_parallel_rank,
+            alone=lambda s, span=span: _is_tied_copy_alone(
+                s, share_embeddings_and_output_weights, span.pre_process, span.post_process))
+        for field in vars(total):
+            setattr(total, field, getattr(total, field) + getattr(part, field))
+    return total

@@ -1,0 +1,133 @@
+"""Per-rank memory estimate of a training configuration, before anything is allocated.
+
+    estimate = estimate_memory(transformer_config, padded_vocab_size=32000, seq_length=4096,
+                               micro_batch_size=1, num_microbatches=64,
+                               setup=OptimizerSetup(data_parallel_size=8,
+                                                    use_distributed_optimizer=True))
+    print(format_report(estimate))
+
+Parameters, gradients and optimizer state come from ``memory_params`` (exact for this code
+base); activations from ``memory_activations`` (Korthikanti et al.'s terms for these layers,
+times the microbatches a stage holds at the peak of its 1F1B or interleaved schedule).
+``pretrain()`` prints the report on rank 0 at start. Not counted: the CUDA context and
+allocator caching/fragmentation, communication buffers, and temporaries of single kernels
+(e.g. the logits' gradient), which is why real peaks sit somewhat above the estimate.
+"""
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+from megatron.core.distributed.distributed_data_parallel import default_bucket_size
+from megatron.training.memory_activations import (
+    ActivationSetup,
+    StageActivations,
+    layer_bytes,
+    stage_activations,
+)
+from megatron.training.memory_params import ModelStateBytes, OptimizerSetup, rank_state_bytes
+
+GIB = 1024 ** 3
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class StageMemory:
+    pipeline_rank: int
+    state: ModelStateBytes
+    activations: StageActivations
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.activations.peak_bytes
+
+
+@dataclass
+class MemoryEstimate:
+    stages: List[StageMemory] = field(default_factory=list)
+    layer_activation_bytes: int = 0  # one layer, one microbatch, under the config's recompute
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    @property
+    def max_total(self) -> int:
+        return self.peak.total
+
+
+def estimate_memory(config, *, padded_vocab_size: int, seq_length: int, micro_batch_size: int,
+                    num_microbatches: int, setup: OptimizerSetup,
+                    share_embeddings_and_output_weights: bool = True,
+                    data_parallel_rank: int = 0, device: str = "cuda") -> MemoryEstimate:
+    """Every pipeline rank's estimate (one TP / DP rank each: TP ranks hold the same amounts;
+    DP ranks differ only in the distributed optimizer's per-tensor step counters)."""
+    element = dtype_bytes(config.params_dtype)
+    activation_setup = ActivationSetup(seq_length, micro_batch_size, element,
+                                       padded_vocab_size, device)
+    estimate = MemoryEstimate(layer_activation_bytes=layer_bytes(
+        config, activation_setup,
+        config.recompute_granularity if config.recompute_granularity == "selective" else None))
+    for rank in range(config.pipeline_model_parallel_size):
+        state = rank_state_bytes(config, padded_vocab_size, setup, rank, element,
+                                 data_parallel_rank, share_embeddings_and_output_weights)
+        activations = stage_activations(config, activation_setup, rank, num_microbatches)
+        estimate.stages.append(StageMemory(rank, state, activations))
+    return estimate
+
+
+def _gib(value: int) -> str:
+    """GiB with 3 decimals, or a smaller unit for small (test) models."""
+    for unit, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if value >= size:
+            return f"{value / size:.3f} {unit}"
+    return f"{value} B"
+
+
+def format_report(estimate: MemoryEstimate) -> str:
+    """The table pretrain() prints: per pipeline rank, state by kind and activations."""
+    lines = ["theoretical memory per rank (one TP/DP rank of each pipeline stage; excludes "
+             "the CUDA context, allocator fragmentation and communication buffers):"]
+    for stage in estimate.stages:
+        s, a = stage.state, stage.activations
+        optimizer = s.main_params + s.main_grads + s.optimizer_states + s.step_counters
+        recompute = (f" + {_gib(a.recompute_working_bytes)} recompute working set"
+                     if a.recompute_working_bytes else "")
+        lines.append(
+            f"  pipeline rank {stage.pipeline_rank}: params {_gib(s.params)}, "
+            f"grads {_gib(s.grads)}, optimizer {_gib(optimizer)} (main params "
+            f"{_gib(s.main_params)}, main grads {_gib(s.main_grads)}, states "
+            f"{_gib(s.optimizer_states)}); activations {_gib(a.stored_bytes)} for "
+            f"{a.in_flight} microbatch(es) in flight{recompute}; total {_gib(stage.total)}")
+    lines.append(f"  peak: {_gib(estimate.max_total)} on pipeline rank "
+                 f"{estimate.peak.pipeline_rank}; one layer's activations per microbatch: "
+                 f"{_gib(estimate.layer_activation_bytes)}")
+    return "\n".join(lines)
+
+
+def estimate_from_configs(configs, seq_length: int, device: str = "cuda") -> MemoryEstimate:
+    """The estimate of a parsed command line (``MegatronConfigs``)."""
+    t, ddp, opt = configs.training, configs.ddp, configs.optimizer
+    bucket_size = ddp.bucket_size
+    if bucket_size is None and ddp.overlap_grad_reduce:
+        bucket_size = default_bucket_size(t.data_parallel_size)
+    setup = OptimizerSetup(
+        data_parallel_size=t.data_parallel_size,
+        use_distributed_optimizer=ddp.use_distributed_optimizer,
+        grad_reduce_in_fp32=ddp.grad_reduce_in_fp32, bucket_size=bucket_size,
+        optimizer=opt.optimizer, sgd_momentum=opt.sgd_momentum)
+    return estimate_memory(
+        configs.transformer, padded_vocab_size=configs.model_kwargs["padded_vocab_size"],
+        seq_length=seq_length, micro_batch_size=t.micro_batch_size,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * t.data_parallel_size),
+        setup=setup,
+        share_embeddings_and_output_weights=configs.model_kwargs[
+            "share_embeddings_and_output_weights"], device=device)
+
+
+def report_theoretical_memory(configs, seq_length: int, device: str) -> str:
+    """What ``pretrain()`` prints on rank 0 before the first iteration."""
+    return format_report(estimate_from_configs(configs, seq_length, device))
