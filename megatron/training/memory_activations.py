@@ -23,7 +23,7 @@ stays alive:
 """
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.training.memory_params import chunk_span
@@ -235,7 +235,3 @@ def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
     return StageActivations(pipeline_rank, in_flight, live_peak,
                             recompute_working_bytes(config, setup, layers))
 
-
-def describe_layer(config, setup: ActivationSetup) -> List[str]:
-    """The per-layer terms as lines (for the report)."""
-    return [f"{name}: {value}" for name, value in layer_terms(config, setup).items()]
