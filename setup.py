@@ -16,6 +16,7 @@ setup(
         "transformers>=5.0",  # HF tokenizers and checkpoints (loaded from local paths only)
         "safetensors>=0.4",
         "tensorboard>=2.10",  # training logs (torch.utils.tensorboard writes, tests read back)
+        "matplotlib>=3.7",  # tools/plot_pipeline.py draws pipeline timelines (Agg, no display)
     ],
     extras_require={"dev": ["pytest>=7.4"]},
 )

@@ -237,6 +237,13 @@ def _add_logging_args(parser):
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--pipeline-trace-dir", default=None,
+                   help="Ours (Megatron has none): write each rank's pipeline schedule trace "
+                        "(forward, backward, waits) of one iteration as DIR/trace_rankNNNNN.json;"
+                        " draw it with tools/plot_pipeline.py DIR --out FILE.png.")
+    g.add_argument("--pipeline-trace-iteration", type=int, default=2,
+                   help="Ours: the iteration --pipeline-trace-dir traces (default 2, past the "
+                        "first iteration's warm-up).")
 
 
 def _add_data_args(parser):
@@ -346,6 +353,10 @@ def _check_flags(args):
     _need(args.max_consecutive_nan_iterations >= 1,
           f"--max-consecutive-nan-iterations must be >= 1, got "
           f"{args.max_consecutive_nan_iterations}.")
+    if args.pipeline_trace_dir is not None:
+        last, n = args.train_iters, args.pipeline_trace_iteration
+        _need(1 <= n <= (last or n), f"--pipeline-trace-iteration {n} is not an iteration of "
+              f"this run: pick one from 1" + (f" to --train-iters {last}." if last else "."))
     _need(not (args.use_distributed_optimizer and args.overlapped_distributed_optimizer),
           "--use-distributed-optimizer and --overlapped-distributed-optimizer are exclusive; "
           "pick one (the overlapped one is the distributed optimizer with overlapped "

@@ -27,6 +27,7 @@ from megatron.training.exit_signal import ExitSignal
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
 from megatron.training.nan_guard import NanGuard
+from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
@@ -135,10 +136,12 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         while iteration < train_iters:
             iteration += 1
             fault_injection.maybe_kill_at(iteration)  # tests only
+            trace = start_trace(iteration, t, num_micro)  # None unless --pipeline-trace-dir
             losses, skipped, grad_norm, num_zeros = train_step(
                 forward_step, train_iter, model, optimizer, scheduler, num_micro,
                 args.seq_length, t.micro_batch_size,
-                partial(fault_injection.maybe_poison_gradients, iteration=iteration))
+                partial(fault_injection.maybe_poison_gradients, iteration=iteration), trace=trace)
+            finish_trace(trace, t)
             consumed_train += gbs
             history.append(losses)
             logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],

@@ -11,7 +11,11 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.pipeline_parallel import build_model_chunks, get_forward_backward_func
+from megatron.core.pipeline_parallel import (
+    PipelineTrace,
+    build_model_chunks,
+    get_forward_backward_func,
+)
 from megatron.training.initialize import seed_for_model_init
 
 
@@ -40,17 +44,19 @@ def _average_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Dict[str, 
 
 def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], optimizer,
                scheduler, num_microbatches: int, seq_length: int, micro_batch_size: int,
-               before_optimizer_step: Optional[Callable[[List[torch.nn.Module]], None]] = None
+               before_optimizer_step: Optional[Callable[[List[torch.nn.Module]], None]] = None,
+               trace: Optional[PipelineTrace] = None
                ) -> Tuple[Dict[str, float], bool, Optional[float], Optional[int]]:
     """Returns (mean reported losses, skipped?, grad norm, zeros in grads).
-    ``before_optimizer_step(model)`` sees the reduced gradients (fault injection in tests)."""
+    ``before_optimizer_step(model)`` sees the reduced gradients (fault injection in tests);
+    ``trace`` records the schedule's steps (``--pipeline-trace-dir``)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, forward_only=False)
+        micro_batch_size=micro_batch_size, forward_only=False, trace=trace)
     if before_optimizer_step is not None:
         before_optimizer_step(model)
     ok, grad_norm, num_zeros = optimizer.step()

@@ -69,6 +69,9 @@ class TrainingConfig:
     log_loss_scale_to_tensorboard: bool = True
     log_params_norm: bool = False
     log_throughput: bool = False
+    # Write each rank's pipeline schedule trace of one iteration here (None: no tracing).
+    pipeline_trace_dir: Optional[str] = None
+    pipeline_trace_iteration: int = 2
 
     @property
     def num_microbatches(self) -> int:

@@ -248,11 +248,25 @@ def test_world_and_model_errors(extra, world, message):
     (["--max-position-embeddings", "16"], "--max-position-embeddings 16 is smaller than"),
     (["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu both choose the MLP activation"),
     (["--max-consecutive-nan-iterations", "0"], "--max-consecutive-nan-iterations must be >= 1"),
+    (["--pipeline-trace-dir", "t", "--pipeline-trace-iteration", "11"],
+     "--pipeline-trace-iteration 11 is not an iteration of this run: pick one from 1 to "
+     "--train-iters 10."),
+    (["--pipeline-trace-dir", "t", "--pipeline-trace-iteration", "0"],
+     "--pipeline-trace-iteration 0 is not an iteration of this run"),
 ])
 def test_flag_errors(extra, message):
     with pytest.raises(ConfigError) as info:
         parse_args(small(*extra))
     assert message in str(info.value)
+
+
+def test_pipeline_trace_flags():
+    assert build_configs(parse_args(small()), 1).training.pipeline_trace_dir is None
+    # Without a trace directory the iteration is not checked (the default 2 > --train-iters 1).
+    parse_args([a if a != "10" else "1" for a in small()])
+    t = build_configs(parse_args(small("--pipeline-trace-dir", "traces",
+                                       "--pipeline-trace-iteration", "10")), 1).training
+    assert (t.pipeline_trace_dir, t.pipeline_trace_iteration) == ("traces", 10)
 
 
 def test_train_samples_below_one_global_batch():

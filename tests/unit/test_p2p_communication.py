@@ -255,11 +255,13 @@ def test_trace_bubble_fraction():
 def test_trace_write_is_atomic_and_round_trips(tmp_path):
     directory = tmp_path / "traces"  # write creates it
     path = directory / "trace_rank3.json"
-    trace = PipelineTrace(rank=3, pipeline_rank=1)
+    trace = PipelineTrace(rank=3, pipeline_rank=1, info={"iteration": 2, "virtual_size": None})
     trace.events = [{"kind": FORWARD, "start": 0.1, "end": 1 / 3, "microbatch": 2, "chunk": 1},
                     {"kind": WAIT, "start": 1 / 3, "end": 2.000000000000001}]
     trace.write(str(path))
-    assert load_trace(str(path)) == {"rank": 3, "pipeline_rank": 1, "events": trace.events}
+    assert load_trace(str(path)) == {"rank": 3, "pipeline_rank": 1, "iteration": 2,
+                                     "virtual_size": None, "clock_origin": trace.clock_origin,
+                                     "events": trace.events}
     assert os.listdir(directory) == ["trace_rank3.json"]
 
     good = load_trace(str(path))

@@ -3,6 +3,11 @@
 Events are forward and backward steps (with microbatch and chunk) and waits on communication,
 timed in seconds from the trace's start. On GPUs the device is synchronised at each event
 boundary so that times mean something; that costs speed, so tracing is off unless asked for.
+
+``perf_counter`` origins differ between processes, so the JSON also holds ``clock_origin``,
+the wall-clock time (``time.time()``) of the trace's start: adding it lines up the ranks of one
+machine exactly, and those of several machines as well as their clocks agree. ``info`` carries
+what a reader needs to know about the run (sizes, ranks, iteration), written as it is given.
 """
 import contextlib
 import json
@@ -17,9 +22,11 @@ FORWARD, BACKWARD, WAIT = "forward", "backward", "wait"
 
 
 class PipelineTrace:
-    def __init__(self, rank: int = 0, pipeline_rank: int = 0):
+    def __init__(self, rank: int = 0, pipeline_rank: int = 0, info: Optional[Dict] = None):
         self.rank, self.pipeline_rank = rank, pipeline_rank
+        self.info = dict(info or {})
         self.events: List[Dict] = []
+        self.clock_origin = time.time()
         self._origin = time.perf_counter()
 
     def _now(self) -> float:
@@ -49,7 +56,8 @@ class PipelineTrace:
         return 1.0 - self.busy_time() / span if span > 0 else 0.0
 
     def to_dict(self) -> Dict:
-        return {"rank": self.rank, "pipeline_rank": self.pipeline_rank, "events": self.events}
+        return {**self.info, "rank": self.rank, "pipeline_rank": self.pipeline_rank,
+                "clock_origin": self.clock_origin, "events": self.events}
 
     def write(self, path: str) -> None:
         """Write the trace as JSON, atomically (a reader never sees half a file)."""
@@ -59,6 +67,9 @@ class PipelineTrace:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_dict(), f)
+            umask = os.umask(0)  # the permissions open() would give (mkstemp's: owner-only)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
