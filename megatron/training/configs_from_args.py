@@ -130,21 +130,19 @@ def _built(what: str, make):
         raise ConfigError(f"{what}: {exc}") from exc
 
 
-def build_configs(args: argparse.Namespace, world_size: int = 1,
-                  tokenizer=None) -> MegatronConfigs:
-    """The configs of a parsed command line for ``world_size`` processes.
+def params_dtype_of(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
-    ``tokenizer`` (optional, from ``build_tokenizer_from_args``) supplies the vocabulary and
-    end-of-document id; without it the dataset's vocab is ``--vocab-size`` (a placeholder 1 when
-    a tokenizer file will supply it) and eod 0."""
-    dp = _check_world(args, world_size)
-    _check_files(args)
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    transformer = _built("model flags", lambda: TransformerConfig(
+
+def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    """The model and its parallel layout (TP/PP/VPP/SP, recomputation, dtype) of parsed flags;
+    no world-size or file checks (``build_configs`` does those). Shared with
+    tools/plan_parallelism.py, so a planned layout is the layout these flags build."""
+    return _built("model flags", lambda: TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel, params_dtype=dtype,
+        sequence_parallel=args.sequence_parallel, params_dtype=params_dtype_of(args),
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -169,6 +167,19 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split))
+
+
+def build_configs(args: argparse.Namespace, world_size: int = 1,
+                  tokenizer=None) -> MegatronConfigs:
+    """The configs of a parsed command line for ``world_size`` processes.
+
+    ``tokenizer`` (optional, from ``build_tokenizer_from_args``) supplies the vocabulary and
+    end-of-document id; without it the dataset's vocab is ``--vocab-size`` (a placeholder 1 when
+    a tokenizer file will supply it) and eod 0."""
+    dp = _check_world(args, world_size)
+    _check_files(args)
+    dtype = params_dtype_of(args)
+    transformer = transformer_config_from_args(args)
     optimizer = _built("optimizer flags", lambda: OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,

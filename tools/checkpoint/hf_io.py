@@ -35,11 +35,18 @@ def read_config(hf_dir: str):
     if not os.path.isfile(path):
         raise ConversionError(f"{hf_dir} has no config.json; give the directory written by "
                               f"save_pretrained() (or downloaded from the hub).")
+    return read_config_file(path)
+
+
+def read_config_file(path: str):
+    """The transformers config in the file ``path`` (a config.json), checked as above."""
     try:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConversionError(f"{path} is not valid JSON ({exc}).") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path} holds no JSON object; a config.json is one.")
     model_type, archs = raw.get("model_type"), raw.get("architectures") or []
     unknown = [a for a in archs if a not in SUPPORTED]
     if model_type not in SUPPORTED.values() or unknown:

@@ -1,0 +1,138 @@
+"""The layouts the planner tries, as the flags that select them.
+
+A layout fixes tensor parallelism (within a node, with sequence parallelism when > 1),
+pipeline parallelism (and interleaving), the data-parallel size that fills the GPUs, the micro
+batch, recomputation and whether the optimizer is sharded. Each is applied to the parsed model
+flags exactly as its printed flags would be, so a planned layout is what those flags build.
+"""
+import argparse
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+from megatron.core.distributed.distributed_data_parallel import default_bucket_size
+from megatron.training.memory_params import OptimizerSetup
+
+RECOMPUTE_CHOICES = (None, "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor_parallel: int
+    pipeline_parallel: int
+    virtual_pipeline: Optional[int]  # model chunks per pipeline rank (None: not interleaved)
+    data_parallel: int
+    micro_batch_size: int
+    global_batch_size: int
+    recompute: Optional[str]  # None, "selective" or "full" (uniform, one layer per span)
+    distributed_optimizer: bool
+    grad_reduce_in_fp32: bool = True
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel)
+
+    def flags(self, num_layers: int) -> List[str]:
+        """The Megatron flags of this layout (gradient reduction always overlapped)."""
+        t, p, v = self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline
+        flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p)]
+        if v:
+            flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (p * v))]
+        if t > 1:
+            flags.append("--sequence-parallel")
+        flags += ["--micro-batch-size", str(self.micro_batch_size),
+                  "--global-batch-size", str(self.global_batch_size)]
+        if self.recompute == "selective":
+            flags += ["--recompute-granularity", "selective"]
+        elif self.recompute == "full":
+            flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "1"]
+        if self.distributed_optimizer:
+            flags.append("--use-distributed-optimizer")
+        flags.append("--overlap-grad-reduce")
+        if self.distributed_optimizer:
+            flags.append("--overlap-param-gather")
+        flags.append("--bf16")
+        if self.grad_reduce_in_fp32:
+            flags.append("--accumulate-allreduce-grads-in-fp32")
+        return flags
+
+
+def overlapped_optimizer_flags(reduce_bucket_size: int) -> List[str]:
+    """Megatron-LLaMA's spelling of the sharded optimizer with both collectives overlapped, in
+    place of --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather."""
+    return ["--overlapped-distributed-optimizer", f"--reduce-bucket-size={reduce_bucket_size}"]
+
+
+def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace:
+    """A copy of the (layout-free) parsed flags as ``parse_args`` would give them with
+    ``layout``'s flags added (tests/unit/test_plan_parallelism.py checks the round trip)."""
+    new = argparse.Namespace(**vars(args))
+    t, p, v = layout.tensor_parallel, layout.pipeline_parallel, layout.virtual_pipeline
+    new.tensor_model_parallel_size, new.pipeline_model_parallel_size = t, p
+    new.num_layers_per_virtual_pipeline_stage = args.num_layers // (p * v) if v else None
+    new.virtual_pipeline_model_parallel_size = v
+    new.sequence_parallel = t > 1
+    new.micro_batch_size, new.global_batch_size = layout.micro_batch_size, layout.global_batch_size
+    new.recompute_granularity = layout.recompute
+    full = layout.recompute == "full"
+    new.recompute_method, new.recompute_num_layers = ("uniform", 1) if full else (None, None)
+    new.use_distributed_optimizer = layout.distributed_optimizer
+    new.overlap_grad_reduce, new.overlap_param_gather = True, layout.distributed_optimizer
+    new.bf16, new.fp16 = True, False
+    new.accumulate_allreduce_grads_in_fp32 = layout.grad_reduce_in_fp32
+    return new
+
+
+def optimizer_setup(args: argparse.Namespace, layout: Layout,
+                    overlapped_optimizer: bool = False) -> OptimizerSetup:
+    """What the DDP/optimizer flags of ``layout`` give ``estimate_memory`` (as
+    ``estimate_from_configs`` derives it): overlapped reduction means buckets of
+    --ddp-bucket-size or Megatron's default; Megatron-LLaMA's optimizer uses
+    --reduce-bucket-size."""
+    d = layout.data_parallel
+    if overlapped_optimizer:
+        bucket = args.reduce_bucket_size
+    else:
+        bucket = args.ddp_bucket_size or default_bucket_size(d)
+    return OptimizerSetup(data_parallel_size=d,
+                          use_distributed_optimizer=layout.distributed_optimizer,
+                          grad_reduce_in_fp32=layout.grad_reduce_in_fp32, bucket_size=bucket,
+                          optimizer=args.optimizer, sgd_momentum=args.sgd_momentum)
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tensor_parallel_sizes(args: argparse.Namespace, num_gpus: int,
+                          gpus_per_node: int) -> List[int]:
+    """TP sizes within a node that split the heads, query groups and FFN evenly."""
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return [t for t in _divisors(gpus_per_node) if num_gpus % t == 0
+            and args.num_attention_heads % t == 0 and groups % t == 0
+            and args.ffn_hidden_size % t == 0]
+
+
+def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
+                    global_batch_size: int, max_micro_batch_size: int,
+                    grad_reduce_in_fp32: bool = True) -> Iterator[List[Layout]]:
+    """Every layout, grouped into families that differ only in the micro batch (ascending):
+    memory grows with the micro batch, so a family can stop at its first misfit."""
+    num_layers = args.num_layers
+    micro_batches = [1 << k for k in range(max_micro_batch_size.bit_length())
+                     if 1 << k <= max_micro_batch_size]
+    for t in tensor_parallel_sizes(args, num_gpus, gpus_per_node):
+        for p in [p for p in _divisors(num_layers) if num_gpus % (t * p) == 0]:
+            d = num_gpus // (t * p)
+            fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
+            chunks = [None] + ([v for v in _divisors(num_layers // p) if v > 1] if p > 1 else [])
+            for v in chunks:
+                # The interleaved schedule runs microbatches in groups of PP.
+                batches = [b for b in fitting
+                           if v is None or (global_batch_size // (b * d)) % p == 0]
+                for recompute in RECOMPUTE_CHOICES:
+                    for sharded in ((False, True) if d > 1 else (False,)):
+                        family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
+                                         grad_reduce_in_fp32) for b in batches]
+                        if family:
+                            yield family

@@ -1,0 +1,103 @@
+"""A plan as a ranked table for people and as JSON for machines (the same rows)."""
+import dataclasses
+import shlex
+from typing import Dict, List
+
+from megatron.training.planner.plan import Plan, PlanRow
+from megatron.training.planner.step_time import Cluster
+from megatron.training.planner.workload import Workload
+from megatron.training.theoretical_memory import GIB
+
+MIB = 2 ** 20
+COLUMNS = ("#", "TP", "PP", "VPP", "DP", "MBS", "recompute", "dist-opt", "mem GiB", "bubble",
+           "step s", "tok/s/GPU", "MFU")
+
+
+def _same_memory(row: PlanRow) -> bool:
+    """Megatron-LLaMA's optimizer needs the same memory (bucket padding aside: < 1 MiB)."""
+    return (row.overlapped_optimizer_bytes is not None
+            and abs(row.overlapped_optimizer_bytes - row.memory.max_total) < MIB)
+
+
+def _cells(rank: int, row: PlanRow) -> List[str]:
+    lay, step = row.layout, row.step
+    sharded = ("yes*" if _same_memory(row) else "yes") if lay.distributed_optimizer else "no"
+    return [str(rank), str(lay.tensor_parallel), str(lay.pipeline_parallel),
+            str(lay.virtual_pipeline or "-"), str(lay.data_parallel),
+            str(lay.micro_batch_size), lay.recompute or "none", sharded,
+            f"{row.memory.max_total / GIB:.1f}", f"{step.bubble_fraction:.3f}",
+            f"{step.step_s:.2f}", f"{step.tokens_per_s_per_gpu:.0f}", f"{step.mfu:.1%}"]
+
+
+def cluster_line(cluster: Cluster) -> str:
+    nodes = max(1, cluster.num_gpus // cluster.gpus_per_node)
+    per_node = min(cluster.gpus_per_node, cluster.num_gpus)
+    return (f"{cluster.num_gpus} GPUs ({nodes} node(s) of {per_node}), "
+            f"{cluster.gpu_memory_gib:g} GiB each with {cluster.memory_reserve_gib:g} GiB "
+            f"reserved; peak {cluster.peak_tflops:g} TFLOP/s at {cluster.compute_efficiency:.0%} "
+            f"efficiency; links {cluster.intra_node_bandwidth_gbs:g} GB/s within a node, "
+            f"{cluster.inter_node_bandwidth_gbs:g} GB/s per GPU between nodes")
+
+
+def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
+    rows = [list(COLUMNS)] + [_cells(i + 1, row) for i, row in enumerate(result.rows)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    lines = [f"model: {workload.describe()}",
+             f"cluster: {cluster_line(cluster)}",
+             f"{result.enumerated} layouts tried, {result.fitting} fit; the best "
+             f"{len(result.rows)} by estimated MFU (ties: less memory):", ""]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines.append("")
+    lines.append("flags (in place of any parallelism, batch, recomputation, optimizer-sharding "
+                 "and precision flags of your command line):")
+    lines += [f"  #{i + 1}: {shlex.join(row.flags)}" for i, row in enumerate(result.rows)]
+    starred = [row for row in result.rows if _same_memory(row)]
+    if starred:
+        lines.append("yes*: Megatron-LLaMA's " + shlex.join(starred[0].overlapped_optimizer_flags)
+                     + " in place of --use-distributed-optimizer --overlap-grad-reduce "
+                     "--overlap-param-gather needs the same memory (bucket padding aside) and "
+                     "has the same estimated step time.")
+    return "\n".join(lines)
+
+
+def _stage_dict(stage) -> Dict:
+    return {"pipeline_rank": stage.pipeline_rank, "total_bytes": stage.total,
+            **{f"{k}_bytes": v for k, v in dataclasses.asdict(stage.state).items()},
+            "activation_bytes": stage.activations.stored_bytes,
+            "recompute_working_bytes": stage.activations.recompute_working_bytes,
+            "microbatches_in_flight": stage.activations.in_flight}
+
+
+def row_dict(row: PlanRow, workload: Workload) -> Dict:
+    lay = row.layout
+    overlapped = None
+    if row.overlapped_optimizer_flags is not None:
+        overlapped = {"flags": shlex.join(row.overlapped_optimizer_flags),
+                      "memory_bytes": row.overlapped_optimizer_bytes}
+    return {
+        "tensor_parallel": lay.tensor_parallel, "pipeline_parallel": lay.pipeline_parallel,
+        "virtual_pipeline": lay.virtual_pipeline, "data_parallel": lay.data_parallel,
+        "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
+        "recompute": lay.recompute, "distributed_optimizer": lay.distributed_optimizer,
+        "sequence_parallel": lay.tensor_parallel > 1,
+        "grad_reduce_in_fp32": lay.grad_reduce_in_fp32,
+        "padded_vocab_size": row.padded_vocab_size,
+        "memory_bytes": row.memory.max_total,
+        "memory_gib": row.memory.max_total / GIB,
+        "memory": {"peak_pipeline_rank": row.memory.peak.pipeline_rank,
+                   "stages": [_stage_dict(stage) for stage in row.memory.stages]},
+        "bubble_fraction": row.step.bubble_fraction, "step_time_s": row.step.step_s,
+        "tokens_per_s_per_gpu": row.step.tokens_per_s_per_gpu, "mfu": row.step.mfu,
+        "step_time": dataclasses.asdict(row.step),
+        "flags": shlex.join(row.flags),
+        "command": shlex.join(workload.flags + row.flags),
+        "overlapped_distributed_optimizer": overlapped,
+    }
+
+
+def plan_dict(result: Plan, cluster: Cluster, workload: Workload) -> Dict:
+    return {"model": workload.describe(), "model_flags": shlex.join(workload.flags),
+            "global_batch_size": workload.global_batch_size,
+            "seq_length": workload.seq_length, "cluster": dataclasses.asdict(cluster),
+            "enumerated": result.enumerated, "fitting": result.fitting,
+            "rows": [row_dict(row, workload) for row in result.rows]}

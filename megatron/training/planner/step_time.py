@@ -1,0 +1,184 @@
+"""Estimated time of one training step of a layout, and from it MFU and tokens/s.
+
+The model, term by term (t TP, p PP, v model chunks per pipeline rank, d DP, b micro batch,
+m = global batch / (b d) microbatches, s sequence, h hidden, e = 2 bytes (bf16)):
+
+- Compute: FLOPs as Megatron counts them (``flops.num_floating_point_operations``: each
+  GEMM once forward, twice backward; attention's full s x s), plus what recomputation redoes:
+  full recomputation one more forward of every layer (a third of its FLOPs), selective the
+  attention core's forward (4 b s^2 a d FLOPs per layer). They run at ``peak x efficiency``
+  spread over the t GPUs of a stage; the efficiency is the one free constant, stated in the
+  output, and it does not depend on GEMM shapes (a larger micro batch is not faster here).
+- Tensor parallelism (with sequence parallelism): per layer and microbatch the forward
+  all-gathers and reduce-scatters two all-reduce volumes of the b x s x h activations
+  (2(t-1)/t x b s h e bytes each), and the backward waits for one more (the row-parallel
+  layers' output-gradient all-gathers); the column-parallel layers' input re-gathers and
+  input-gradient reduce-scatters run under their GEMMs (``tensor_parallel/layers.py``) and
+  are taken as hidden. So 3 volumes at the intra-node bandwidth, 5 with full recomputation
+  (its extra forward). The embedding's and loss's small collectives are left out.
+- Pipeline: each microbatch sends v activations forward and v gradients back per stage,
+  b s h e / t bytes each (sequence-parallel shards), not overlapped; at the intra-node
+  bandwidth on one node, else the inter-node one (ranks are ordered TP fastest, then DP, then
+  PP, so the pipeline crosses every node boundary).
+- The slowest stage (usually the last: it also computes the logits) sets the microbatch time;
+  the pipeline runs m microbatch times plus a bubble of (p-1)/v of them, a fraction
+  (p-1)/(v m + p-1) of the pipeline's time.
+- Data parallelism: each stage reduces its gradient buffer (at its dtype, fp32 by default):
+  an all-reduce, 2(d-1)/d x bytes, or for the distributed optimizer a reduce-scatter of the
+  gradients and an all-gather of the bf16 parameters, (d-1)/d x bytes each; over the
+  intra-node bandwidth when the DP group is inside a node, else the inter-node one (per GPU,
+  as a ring crossing nodes sees it). The reduction overlaps the backward of the last
+  microbatch (buckets go as they fill) and the all-gather the forward of the next step's first
+  microbatch; only what exceeds those windows adds to the step.
+- Not modelled: the optimizer step itself (memory bound, small next to these terms for
+  these models), kernel launch gaps, contention between communication and compute, network
+  latency and the last bucket's reduction that nothing hides.
+"""
+from dataclasses import dataclass
+
+from megatron.training.flops import mfu, num_floating_point_operations
+from megatron.training.memory_params import chunk_span
+from megatron.training.planner.layouts import Layout
+from megatron.training.theoretical_memory import MemoryEstimate, dtype_bytes
+from megatron.training.training_config import ConfigError
+
+GB = 1e9  # bandwidths in GB/s (10^9 bytes), as vendors quote them
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs and links. Defaults: A100-SXM4-80GB nodes of 8 (312 TFLOP/s dense bf16,
+    NVLink 3 at 300 GB/s per GPU and direction, one 200 Gb/s HDR InfiniBand port per GPU)."""
+    num_gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    # CUDA context, NCCL buffers, allocator fragmentation and single-kernel temporaries such
+    # as the logits' gradient: what the memory estimate leaves out.
+    memory_reserve_gib: float = 6.0
+    peak_tflops: float = 312.0
+    compute_efficiency: float = 0.6
+    intra_node_bandwidth_gbs: float = 300.0
+    inter_node_bandwidth_gbs: float = 25.0
+
+    def check(self) -> None:
+        n, g = self.num_gpus, self.gpus_per_node
+        if n < 1 or g < 1:
+            raise ConfigError(f"--num-gpus ({n}) and --gpus-per-node ({g}) must be >= 1.")
+        if n % g and g % n:
+            raise ConfigError(f"--num-gpus {n} is not a multiple of --gpus-per-node {g}: plan "
+                              f"for whole nodes ({(n // g + 1) * g} GPUs) or part of one node "
+                              f"(a divisor of {g}).")
+        for value, flag in ((self.gpu_memory_gib, "--gpu-memory-gib"),
+                            (self.peak_tflops, "--peak-tflops"),
+                            (self.intra_node_bandwidth_gbs, "--intra-node-bandwidth-gbs"),
+                            (self.inter_node_bandwidth_gbs, "--inter-node-bandwidth-gbs")):
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}.")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ConfigError(f"--compute-efficiency is a fraction of the peak in (0, 1], got "
+                              f"{self.compute_efficiency}.")
+        if not 0 <= self.memory_reserve_gib < self.gpu_memory_gib:
+            raise ConfigError(f"--memory-reserve-gib {self.memory_reserve_gib} must be >= 0 and "
+                              f"less than --gpu-memory-gib {self.gpu_memory_gib}.")
+
+    @property
+    def one_node(self) -> bool:
+        return self.num_gpus <= self.gpus_per_node
+
+    def group_bandwidth(self, span: int) -> float:
+        """Bytes/s of a group of ``span`` consecutive ranks (from a multiple of ``span``)."""
+        inside = self.one_node or (span <= self.gpus_per_node and self.gpus_per_node % span == 0)
+        return (self.intra_node_bandwidth_gbs if inside else self.inter_node_bandwidth_gbs) * GB
+
+
+@dataclass
+class StepTime:
+    compute_s: float  # one microbatch through the slowest stage: forward + backward (+ redo)
+    tensor_parallel_s: float  # that stage's TP collectives for one microbatch
+    pipeline_p2p_s: float  # one microbatch's sends between stages
+    microbatch_s: float  # the sum: the pipeline's beat
+    num_microbatches: int
+    bubble_s: float
+    data_parallel_s: float  # the DP collectives of the stage with the most left exposed
+    data_parallel_exposed_s: float
+    step_s: float
+    bubble_fraction: float
+    model_flops: int  # Megatron's count for the whole global batch (the MFU numerator)
+    mfu: float
+    tokens_per_s_per_gpu: float
+
+
+def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
+    return num_floating_point_operations(
+        num_layers=num_layers, hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
+        batch_size=batch, swiglu=config.activation == "swiglu", kv_channels=config.kv_channels)
+
+
+def recompute_flops_per_layer(config, layout: Layout, seq_length: int) -> int:
+    """Extra forward work of one layer and microbatch under the layout's recomputation."""
+    b, s = layout.micro_batch_size, seq_length
+    if layout.recompute == "full":
+        return _flops(config, s, b, 1, 0) // 3
+    if layout.recompute == "selective":  # Q K^T and softmax x V: 2 s^2 a d MACs a sequence
+        return 2 * 2 * b * s * s * config.num_attention_heads * config.kv_channels
+    return 0
+
+
+def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryEstimate,
+                       seq_length: int, padded_vocab_size: int) -> StepTime:
+    """The step time of ``layout`` (``config`` is its TransformerConfig, ``memory`` its
+    estimate, whose per-stage gradient and parameter buffers are what DP moves)."""
+    t, p, d = layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel
+    v, b, m = layout.virtual_pipeline or 1, layout.micro_batch_size, layout.num_microbatches
+    s, h, e = seq_length, config.hidden_size, dtype_bytes(config.params_dtype)
+    flop_rate = t * cluster.peak_tflops * 1e12 * cluster.compute_efficiency
+    intra = cluster.intra_node_bandwidth_gbs * GB
+    layer_flops = _flops(config, s, b, 1, 0)
+    redo_flops = recompute_flops_per_layer(config, layout, s)
+    volumes = 5 if layout.recompute == "full" else 3  # exposed all-reduce volumes a layer
+    tp_layer_s = volumes * 2 * (t - 1) / t * b * s * h * e / intra
+
+    stages = []  # (forward s, backward s, TP s) of one microbatch, per pipeline rank
+    for rank in range(p):
+        spans = [chunk_span(config, rank, c) for c in range(v)]
+        layers = sum(span.end - span.start for span in spans)
+        last = any(span.post_process for span in spans)
+        logits = _flops(config, s, b, 0, padded_vocab_size) if last else 0
+        work = layers * layer_flops + logits
+        stages.append((work // 3 / flop_rate, (work - work // 3 + layers * redo_flops) / flop_rate,
+                       layers * tp_layer_s))
+    slowest = max(range(p), key=lambda r: sum(stages[r]))
+    forward_s, backward_s, tp_s = stages[slowest]
+    p2p_s = 0.0
+    if p > 1:
+        message = b * s * h * e / (t if t > 1 else 1)
+        p2p_s = 2 * v * message / cluster.group_bandwidth(cluster.num_gpus)
+    microbatch_s = forward_s + backward_s + tp_s + p2p_s
+    bubble_s = (p - 1) / v * microbatch_s
+
+    dp_s = dp_exposed_s = 0.0
+    if d > 1:
+        bandwidth, share = cluster.group_bandwidth(t * d), (d - 1) / d
+        per_stage = []  # (exposed, total) seconds of each stage's DP collectives
+        for stage, (forward_r, backward_r, _) in zip(memory.stages, stages):
+            grads, params = stage.state.grads, stage.state.params
+            if layout.distributed_optimizer:
+                reduce_s, gather_s = share * grads / bandwidth, share * params / bandwidth
+            else:
+                reduce_s, gather_s = 2 * share * grads / bandwidth, 0.0
+            exposed = max(0.0, reduce_s - backward_r) + max(0.0, gather_s - forward_r)
+            per_stage.append((exposed, reduce_s + gather_s))
+        dp_exposed_s, dp_s = max(per_stage)
+
+    step_s = m * microbatch_s + bubble_s + dp_exposed_s
+    model_flops = _flops(config, s, layout.global_batch_size, config.num_layers,
+                         padded_vocab_size)
+    return StepTime(
+        compute_s=forward_s + backward_s, tensor_parallel_s=tp_s, pipeline_p2p_s=p2p_s,
+        microbatch_s=microbatch_s, num_microbatches=m, bubble_s=bubble_s,
+        data_parallel_s=dp_s, data_parallel_exposed_s=dp_exposed_s, step_s=step_s,
+        bubble_fraction=(p - 1) / (v * m + p - 1), model_flops=model_flops,
+        mfu=mfu(model_flops, step_s, cluster.num_gpus, cluster.peak_tflops),
+        tokens_per_s_per_gpu=layout.global_batch_size * s / (step_s * cluster.num_gpus))
