@@ -55,8 +55,8 @@ def get_parser() -> argparse.ArgumentParser:
     run.add_argument("--seq-length", type=int)
     run.add_argument("--vocab-size", type=int, help="the tokenizer's (LLaMA: 32000)")
     run.add_argument("--bf16-grads", action="store_true",
-                     help="reduce gradients in bf16 (default fp32: "
-                          "--accumulate-allreduce-grads-in-fp32, as Megatron-LM does with bf16)")
+                     help="reduce gradients in bf16 (--grad-reduce-in-bf16; default fp32, "
+                          "as Megatron-LM does with bf16)")
     run.add_argument("--max-micro-batch-size", type=int, default=16)
     hw = p.add_argument_group("the cluster (defaults: A100-SXM4-80GB, 8 per node)")
     hw.add_argument("--num-gpus", type=int, required=True)

@@ -139,7 +139,12 @@ def _add_parallel_args(parser):
 def _add_mixed_precision_args(parser):
     g = parser.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 params; gradients are accumulated and reduced in fp32 (as in "
+                        "Megatron-LM) unless --grad-reduce-in-bf16.")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="With --bf16: accumulate and reduce gradients in bf16 (half the "
+                        "gradient memory and traffic, less exact sums).")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -308,6 +313,8 @@ def _fold_aliases(args):
         args.recompute_granularity = "selective"
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.bf16:  # Megatron-LM's rule: bf16 gradients are summed in fp32 unless asked not to
+        args.accumulate_allreduce_grads_in_fp32 = not getattr(args, "grad_reduce_in_bf16", False)
     if args.ffn_hidden_size is None and args.hidden_size is not None:
         if args.swiglu:  # Megatron: ~2/3 of 4h (same parameters), down to a multiple of 64
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64

@@ -77,6 +77,7 @@ def test_launch_line_maps_to_configs(files):
     assert (o.clip_grad, o.weight_decay) == (1.0, 0.1)
     assert d.bucket_size == 200_000_000 and isinstance(args.reduce_bucket_size, int)
     assert d.use_distributed_optimizer and d.overlap_grad_reduce and d.overlap_param_gather
+    assert d.grad_reduce_in_fp32  # Megatron-LM: bf16 gradients are accumulated in fp32
     # Megatron's scheduler counts samples: iterations x global batch.
     assert s["max_lr"] == 6e-5 and s["min_lr"] == 6e-6 and s["lr_decay_style"] == "cosine"
     assert s["lr_warmup_steps"] == 5 * 64 and s["lr_decay_steps"] == 10 * 64
@@ -329,3 +330,18 @@ def test_mock_data_with_a_tokenizer_file(files):
     argv = small()[:-4] + ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                            files["tok"]]  # small() ends with NullTokenizer --vocab-size 100
     assert build_configs(parse_args(argv)).dataset.mock
+
+
+def test_bf16_gradients_are_reduced_in_fp32_unless_asked():
+    """Megatron-LM's rule: --bf16 turns on fp32 gradient accumulation and reduction;
+    --grad-reduce-in-bf16 keeps them in bf16; fp32/fp16 runs are unchanged."""
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "1", "--lr", "1e-4",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--mock-data",
+            "--train-iters", "1"]
+    grads_fp32 = {flags: build_configs(parse_args(base + list(flags))).ddp.grad_reduce_in_fp32
+                  for flags in [(), ("--bf16",), ("--bf16", "--grad-reduce-in-bf16"),
+                                ("--fp16",), ("--fp16", "--accumulate-allreduce-grads-in-fp32")]}
+    assert grads_fp32 == {
+        (): False, ("--bf16",): True, ("--bf16", "--grad-reduce-in-bf16"): False,
+        ("--fp16",): False, ("--fp16", "--accumulate-allreduce-grads-in-fp32"): True}

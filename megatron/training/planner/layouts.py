@@ -51,9 +51,9 @@ class Layout:
         flags.append("--overlap-grad-reduce")
         if self.distributed_optimizer:
             flags.append("--overlap-param-gather")
-        flags.append("--bf16")
-        if self.grad_reduce_in_fp32:
-            flags.append("--accumulate-allreduce-grads-in-fp32")
+        flags.append("--bf16")  # gradients in fp32 by default, as in Megatron-LM
+        if not self.grad_reduce_in_fp32:
+            flags.append("--grad-reduce-in-bf16")
         return flags
 
 
@@ -79,6 +79,7 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new.use_distributed_optimizer = layout.distributed_optimizer
     new.overlap_grad_reduce, new.overlap_param_gather = True, layout.distributed_optimizer
     new.bf16, new.fp16 = True, False
+    new.grad_reduce_in_bf16 = not layout.grad_reduce_in_fp32
     new.accumulate_allreduce_grads_in_fp32 = layout.grad_reduce_in_fp32
     return new
 
