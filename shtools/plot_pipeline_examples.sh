@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate docs/pipeline_1f1b.png and docs/pipeline_interleaved.png from real CPU runs:
-# torchrun on 4 processes, 4 pipeline stages of a small GPT (8 layers, hidden 512, sequence
-# 256, mock data, 8 microbatches), traced at iteration 2 (--pipeline-trace-dir) and drawn by
+# torchrun on $PP processes (default 2), one pipeline stage each, of a small GPT (8 layers,
+# hidden 512, sequence 256, mock data, 8 microbatches), traced at iteration 2 (--pipeline-trace-dir) and drawn by
 # tools/plot_pipeline.py; once with 1F1B, once interleaved (2 model chunks per rank).
 #   bash shtools/plot_pipeline_examples.sh          # under a minute on 2 CPU cores
 #   OUT_DIR=/tmp/plots bash shtools/plot_pipeline_examples.sh
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 OUT_DIR=${OUT_DIR:-docs}
-PP=${PP:-4}  # pipeline stages = processes
+PP=${PP:-2}  # pipeline stages = processes: 2 keeps one per core here; PP=4 shares them
 if [[ -z "${TRACE_DIR:-}" ]]; then
     TRACE_DIR=$(mktemp -d)
     trap 'rm -rf "$TRACE_DIR"' EXIT
