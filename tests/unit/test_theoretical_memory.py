@@ -37,6 +37,7 @@ from megatron.training.memory_params import (
 from megatron.training.theoretical_memory import estimate_memory, format_report
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
+from tests.unit.test_data_parallel import _forward_step
 
 VOCAB, SEQ, MBS = 64, 16, 2
 ACTIVATION_TOL = 0.01
@@ -52,16 +53,6 @@ def _llama_config(**extra):
     return llama_config(num_layers=4, hidden_size=32, num_attention_heads=8,
                         num_query_groups=4, ffn_hidden_size=48, max_position_embeddings=SEQ,
                         **extra)
-
-
-def _loss_func(per_token_loss):
-    loss = per_token_loss.mean()
-    return loss, {"lm loss": loss.detach()}
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    return model(tokens, labels=labels), _loss_func
 
 
 def _unique_bytes(tensors, exclude=()) -> int:
