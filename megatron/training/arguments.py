@@ -42,7 +42,8 @@ NOOP_FLAGS = {
     "--no-bias-dropout-fusion": "no fused bias-dropout-add kernel",
     "--no-rope-fusion": "no fused RoPE kernel",
     "--no-persist-layer-norm": "no persistent (apex) LayerNorm kernel",
-    "--no-async-tensor-model-parallel-allreduce": "TP all-reduces are not overlapped with GEMMs",
+    "--no-async-tensor-model-parallel-allreduce": "the backward's TP all-reduce always overlaps "
+                                                  "the weight-gradient GEMM (no synchronous mode)",
 }
 
 
