@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from megatron.core.distributed.distributed_data_parallel import default_bucket_size
+from megatron.core.distributed.distributed_data_parallel import bucket_size_for
 from megatron.training.memory_activations import (
     ActivationSetup,
     StageActivations,
@@ -108,17 +108,21 @@ def format_report(estimate: MemoryEstimate) -> str:
     return "\n".join(lines)
 
 
+def optimizer_setup_from(ddp_config, optimizer_config,
+                         data_parallel_size: int) -> OptimizerSetup:
+    """What the DDP and optimizer configs of a run give the estimate."""
+    return OptimizerSetup(
+        data_parallel_size=data_parallel_size,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
+        bucket_size=bucket_size_for(ddp_config, data_parallel_size),
+        optimizer=optimizer_config.optimizer, sgd_momentum=optimizer_config.sgd_momentum)
+
+
 def estimate_from_configs(configs, seq_length: int, device: str = "cuda") -> MemoryEstimate:
     """The estimate of a parsed command line (``MegatronConfigs``)."""
-    t, ddp, opt = configs.training, configs.ddp, configs.optimizer
-    bucket_size = ddp.bucket_size
-    if bucket_size is None and ddp.overlap_grad_reduce:
-        bucket_size = default_bucket_size(t.data_parallel_size)
-    setup = OptimizerSetup(
-        data_parallel_size=t.data_parallel_size,
-        use_distributed_optimizer=ddp.use_distributed_optimizer,
-        grad_reduce_in_fp32=ddp.grad_reduce_in_fp32, bucket_size=bucket_size,
-        optimizer=opt.optimizer, sgd_momentum=opt.sgd_momentum)
+    t = configs.training
+    setup = optimizer_setup_from(configs.ddp, configs.optimizer, t.data_parallel_size)
     return estimate_memory(
         configs.transformer, padded_vocab_size=configs.model_kwargs["padded_vocab_size"],
         seq_length=seq_length, micro_batch_size=t.micro_batch_size,

@@ -9,7 +9,7 @@ microbatch but the last (the schedules do this), either by ``finish_grad_sync()`
 hooks the moment the bucket's last gradient arrives; ``finish_grad_sync()`` then only waits.
 """
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,15 @@ def default_bucket_size(data_parallel_size: int) -> int:
     return max(40_000_000, 1_000_000 * data_parallel_size)
 
 
+def bucket_size_for(ddp_config: DistributedDataParallelConfig,
+                    data_parallel_size: int) -> Optional[int]:
+    """Elements per bucket: the configured size, Megatron's default when overlapping, or None
+    (one bucket per buffer: nothing to overlap with)."""
+    if ddp_config.bucket_size is None and ddp_config.overlap_grad_reduce:
+        return default_bucket_size(data_parallel_size)
+    return ddp_config.bucket_size
+
+
 class DistributedDataParallel(torch.nn.Module):
     def __init__(self, config, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module):
@@ -35,9 +44,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         dp_size = parallel_state.get_data_parallel_world_size()
-        bucket_size = ddp_config.bucket_size
-        if bucket_size is None and ddp_config.overlap_grad_reduce:
-            bucket_size = default_bucket_size(dp_size)
+        bucket_size = bucket_size_for(ddp_config, dp_size)
         self.is_last_microbatch = True
 
         by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}

@@ -9,8 +9,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
-from megatron.core.distributed.distributed_data_parallel import default_bucket_size
+from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.memory_params import OptimizerSetup
+from megatron.training.theoretical_memory import optimizer_setup_from
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
 
@@ -86,19 +88,17 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
 
 def optimizer_setup(args: argparse.Namespace, layout: Layout,
                     overlapped_optimizer: bool = False) -> OptimizerSetup:
-    """What the DDP/optimizer flags of ``layout`` give ``estimate_memory`` (as
-    ``estimate_from_configs`` derives it): overlapped reduction means buckets of
-    --ddp-bucket-size or Megatron's default; Megatron-LLaMA's optimizer uses
-    --reduce-bucket-size."""
-    d = layout.data_parallel
-    if overlapped_optimizer:
-        bucket = args.reduce_bucket_size
-    else:
-        bucket = args.ddp_bucket_size or default_bucket_size(d)
-    return OptimizerSetup(data_parallel_size=d,
-                          use_distributed_optimizer=layout.distributed_optimizer,
-                          grad_reduce_in_fp32=layout.grad_reduce_in_fp32, bucket_size=bucket,
-                          optimizer=args.optimizer, sgd_momentum=args.sgd_momentum)
+    """What the DDP/optimizer flags of ``layout`` give ``estimate_memory``, through the same
+    configs a run builds (``overlapped_optimizer``: Megatron-LLaMA's variant, sharded rows)."""
+    sharded = layout.distributed_optimizer
+    optimizer = OptimizerConfig(
+        optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+        use_distributed_optimizer=sharded and not overlapped_optimizer,
+        overlapped_distributed_optimizer=sharded and overlapped_optimizer)
+    ddp = ddp_config_for_optimizer(
+        optimizer, grad_reduce_in_fp32=layout.grad_reduce_in_fp32, overlap_grad_reduce=True,
+        bucket_size=args.ddp_bucket_size, reduce_bucket_size=args.reduce_bucket_size)
+    return optimizer_setup_from(ddp, optimizer, layout.data_parallel)
 
 
 def _divisors(n: int) -> List[int]:

@@ -18,7 +18,8 @@ LAYOUT_DESTS = frozenset({
     "use_distributed_optimizer", "overlapped_distributed_optimizer", "overlap_grad_reduce",
     "overlap_param_gather", "accumulate_allreduce_grads_in_fp32", "recompute_activations",
     "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "distribute_saved_activations", "micro_batch_size", "global_batch_size", "fp16", "bf16"})
+    "distribute_saved_activations", "micro_batch_size", "global_batch_size", "fp16", "bf16",
+    "grad_reduce_in_bf16"})
 
 
 def without_layout_flags(flags: Sequence[str]) -> List[str]:
