@@ -17,12 +17,12 @@ model chunk too ('3.1': microbatch 3 on chunk 1, also hatched by chunk).
 import argparse
 import os
 import sys
-import tempfile
 
 # Run from a clone without installing, as Megatron's tools allow.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT  # noqa: E402
+from megatron.core.utils import write_atomically  # noqa: E402
 from megatron.training.pipeline_timeline import (  # noqa: E402
     PipelineTimeline,
     TimelineError,
@@ -148,25 +148,8 @@ def _legend_handles(timeline, colormaps):
 
 
 def write_png(fig, path: str, dpi: int) -> None:
-    """Save to a temporary name next to ``path``, then rename: never half a PNG."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plot_pipeline-", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
-        _default_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _default_mode(path: str) -> None:
-    """The permissions a plain open() would give (tempfile's are owner-only)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    """Never half a PNG: written to a temporary name, then renamed."""
+    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=dpi), binary=True)
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,7 @@
 """Small helpers shared across megatron.core."""
+import os
+import tempfile
+from typing import Callable
 
 
 def ensure_divisibility(numerator: int, denominator: int, what: str = "") -> None:
@@ -39,3 +42,22 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
             f"must all be positive.")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-orig_vocab_size // multiple) * multiple
+
+
+def write_atomically(path: str, write: Callable, binary: bool = False) -> None:
+    """``write(file)`` to a temporary file next to ``path``, then rename it over ``path``: a
+    reader sees the old file or the whole new one, never half. The file gets the permissions a
+    plain ``open()`` would give (``mkstemp``'s are owner-only)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + "-")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD as PLANNED_FORWARD
-from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.core.pipeline_parallel.simulate import simulate, theoretical_bubble
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT
 
 TRACE_GLOB = "trace_rank*.json"  # the names pipeline_tracing.trace_file_name gives
@@ -74,12 +74,6 @@ class PipelineTimeline:
 
     def theoretical_bubble(self) -> float:
         return theoretical_bubble(self.pipeline_size, self.num_microbatches, self.virtual_size)
-
-
-def theoretical_bubble(pipeline_size: int, num_microbatches: int,
-                       virtual_size: Optional[int] = None) -> float:
-    p, v = pipeline_size, virtual_size or 1
-    return (p - 1) / (v * num_microbatches + p - 1)
 
 
 def schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:

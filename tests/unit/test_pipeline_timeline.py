@@ -2,35 +2,25 @@
 (tools/plot_pipeline.py): the bars of each row are the steps the rank's trace recorded, in the
 schedule's order, aligned across ranks by their clocks; the bubble numbers; a PNG; and one
 clear message, a non-zero exit and no file for each kind of bad input."""
-import importlib.util
 import json
 import os
 
 import pytest
 
 from megatron.core.pipeline_parallel.schedule_order import schedule_order
-from megatron.core.pipeline_parallel.simulate import simulate
+from megatron.core.pipeline_parallel.simulate import simulate, theoretical_bubble
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT
 from megatron.training.pipeline_timeline import (
     Bar,
     TimelineError,
     planned_timeline,
-    theoretical_bubble,
     timeline_from_traces,
 )
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-
-
-def _load_plot_tool():
-    path = os.path.join(REPO, "tools", "plot_pipeline.py")
-    spec = importlib.util.spec_from_file_location("plot_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.e2e.conftest import load_tool
 
 
-plot_pipeline = _load_plot_tool()
+
+plot_pipeline = load_tool("plot_pipeline")
 
 
 def _traces(pp, m, vpp=None, dp=1, iteration=2, run_id="7.0"):

@@ -93,6 +93,14 @@ def _canonical(ops: List[Op]) -> List[Op]:
     return sorted(ops, key=lambda op: op.message.kind != ACTIVATION)
 
 
+def theoretical_bubble(pipeline_size: int, num_microbatches: int,
+                       virtual_size: Optional[int] = None) -> float:
+    """(p-1)/(v m + p-1): the idle share of the schedules with backward = 2 x forward (what
+    ``simulate`` gives with those costs)."""
+    p, v = pipeline_size, virtual_size or 1
+    return (p - 1) / (v * num_microbatches + p - 1)
+
+
 class ScheduleDeadlock(RuntimeError):
     pass
 

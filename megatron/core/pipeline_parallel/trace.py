@@ -11,12 +11,11 @@ what a reader needs to know about the run (sizes, ranks, iteration), written as 
 """
 import contextlib
 import json
-import os
-import tempfile
 import time
 from typing import Dict, List, Optional
 
 from megatron.core import device
+from megatron.core.utils import write_atomically
 
 FORWARD, BACKWARD, WAIT = "forward", "backward", "wait"
 
@@ -61,19 +60,7 @@ class PipelineTrace:
 
     def write(self, path: str) -> None:
         """Write the trace as JSON, atomically (a reader never sees half a file)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".trace-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f)
-            umask = os.umask(0)  # the permissions open() would give (mkstemp's: owner-only)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomically(path, lambda f: json.dump(self.to_dict(), f))
 
 
 def load_trace(path: str) -> Dict:

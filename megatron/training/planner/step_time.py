@@ -36,6 +36,7 @@ m = global batch / (b d) microbatches, s sequence, h hidden, e = 2 bytes (bf16))
 """
 from dataclasses import dataclass
 
+from megatron.core.pipeline_parallel.simulate import theoretical_bubble
 from megatron.training.flops import mfu, num_floating_point_operations
 from megatron.training.memory_params import chunk_span
 from megatron.training.planner.layouts import Layout
@@ -179,6 +180,7 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         compute_s=forward_s + backward_s, tensor_parallel_s=tp_s, pipeline_p2p_s=p2p_s,
         microbatch_s=microbatch_s, num_microbatches=m, bubble_s=bubble_s,
         data_parallel_s=dp_s, data_parallel_exposed_s=dp_exposed_s, step_s=step_s,
-        bubble_fraction=(p - 1) / (v * m + p - 1), model_flops=model_flops,
+        bubble_fraction=theoretical_bubble(p, m, layout.virtual_pipeline),
+        model_flops=model_flops,
         mfu=mfu(model_flops, step_s, cluster.num_gpus, cluster.peak_tflops),
         tokens_per_s_per_gpu=layout.global_batch_size * s / (step_s * cluster.num_gpus))
