@@ -8,33 +8,38 @@ from megatron.core import parallel_state, tensor_parallel
 
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int,
                                     reset_position_ids: bool, reset_attention_mask: bool,
-                                    eod_mask_loss: bool
-                                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                    eod_mask_loss: bool, create_attention_mask: bool = True
+                                    ) -> Tuple[Optional[torch.Tensor], torch.Tensor,
+                                               torch.Tensor]:
     """Left-to-right masks for ``data`` [b, s] (Megatron semantics).
 
     Returns ``attention_mask`` bool [b, 1, s, s] with ``reset_attention_mask`` else
     [1, 1, s, s], True where attention is *not* allowed (the future, and with the reset, any
-    earlier document); ``loss_mask`` float [b, s], 0 at EOD tokens with ``eod_mask_loss``;
+    earlier document), or None without ``create_attention_mask`` (training: attention is
+    causal, per document through ``packed_seq_params_from_eod``, never an s x s mask);
+    ``loss_mask`` float [b, s], 0 at EOD tokens with ``eod_mask_loss``;
     ``position_ids`` long [b, s], restarting at 0 after every EOD with ``reset_position_ids``.
     An EOD token belongs to the document it ends.
     """
     b, s = data.shape
     dev = data.device
     positions = torch.arange(s, dtype=torch.long, device=dev)
-    causal = positions[None, :] > positions[:, None]  # [q, k]: key after query
+    causal = positions[None, :] > positions[:, None] if create_attention_mask else None
     loss_mask = torch.ones((b, s), dtype=torch.float, device=dev)
     if eod_mask_loss:
         loss_mask[data == eod_token] = 0.0
     if not (reset_position_ids or reset_attention_mask):
-        return causal.view(1, 1, s, s), loss_mask, positions.unsqueeze(0).expand(b, s)
+        mask = causal.view(1, 1, s, s) if create_attention_mask else None
+        return mask, loss_mask, positions.unsqueeze(0).expand(b, s)
 
     is_eod = (data == eod_token).long()
     # Document number of each position: EODs strictly before it (an EOD ends its document).
     doc = torch.cumsum(is_eod, dim=1) - is_eod
-    if reset_attention_mask:
+    attention_mask = None
+    if create_attention_mask and reset_attention_mask:
         attention_mask = causal[None] | (doc[:, :, None] != doc[:, None, :])
         attention_mask = attention_mask.unsqueeze(1)
-    else:
+    elif create_attention_mask:
         attention_mask = causal.view(1, 1, s, s)
     if reset_position_ids:
         # Position of the first token of each document: one past the previous EOD.
@@ -47,30 +52,57 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int,
     return attention_mask, loss_mask, position_ids
 
 
+def stage_needs_data(reset_position_ids: bool = False,
+                     reset_attention_mask: bool = False) -> bool:
+    """Whether this pipeline stage (the current model chunk under interleaving) reads batches.
+
+    The first stage embeds the tokens, the last computes the loss from labels and loss mask;
+    middle stages get their input from the previous stage. With per-document position ids or
+    attention masks every stage needs the batch: each layer uses them (RoPE, attention)."""
+    return (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+            or reset_position_ids or reset_attention_mask)
+
+
 def get_batch(data_iterator: Optional[Iterator[Dict[str, torch.Tensor]]], eod_token: int = 0,
               reset_position_ids: bool = False, reset_attention_mask: bool = False,
-              eod_mask_loss: bool = False) -> Tuple[torch.Tensor, ...]:
+              eod_mask_loss: bool = False, micro_batch_size: Optional[int] = None,
+              seq_length: Optional[int] = None) -> Tuple[Optional[torch.Tensor], ...]:
     """(tokens, labels, loss_mask, attention_mask, position_ids) for this micro batch.
 
-    Only tensor-parallel rank 0 reads ``data_iterator`` (others may pass None); its
-    ``{'text': [b, s + 1]}`` is broadcast over the TP group, so every TP rank gets the same
-    batch. ``tokens`` are text[:, :-1], ``labels`` text[:, 1:].
+    Megatron's scheme: only stages that need data read it (``stage_needs_data``); a middle
+    stage returns all None without touching ``data_iterator``. The first stage gets tokens,
+    masks and position ids, the last labels and loss mask too (None where not needed). Only
+    tensor-parallel rank 0 reads ``data_iterator`` (others may pass None); its
+    ``{'text': [b, s + 1]}`` is broadcast over the TP group (not at TP=1). With
+    ``micro_batch_size`` and ``seq_length`` given the shape is known and the whole path runs
+    without a host sync. ``tokens`` are text[:, :-1], ``labels`` text[:, 1:].
     """
+    if not stage_needs_data(reset_position_ids, reset_attention_mask):
+        return None, None, None, None, None
     data = None
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         if data_iterator is None:
             raise ValueError("get_batch: tensor-parallel rank 0 needs a data iterator.")
-        data = next(data_iterator)
-        data = {"text": torch.as_tensor(data["text"])}
-    text = tensor_parallel.broadcast_data(["text"], data, torch.int64)["text"]
+        data = {key: torch.as_tensor(value) for key, value in next(data_iterator).items()}
+    shapes = None
+    if micro_batch_size is not None and seq_length is not None:
+        shapes = {"text": (micro_batch_size, seq_length + 1)}
+    text = tensor_parallel.broadcast_data(["text"], data, torch.int64, shapes)["text"]
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
+    # No s x s mask: the model is causal, per document with packed_seq_params_from_eod.
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss)
+        tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss,
+        create_attention_mask=False)
+    if not parallel_state.is_pipeline_last_stage():
+        labels = loss_mask = None
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
-def get_batch_from_config(data_iterator, config) -> Tuple[torch.Tensor, ...]:
-    """get_batch with the EOD/reset/mask options of a GPTDatasetConfig."""
+def get_batch_from_config(data_iterator, config, micro_batch_size: Optional[int] = None
+                          ) -> Tuple[Optional[torch.Tensor], ...]:
+    """get_batch with the EOD/reset/mask options and sequence length of a GPTDatasetConfig;
+    with ``micro_batch_size`` the batch shape is known (no host sync)."""
     return get_batch(data_iterator, config.eod_token, config.reset_position_ids,
-                     config.reset_attention_mask, config.eod_mask_loss)
+                     config.reset_attention_mask, config.eod_mask_loss, micro_batch_size,
+                     config.seq_length if micro_batch_size is not None else None)

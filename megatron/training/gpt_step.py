@@ -1,13 +1,12 @@
 """What pretrain_gpt.py and pretrain_llama.py share: the model provider, the datasets provider
-and the forward step (batch from the data iterator, per-token loss masked and averaged, reported
-averaged over DP)."""
+and the forward step (batch from the data iterator, per-token loss masked and averaged; the
+reported loss is this rank's, averaged over DP once per iteration by train_step/evaluate)."""
 from typing import Sequence
 
 import torch
 
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.training.batch import get_batch_from_config
-from megatron.training.training import average_across_data_parallel
 
 
 def model_provider_for(model_class):
@@ -27,13 +26,14 @@ def train_valid_test_datasets_provider(num_samples: Sequence[int], configs):
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     mask = loss_mask.float()
     loss = (per_token_loss.float() * mask).sum() / mask.sum()
-    return loss, {"lm loss": average_across_data_parallel([loss])}
+    # Detached and local: no collective, no host sync per microbatch (train_step reduces).
+    return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(data_iterator, model, configs):
     data = configs.dataset
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch_from_config(
-        data_iterator, data)
+        data_iterator, data, configs.training.micro_batch_size)
     per_token_loss = model(
         tokens, position_ids=position_ids if data.reset_position_ids else None,
         attention_mask=attention_mask if data.reset_attention_mask else None, labels=labels)

@@ -9,13 +9,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import (
     PipelineTrace,
     build_model_chunks,
     get_forward_backward_func,
 )
+from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.training.initialize import seed_for_model_init
 
 
@@ -24,22 +25,54 @@ def build_model(model_provider: Callable[..., torch.nn.Module], config, ddp_conf
     """This rank's model chunks, wrapped in DDP, with the schedule hooks set on ``config``.
 
     Weights are drawn from ``seed`` on every rank, so they do not depend on the layout; the
-    generator state is restored afterwards (dropout streams stay per rank)."""
-    state = torch.get_rng_state()
-    seed_for_model_init(seed)
-    chunks = build_model_chunks(model_provider, config)
-    torch.set_rng_state(state)
+    generator states are restored afterwards (dropout streams stay per rank). That includes
+    the device's: torch.manual_seed reseeds every CUDA generator too."""
+    cpu_state, device_state = torch.get_rng_state(), device.get_rng_state()
+    tracker_states = get_rng_tracker().get_states()
+    try:
+        seed_for_model_init(seed)
+        chunks = build_model_chunks(model_provider, config)
+    finally:
+        # Device first: on CPU it is the CPU generator, and both saved states are equal.
+        device.set_rng_state(device_state)
+        torch.set_rng_state(cpu_state)
+        get_rng_tracker().set_states(tracker_states)
     config.finalize_model_grads_func = finalize_model_grads
     return [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
 
 
 def _average_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-    """Mean of each reported value over the microbatches (only the last stage has any)."""
-    if not losses_reduced:
-        return {}
-    keys = losses_reduced[0].keys()
-    return {k: float(sum(float(x[k]) for x in losses_reduced) / len(losses_reduced))
-            for k in keys}
+    """Mean of each reported value over DP, then over the microbatches (only the last stage
+    has any): one all-reduce over DP for the whole iteration."""
+    return _average_losses_of_iterations([losses_reduced])[0]
+
+
+def _average_losses_of_iterations(iterations: List[List[Dict[str, torch.Tensor]]]
+                                  ) -> List[Dict[str, float]]:
+    """``_average_losses`` of each iteration's reports, with one all-reduce for them all.
+
+    The arithmetic is what reducing each microbatch's value on its own gave (Megatron's
+    per-microbatch average_losses_across_data_parallel_group): a float32 sum over DP divided
+    by the DP size, element by element, then a float64 mean over microbatches. A stacked
+    all-reduce sums each element over the same ranks, so the result is bitwise the same
+    where the backend adds the ranks in the same order (always at DP <= 2)."""
+    reports = [report for losses in iterations for report in losses]
+    if not reports:
+        return [{} for _ in iterations]
+    keys = list(reports[0].keys())
+    stacked = torch.stack([torch.stack([r[k].detach().float().reshape(()) for k in keys])
+                           for r in reports])  # [microbatches of all iterations, keys]
+    dp_size = parallel_state.get_data_parallel_world_size()
+    if dp_size > 1:
+        dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+        stacked = stacked / dp_size
+    rows = iter(stacked.tolist())  # the iteration's one host sync
+    averaged = []
+    for losses in iterations:
+        mine = [next(rows) for _ in losses]
+        averaged.append({k: float(sum(row[i] for row in mine) / len(mine))
+                         for i, k in enumerate(keys)} if mine else {})
+    return averaged
 
 
 def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], optimizer,
@@ -73,18 +106,20 @@ def evaluate(forward_step_func, data_iterator, model: List[torch.nn.Module], eva
     """Mean of each reported loss over ``eval_iters`` global batches (last stage)."""
     for chunk in model:
         chunk.eval()
-    totals: Dict[str, float] = {}
+    reports = []
     try:
         for _ in range(eval_iters):
-            losses = get_forward_backward_func()(
+            reports.append(get_forward_backward_func()(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, seq_length=seq_length,
-                micro_batch_size=micro_batch_size, forward_only=True)
-            for key, value in _average_losses(losses).items():
-                totals[key] = totals.get(key, 0.0) + value
+                micro_batch_size=micro_batch_size, forward_only=True))
     finally:
         for chunk in model:
             chunk.train()
+    totals: Dict[str, float] = {}
+    for averaged in _average_losses_of_iterations(reports):  # one all-reduce for all
+        for key, value in averaged.items():
+            totals[key] = totals.get(key, 0.0) + value
     return {k: v / eval_iters for k, v in totals.items()}
 
 

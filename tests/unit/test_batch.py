@@ -100,3 +100,149 @@ def test_get_batch_is_identical_on_every_tp_rank():
     assert labels == [[12, 0, 13, 14], [0, 22, 23, 24]]
     assert loss_mask == [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]]
     assert position_ids == [[0, 1, 2, 0], [0, 1, 0, 1]]
+
+
+# ---------------------------------------------------------------- the data path per stage
+
+MBS, SEQ = 2, 4
+TEXT = torch.tensor([[11, 12, 0, 13, 14], [21, 0, 22, 23, 24]])  # [MBS, SEQ + 1]
+
+
+class _CountingIterator:
+    def __init__(self, batches):
+        self._batches, self.calls = iter(batches), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.calls += 1
+        return next(self._batches)
+
+
+def _as_lists(batch):
+    return [None if t is None else t.tolist() for t in batch]
+
+
+def _reads_on_each_stage(reset):
+    from megatron.core import parallel_state
+
+    iterator = _CountingIterator([{"text": TEXT}])
+    batch = get_batch(iterator, 0, reset, reset, True, MBS, SEQ)
+    return (parallel_state.get_pipeline_model_parallel_rank(), iterator.calls,
+            _as_lists(batch))
+
+
+def test_middle_stages_never_read_their_iterator():
+    want = [[11, 12, 0, 13], [21, 0, 22, 23]]
+    for stage, calls, batch in run_distributed(_reads_on_each_stage, world_size=4, pp=4,
+                                               reset=False):
+        if stage in (1, 2):
+            assert calls == 0 and batch == [None] * 5, stage
+            continue
+        assert calls == 1
+        tokens, labels, loss_mask, _, _ = batch
+        assert tokens == want
+        # The first stage embeds; labels and loss mask only on the last.
+        if stage == 0:
+            assert labels is None and loss_mask is None
+        else:
+            assert labels == [[12, 0, 13, 14], [0, 22, 23, 24]]
+            assert loss_mask == [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]]
+    # Per-document positions and masks are used by every layer: every stage reads then.
+    results = run_distributed(_reads_on_each_stage, world_size=4, pp=4, reset=True)
+    assert [calls for _, calls, _ in results] == [1, 1, 1, 1]
+    assert {str(batch[4]) for _, _, batch in results} == {str([[0, 1, 2, 0], [0, 1, 0, 1]])}
+
+
+def _reads_per_model_chunk():
+    from megatron.core import parallel_state
+
+    calls = []
+    for chunk in range(2):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        iterator = _CountingIterator([{"text": TEXT}])
+        get_batch(iterator, 0, False, False, False, MBS, SEQ)
+        calls.append(iterator.calls)
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return calls
+
+
+def test_interleaved_only_the_first_and_last_virtual_stages_read():
+    # Virtual stages: rank 0 holds 0 and 2, rank 1 holds 1 and 3 (the last).
+    assert run_distributed(_reads_per_model_chunk, world_size=2, pp=2, vpp=2) == [[1, 0],
+                                                                                [0, 1]]
+
+
+def _count_broadcasts():
+    from megatron.core import parallel_state
+    from tests.collective_counter import count_collectives
+
+    source = parallel_state.get_tensor_model_parallel_rank() == 0
+    with count_collectives() as counts:
+        batch = get_batch(iter([{"text": TEXT}]) if source else None, 0, False, False, True,
+                          MBS, SEQ)
+    return dict(counts), _as_lists(batch)
+
+
+def test_batch_broadcast_once_over_tp_and_not_at_tp1():
+    (counts, single), = run_distributed(_count_broadcasts, world_size=1, tp=1)
+    assert counts == {}
+    for counts, batch in run_distributed(_count_broadcasts, world_size=2, tp=2):
+        assert counts == {"broadcast": 1}  # shapes are known: no shape broadcast
+        assert batch == single
+
+
+_HOST_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+def _host_syncs_per_microbatch():
+    from megatron.core import parallel_state
+    from megatron.training.gpt_step import loss_func
+
+    source = parallel_state.get_tensor_model_parallel_rank() == 0
+    iterator = iter([{"text": TEXT}] * 2) if source else None
+    counts = {}
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_SYNCS}
+
+    def counting(name):
+        def wrapper(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](self, *args, **kwargs)
+        return wrapper
+
+    for name in _HOST_SYNCS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        for _ in range(2):
+            _, labels, loss_mask, _, _ = get_batch(iterator, 0, True, True, True, MBS, SEQ)
+            loss_func(loss_mask, labels.float())
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+    return counts
+
+
+def test_per_microbatch_path_reads_nothing_back_to_the_host():
+    # On CPU a host read costs nothing, so count the calls that would wait for a GPU
+    # (tests/gpu/test_data_path_gpu.py checks the same path under CUDA's sync debug mode).
+    assert run_distributed(_host_syncs_per_microbatch, world_size=1, tp=1) == [{}]
+    assert run_distributed(_host_syncs_per_microbatch, world_size=2, tp=2) == [{}, {}]
+
+
+def _bad_batch_shape():
+    from megatron.core import parallel_state
+
+    source = parallel_state.get_tensor_model_parallel_rank() == 0
+    try:
+        get_batch(iter([{"text": TEXT[:, :3]}]) if source else None, 0, False, False, False,
+                  MBS, SEQ)
+    except (ValueError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def test_batch_of_the_wrong_shape_fails_every_tp_rank():
+    source, other = run_distributed(_bad_batch_shape, world_size=2, tp=2, timeout=60)
+    assert "'text' has shape (2, 3), expected (2, 5)" in source
+    assert "TP source rank 0 could not send its batch" in other
