@@ -252,3 +252,56 @@ def test_an_overflow_in_one_shard_skips_the_step_everywhere():
                                                              world_size=2, tp=1):
         assert result == (False, None, None) and unchanged
         assert scale == 2.0 ** 7 and skipped == 1
+
+
+# --- checkpoint memory: one bucket of one state key at a time --------------------------------
+
+def _checkpoint_allocations(dtype):
+    import torch.distributed as dist
+
+    from tests.allocation_tracker import track_allocations
+
+    model, optimizer = _build("distributed", bucket_size=3000, dtype=dtype)
+    _train(model, optimizer, _global_batches(2, steps=1))
+    largest = max(b.grad_data.numel() for b in model._buckets())
+    with track_allocations() as saving:
+        state = optimizer.state_dict()
+    saving.finish()
+    result = [] if state is None else [v for entry in state["params"].values()
+                                       for v in entry.values()]
+    # Every rank loads DP rank 0's dict into a fresh optimizer (other initial weights).
+    shared = [state]
+    dist.broadcast_object_list(shared, src=0)
+    fresh_model, fresh = _build("distributed", bucket_size=3000, dtype=dtype, seed=7)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh.reload_model_params()
+    with track_allocations() as loading:
+        fresh.load_state_dict(shared[0])
+    loading.finish()
+    installed = [v for s in fresh.optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v)]
+    return dict(buckets=len(model._buckets()), largest=largest,
+                save_peak=saving.peak_temporary, save_kept=saving.kept,
+                result_bytes=sum(v.numel() * v.element_size() for v in result),
+                compact=all(v.untyped_storage().nbytes() == v.numel() * v.element_size()
+                            for v in result),
+                load_peak=loading.peak_temporary, load_kept=loading.kept,
+                installed_bytes=sum(v.untyped_storage().nbytes() for v in installed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoint_state_uses_one_bucket_of_one_key_at_a_time(dtype):
+    """state_dict(): the extra memory (what it allocates and frees again) is at most one
+    bucket's fp32 elements (numel * 4 bytes) on DP rank 0 (the bucket gathered for one state
+    key) and one shard of it on the other ranks; what it keeps is exactly the host copies it
+    returns. load_state_dict(): no more than that either; it keeps only the installed state.
+    Before, every rank held every key of a bucket gathered at once (4.5 buckets at bf16)."""
+    ranks = run_distributed(_checkpoint_allocations, world_size=2, tp=1, dtype=dtype)
+    for dp_rank, r in enumerate(ranks):
+        assert r["buckets"] > 2
+        bound = r["largest"] * 4 if dp_rank == 0 else r["largest"] * 4 // 2
+        assert 0 < r["save_peak"] <= bound, (dp_rank, r)
+        assert r["save_kept"] == r["result_bytes"] and r["compact"], (dp_rank, r)
+        assert r["load_peak"] <= r["largest"] * 4, (dp_rank, r)
+        assert r["load_kept"] == r["installed_bytes"], (dp_rank, r)
+    assert ranks[1]["result_bytes"] == 0 < ranks[0]["result_bytes"]

@@ -108,45 +108,78 @@ class DistributedOptimizer(MegatronOptimizer):
             if not shard.in_place:
                 shard.main.copy_(shard.bucket.param_data[shard.begin:shard.end])
 
-    def state_dict(self) -> Optional[Dict]:
+    def state_dict(self, host_tensor=None) -> Optional[Dict]:
         """Full per-parameter optimizer state (and fp32 main params where they are copies),
-        on DP rank 0 (None elsewhere). Every DP rank must call it (it gathers)."""
+        on DP rank 0 (None elsewhere). Every DP rank must call it (it gathers).
+
+        ``host_tensor(name, key, shape)`` gives the fp32 host tensor to fill (e.g. a reused
+        pinned buffer for an async save: pinned ones are filled without blocking, so record
+        an event before reading them); by default a new one."""
         self._finish_param_gather()
-        group = parallel_state.get_data_parallel_group()
-        on_root = parallel_state.get_data_parallel_rank() == 0
         keys = state_keys(self.optimizer, lambda p, v: v.dim() == 1)
-        params: Dict[str, Dict[str, torch.Tensor]] = {}
-        step = None
-        for shard in self.shards:
-            flats = {} if shard.in_place else {"param": shard.main}
-            for key in keys:
-                flat = device.zeros(shard.end - shard.begin, dtype=torch.float32)
-                for piece, _, _, _, offset in shard.pieces:
-                    value = self.optimizer.state.get(piece, {}).get(key)
-                    if value is not None:
-                        flat[offset:offset + piece.numel()] = value
-                flats[key] = flat
-            for piece, *_ in shard.pieces:
-                if "step" in self.optimizer.state.get(piece, {}):
-                    step = float(self.optimizer.state[piece]["step"])
-            full = {}
-            for key, flat in flats.items():
-                gathered = device.empty(shard.bucket.grad_data.numel(), dtype=torch.float32)
-                all_gather_into_tensor(gathered, flat.contiguous(), group=group)
-                full[key] = gathered
-            if on_root:
-                for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
-                    params[self._names[param]] = {
-                        key: value[p_begin:p_end].view(param.shape).to("cpu")
-                        for key, value in full.items()}
+        params, step = self._gather_state(keys, host_tensor or (
+            lambda name, key, shape: torch.empty(shape, dtype=torch.float32)))
+        group = parallel_state.get_data_parallel_group()
         steps = [step if step is not None else -1.0]
         all_steps = [None] * dist.get_world_size(group)
         dist.all_gather_object(all_steps, steps, group=group)
         step = max(s[0] for s in all_steps)
-        if not on_root:
+        if params is None:
             return None
         return wrap_state(self.optimizer, params, step if step >= 0 else None, keys,
                           self.num_skipped_steps, self.grad_scaler)
+
+    def _gather_state(self, keys, host_tensor):
+        """({name: {key: host tensor}} on DP rank 0, else None; this rank's step or None).
+
+        One state key of one bucket at a time is gathered to DP rank 0 and copied to host
+        before the next, into one device buffer: the whole bucket on DP rank 0, one shard
+        elsewhere. That is the extra device memory of a save (every key of the whole model
+        at once would not fit next to it)."""
+        group = parallel_state.get_data_parallel_group()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp = parallel_state.get_data_parallel_world_size()
+        root = parallel_state.get_data_parallel_ranks()[0]
+        params: Optional[Dict[str, Dict[str, torch.Tensor]]] = {} if dp_rank == 0 else None
+        step = None
+        buffer = None
+        if keys or not all(s.in_place for s in self.shards):
+            buffer = device.empty(max(s.bucket.grad_data.numel() if dp_rank == 0 else
+                                      s.end - s.begin for s in self.shards),
+                                  dtype=torch.float32)
+        for shard in self.shards:
+            size = shard.end - shard.begin
+            for piece, *_ in shard.pieces:
+                if "step" in self.optimizer.state.get(piece, {}):
+                    step = float(self.optimizer.state[piece]["step"])
+            if params is not None:  # entries in the file's order: per parameter, "param" first
+                for param in shard.bucket.param_ranges:
+                    params[self._names[param]] = {}
+            for key in ([] if shard.in_place else ["param"]) + keys:
+                local = buffer[:size]  # on DP rank 0 also its slot of the gathered bucket
+                if key == "param":
+                    local.copy_(shard.main)
+                else:
+                    for piece, _, _, _, offset in shard.pieces:
+                        value = self.optimizer.state.get(piece, {}).get(key)
+                        target = local[offset:offset + piece.numel()]
+                        if value is None:
+                            target.zero_()
+                        else:
+                            target.copy_(value)
+                gather_list = None
+                if params is not None:
+                    gather_list = [local] + [buffer[r * size:(r + 1) * size]
+                                             for r in range(1, dp)]
+                dist.gather(local, gather_list, dst=root, group=group)
+                if params is not None:
+                    for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
+                        name = self._names[param]
+                        host = host_tensor(name, key, param.shape)
+                        host.copy_(buffer[p_begin:p_end].view(param.shape),
+                                   non_blocking=host.is_pinned())
+                        params[name][key] = host
+        return params, step
 
     def load_state_dict(self, state: Dict) -> None:
         """``state`` from any optimizer's ``state_dict()`` at any DP size; the same dict on
