@@ -57,9 +57,9 @@ def _average_losses_of_iterations(iterations: List[List[Dict[str, torch.Tensor]]
     all-reduce sums each element over the same ranks, so the result is bitwise the same
     where the backend adds the ranks in the same order (always at DP <= 2)."""
     reports = [report for losses in iterations for report in losses]
-    if not reports:
+    keys = list(reports[0].keys()) if reports else []
+    if not keys:
         return [{} for _ in iterations]
-    keys = list(reports[0].keys())
     stacked = torch.stack([torch.stack([r[k].detach().float().reshape(()) for k in keys])
                            for r in reports])  # [microbatches of all iterations, keys]
     dp_size = parallel_state.get_data_parallel_world_size()
