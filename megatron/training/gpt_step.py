@@ -6,6 +6,7 @@ from typing import Sequence
 import torch
 
 from megatron.core.datasets.builder import build_train_valid_test_datasets
+from megatron.core.packed_seq_params import packed_seq_params_from_eod
 from megatron.training.batch import get_batch_from_config
 
 
@@ -34,7 +35,11 @@ def forward_step(data_iterator, model, configs):
     data = configs.dataset
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch_from_config(
         data_iterator, data, configs.training.micro_batch_size)
+    # Packed documents attend within themselves: boundaries, not a [b, 1, s, s] mask (one
+    # host copy of the EOD positions per microbatch).
+    packed = packed_seq_params_from_eod(tokens, data.eod_token) \
+        if data.reset_attention_mask and tokens is not None else None
     per_token_loss = model(
         tokens, position_ids=position_ids if data.reset_position_ids else None,
-        attention_mask=attention_mask if data.reset_attention_mask else None, labels=labels)
+        labels=labels, packed_seq_params=packed)
     return per_token_loss, lambda output: loss_func(loss_mask, output)

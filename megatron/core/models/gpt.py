@@ -11,6 +11,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.embedding import LanguageModelEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron.core.transformer.init_rng import (
     EMBEDDING_OFFSET,
@@ -81,7 +82,10 @@ class GPTModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        """``packed_seq_params`` (documents packed in each sample, from
+        ``packed_seq_params_from_eod``) replaces a per-document ``attention_mask``."""
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         else:
@@ -94,7 +98,7 @@ class GPTModel(torch.nn.Module):
                     seq_len *= parallel_state.get_tensor_model_parallel_world_size()
                 position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
             cos, sin = self.rotary(position_ids)
-        hidden = self.decoder(hidden, attention_mask, cos, sin)
+        hidden = self.decoder(hidden, attention_mask, cos, sin, packed_seq_params)
         if not self.post_process:
             return hidden
 

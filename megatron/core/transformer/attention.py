@@ -4,13 +4,21 @@
 The fused QKV weight is laid out by query group: for each group g, the rows of its
 ``heads / groups`` query heads, then its key head, then its value head. Splitting the rows
 evenly over TP ranks then hands every rank whole groups, so attention needs no communication.
+
+Packed documents (``PackedSeqParams``) attend within each document: on CUDA through torch's
+variable-length flash attention, elsewhere one causal SDPA per document; never an s x s mask.
+Which SDPA kernel runs is decided here (``sdpa_kernel_for``), so config validation can refuse a
+configuration that would silently land on the math kernel on CUDA.
 """
 import contextlib
+import inspect
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,6 +29,61 @@ from megatron.core.transformer.rope import apply_rotary
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+try:  # torch's variable-length flash attention (CUDA only)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters
+except ImportError:
+    _varlen_attn, _VARLEN_PARAMS = None, {}
+
+_HALF = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def sdpa_kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool,
+                    has_mask: bool, dropout: bool) -> Tuple[str, bool]:
+    """(kernel, repeat_kv): the SDPA kernel torch selects for our call, following its
+    selection rules (aten/src/ATen/native/transformers/{cuda/sdp_utils.cpp,sdp_utils_cpp.cpp},
+    torch 2.5-2.13), and whether we expand K/V to all heads first to get it.
+
+    CPU: the flash kernel unless attention dropout is on (it has none), then math.
+    CUDA (sm80+): flash needs fp16/bf16, head dim <= 256 and no explicit mask; the
+    memory-efficient kernel takes fp32 too and masks, needs the head dim to be a multiple of
+    8 (fp16/bf16) or 4 (fp32), and in these torch versions equal query and key/value head
+    counts, so under grouped-query attention we expand K/V (b*heads*s*d, not s x s); otherwise
+    math, which keeps [b, heads, s, s] per layer."""
+    if device_type != "cuda":
+        return ("math" if dropout else "flash"), False
+    half = dtype in _HALF
+    if half and head_dim <= FLASH_MAX_HEAD_DIM and not has_mask:
+        return "flash", False
+    if (half or dtype == torch.float32) and head_dim % (8 if half else 4) == 0:
+        return "efficient", gqa
+    return "math", False
+
+
+def math_attention_reason(config, device_type: str) -> Optional[str]:
+    """Why training ``config`` on ``device_type`` would run SDPA's math kernel (s x s scores
+    per head and layer: slow, and out of memory at long sequences), or None. Only CUDA is
+    checked: on CPU the unfused path is the expected one."""
+    if device_type != "cuda":
+        return None
+    d, dtype = config.kv_channels, config.params_dtype
+    kernel, _ = sdpa_kernel_for(device_type, dtype, d, False, False,
+                                config.attention_dropout > 0)
+    if kernel != "math":
+        return None
+    if dtype in _HALF:
+        cause = (f"head dim {d} is above flash attention's {FLASH_MAX_HEAD_DIM} and not a "
+                 f"multiple of 8 (memory-efficient attention's alignment)")
+    else:
+        cause = (f"{str(dtype).replace('torch.', '')} rules out flash attention (fp16/bf16 "
+                 f"only) and head dim {d} is not a multiple of 4 (memory-efficient "
+                 f"attention's alignment)")
+    return (f"attention would fall back to SDPA's math kernel on CUDA: {cause}. Fix: make the "
+            f"head dim (--kv-channels, or --hidden-size / --num-attention-heads) a multiple of "
+            f"8 and at most {FLASH_MAX_HEAD_DIM} and train with --bf16, or pass "
+            f"--allow-math-attention to accept the math kernel.")
 
 
 def check_attention_partition(config, tp_size: int) -> None:
@@ -56,43 +119,87 @@ class SelfAttention(torch.nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             init_method=out_init)
 
-    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None):
+    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
+                packed_seq_params: Optional[PackedSeqParams] = None):
         """hidden [s, b, h] (sequence-sharded under SP) -> (output [s, b, h], bias or None)."""
         qkv, _ = self.linear_qkv(hidden)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
         qkv = qkv.transpose(0, 1)  # [b, s, groups, per-group, d]
-        query = qkv[:, :, :, :self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
-        key, value = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        # split, not slicing: its backward is one concatenation, where each slice's backward
+        # would zero-fill a qkv-sized buffer.
+        query, key, value = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        query = query.reshape(b, s, self.local_heads, self.head_dim)
+        key, value = key.squeeze(3), value.squeeze(3)
         if rotary_cos is not None:
             query = apply_rotary(query, rotary_cos, rotary_sin)
             key = apply_rotary(key, rotary_cos, rotary_sin)
-        if self.config.recompute_granularity == "selective":
-            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        kernel, _ = self._kernel(query, attention_mask if packed_seq_params is None else None,
+                                 dropout)
+        # Selective recomputation pays only where the kernel keeps the s x s softmax (math);
+        # flash / memory-efficient keep Q, K, V, the output and log-sum-exp, nothing to save.
+        if self.config.recompute_granularity == "selective" and kernel == "math":
+            context = checkpoint(self._core_attention, False, query, key, value,
+                                 attention_mask, packed_seq_params)
         else:
-            context = self._core_attention(query, key, value, attention_mask)
+            context = self._core_attention(query, key, value, attention_mask, packed_seq_params)
         return self.linear_proj(context)
 
-    def _core_attention(self, query, key, value, attention_mask):
+    def _kernel(self, query, attention_mask, dropout: float) -> Tuple[str, bool]:
+        return sdpa_kernel_for(query.device.type, query.dtype, self.head_dim,
+                               self.heads_per_group > 1, attention_mask is not None, dropout > 0)
+
+    def _core_attention(self, query, key, value, attention_mask, packed_seq_params=None):
         """[b, s, heads|groups, d] -> [s, b, heads * d]; causal unless a mask is given
-        (Megatron's convention: True marks positions that may NOT be attended)."""
+        (Megatron's convention: True marks positions that may NOT be attended); within each
+        document with ``packed_seq_params``."""
         b, s = query.shape[:2]
-        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-        kwargs = {}
-        if self.heads_per_group > 1:
-            if _SDPA_HAS_GQA:
-                kwargs["enable_gqa"] = True
-            else:
-                key = key.repeat_interleave(self.heads_per_group, dim=1)
-                value = value.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.config.attention_dropout if self.training else 0.0
         # Heads are sharded over TP, so dropout draws from the per-TP-rank stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng:
-            if attention_mask is None:
-                out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
-                                                     is_causal=True, **kwargs)
-            else:
-                out = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
-                                                     dropout_p=dropout, **kwargs)
+            if packed_seq_params is not None:
+                out = self._packed_attention(query, key, value, packed_seq_params, dropout)
+                return out.view(b, s, -1).transpose(0, 1).reshape(s, b, -1)
+            out = self._sdpa(*(t.transpose(1, 2) for t in (query, key, value)),
+                             attention_mask, dropout)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+
+    def _sdpa(self, query, key, value, attention_mask, dropout, is_causal=True):
+        """[b, heads|groups, s, d] -> [b, heads, s, d]."""
+        kwargs = {}
+        _, repeat_kv = self._kernel(query, attention_mask, dropout)
+        if self.heads_per_group > 1:
+            if _SDPA_HAS_GQA and not repeat_kv:
+                kwargs["enable_gqa"] = True
+            else:  # the memory-efficient kernel needs equal head counts (see sdpa_kernel_for)
+                key = key.repeat_interleave(self.heads_per_group, dim=1)
+                value = value.repeat_interleave(self.heads_per_group, dim=1)
+        if attention_mask is None:
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
+                                                  is_causal=is_causal, **kwargs)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
+                                              dropout_p=dropout, **kwargs)
+
+    def _packed_attention(self, query, key, value, packed: PackedSeqParams, dropout: float):
+        """[b, s, heads|groups, d] -> [b * s, heads, d], causal within each document."""
+        b, s = query.shape[:2]
+        query, key, value = (t.reshape(b * s, t.shape[2], self.head_dim)
+                             for t in (query, key, value))
+        if (_varlen_attn is not None and query.is_cuda and dropout == 0
+                and query.dtype in _HALF and self.head_dim <= FLASH_MAX_HEAD_DIM):
+            # One flash kernel over all documents (it has no dropout).
+            kwargs = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else \
+                {"window_size": (-1, 0)}
+            if "enable_gqa" in _VARLEN_PARAMS:
+                kwargs["enable_gqa"] = self.heads_per_group > 1
+            cu = packed.cu_seqlens
+            return _varlen_attn(query, key, value, cu, cu, packed.max_seqlen, packed.max_seqlen,
+                                **kwargs)
+        # One causal SDPA per document; split (not slicing) so backward is one concatenation.
+        outs = [self._sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                           v.transpose(0, 1)[None], None, dropout)[0].transpose(0, 1)
+                for q, k, v in zip(*(torch.split(t, packed.seqlens) for t in
+                                     (query, key, value)))]
+        return torch.cat(outs)

@@ -30,9 +30,9 @@ class TransformerBlock(torch.nn.Module):
         self.final_layernorm = build_norm(config) if post_process else None
 
     def _run(self, start, end):
-        def run(hidden, attention_mask, rotary_cos, rotary_sin):
+        def run(hidden, attention_mask, rotary_cos, rotary_sin, packed_seq_params):
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, attention_mask, rotary_cos, rotary_sin)
+                hidden = layer(hidden, attention_mask, rotary_cos, rotary_sin, packed_seq_params)
             return hidden
         return run
 
@@ -47,14 +47,16 @@ class TransformerBlock(torch.nn.Module):
             return [(i, min(i + k, n), True) for i in range(0, n, k)]
         return [(i, i + 1, i < k) for i in range(n)]
 
-    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None):
+    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
+                packed_seq_params=None):
+        args = (hidden, attention_mask, rotary_cos, rotary_sin, packed_seq_params)
         for start, end, recompute in self._recompute_spans():
             if recompute:
                 hidden = checkpoint(self._run(start, end),
-                                    self.config.distribute_saved_activations,
-                                    hidden, attention_mask, rotary_cos, rotary_sin)
+                                    self.config.distribute_saved_activations, *args)
             else:
-                hidden = self._run(start, end)(hidden, attention_mask, rotary_cos, rotary_sin)
+                hidden = self._run(start, end)(*args)
+            args = (hidden,) + args[1:]
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -35,9 +35,10 @@ class TransformerLayer(torch.nn.Module):
             output = F.dropout(output, self.config.hidden_dropout, self.training)
         return residual + output
 
-    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None):
+    def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
+                packed_seq_params=None):
         out, bias = self.self_attention(self.input_layernorm(hidden), attention_mask,
-                                        rotary_cos, rotary_sin)
+                                        rotary_cos, rotary_sin, packed_seq_params)
         hidden = self._residual(hidden, out, bias)
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden))
         return self._residual(hidden, out, bias)
