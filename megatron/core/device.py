@@ -7,6 +7,10 @@ with nccl (real work). No other module touches ``torch.cuda``.
 Overrides, for tests and odd clusters:
   MEGATRON_DEVICE=cpu|cuda            force the device type
   MEGATRON_DIST_BACKEND=gloo|nccl     force the torch.distributed backend
+  MEGATRON_ALLOW_SHARED_GPU=1         let several ranks of a node share one GPU (tests that run
+                                      N gloo ranks on one GPU); otherwise that is an error
+  MEGATRON_ALLOW_TF32=0               keep fp32 GEMMs in full fp32 on CUDA (TF32 is on by
+                                      default, as in NVIDIA's PyTorch containers Megatron runs in)
 or ``set_device_type(...)`` from Python.
 """
 import os
@@ -18,6 +22,13 @@ DEVICE_ENV = "MEGATRON_DEVICE"
 BACKEND_ENV = "MEGATRON_DIST_BACKEND"
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 _SUPPORTED_BACKENDS = ("gloo", "nccl")
+SHARED_GPU_ENV = "MEGATRON_ALLOW_SHARED_GPU"
+TF32_ENV = "MEGATRON_ALLOW_TF32"
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+class DeviceSetupError(RuntimeError):
+    """The job cannot run on this machine as launched; the message names the fix."""
 
 _device_type_override: Optional[str] = None
 
@@ -73,9 +84,46 @@ def dist_backend() -> str:
 
 
 def set_device(local_rank: int) -> None:
-    """Bind this process to its GPU (no-op on CPU)."""
-    if device_type() == "cuda":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    """Bind this process to its GPU, one GPU per rank (no-op on CPU)."""
+    if device_type() != "cuda":
+        return
+    count = cuda_device_count()
+    if local_rank >= count and os.environ.get(SHARED_GPU_ENV) != "1":
+        # Two ranks on one GPU would each hold a full share of memory and serialize their
+        # kernels (nccl refuses it outright): a launch mistake, not a configuration.
+        raise DeviceSetupError(
+            f"LOCAL_RANK={local_rank} but this node has only {count} visible GPU(s), so ranks "
+            f"would share a GPU. Start at most {count} processes per node "
+            f"(--nproc-per-node {count}), or make more GPUs visible (CUDA_VISIBLE_DEVICES); "
+            f"set {SHARED_GPU_ENV}=1 only to share GPUs on purpose (tests, with gloo).")
+    torch.cuda.set_device(local_rank % count)
+    configure_cuda_math()
+
+
+def configure_cuda_math() -> None:
+    """TF32 for fp32 GEMMs and convolutions on CUDA (Megatron runs in NVIDIA's containers,
+    which turn it on); ``MEGATRON_ALLOW_TF32=0`` keeps full fp32. No-op on CPU."""
+    if device_type() != "cuda":
+        return
+    allow = os.environ.get(TF32_ENV, "1") != "0"
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow
+
+
+def check_max_connections(tensor_model_parallel_size: int) -> None:
+    """Megatron's rule: TP on CUDA needs CUDA_DEVICE_MAX_CONNECTIONS=1, so the GPU runs kernels
+    in issue order and a TP collective issued before a GEMM really overlaps it (with more
+    hardware queues the GEMM can be scheduled first). CUDA reads it when its context starts,
+    hence a check before any CUDA work rather than setting it here."""
+    if device_type() != "cuda" or tensor_model_parallel_size <= 1:
+        return
+    value = os.environ.get(MAX_CONNECTIONS_ENV)
+    if value != "1":
+        raise DeviceSetupError(
+            f"tensor parallelism (TP={tensor_model_parallel_size}) on CUDA needs "
+            f"{MAX_CONNECTIONS_ENV}=1 (it is {'unset' if value is None else repr(value)}) so "
+            f"that TP communication overlaps the GEMMs; export {MAX_CONNECTIONS_ENV}=1 before "
+            f"launching (the shtools/launch templates do).")
 
 
 def current_device() -> torch.device:
@@ -128,3 +176,18 @@ def set_rng_state(state: torch.Tensor) -> None:
 def synchronize() -> None:
     if device_type() == "cuda":
         torch.cuda.synchronize()
+
+
+def process_group_device_id(local_rank: int) -> Optional[torch.device]:
+    """``device_id`` for init_process_group: with nccl it binds the group to this rank's GPU
+    and creates the communicator at once, not at the first collective (None with gloo)."""
+    if device_type() != "cuda" or dist_backend() != "nccl":
+        return None
+    return torch.device("cuda", local_rank % cuda_device_count())
+
+
+def max_memory_allocated() -> Optional[int]:
+    """Peak bytes allocated by tensors on this rank's GPU; None on CPU."""
+    if device_type() != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated()

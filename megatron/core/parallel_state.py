@@ -4,6 +4,7 @@ Rank order is Megatron's: tensor-parallel ranks are adjacent, then data-parallel
 pipeline-parallel, i.e. ``global_rank = tp_rank + dp_rank * TP + pp_rank * TP * DP``. Adjacent
 ranks share a node, so the chattiest groups (TP) stay on the fastest links.
 """
+import datetime
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -17,6 +18,10 @@ _OWNED_GROUPS: List[dist.ProcessGroup] = []
 
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
+# Every group's collectives wait at most this long (Megatron's --distributed-timeout-minutes).
+_TIMEOUT: Optional[datetime.timedelta] = None
+# All DP groups of the layout, for making their gloo copies on first use.
+_DATA_LAYOUT: List[List[int]] = []
 
 _TENSOR = "tensor"
 _PIPELINE = "pipeline"
@@ -55,8 +60,10 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int,
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
-    """Create all process groups. Every rank must call this with the same arguments."""
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              distributed_timeout_minutes: float = 10.0) -> None:
+    """Create all process groups. Every rank must call this with the same arguments.
+    ``distributed_timeout_minutes`` bounds how long any collective on them waits."""
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel() needs torch.distributed: call "
@@ -86,23 +93,20 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             raise ValueError("virtual pipeline model parallel size must be >= 1.")
 
     me = dist.get_rank()
+    global _TIMEOUT
+    _TIMEOUT = datetime.timedelta(minutes=distributed_timeout_minutes)
     # Ranks on middle pipeline stages belong to no embedding group.
     _GROUPS[_EMBEDDING], _GROUP_RANKS[_EMBEDDING] = None, []
-    need_gloo_copy = device.dist_backend() != "gloo"
-    for kind, groups in rank_layout(world_size, tp, pp).items():
+    layout = rank_layout(world_size, tp, pp)
+    _DATA_LAYOUT[:] = layout[_DATA]
+    for kind, groups in layout.items():
         for ranks in groups:
-            group = dist.new_group(ranks)
-            gloo_group = dist.new_group(ranks, backend="gloo") if (
-                kind == _DATA and need_gloo_copy) else group
+            group = dist.new_group(ranks, timeout=_TIMEOUT)
             if me in ranks:
                 _GROUPS[kind] = group
                 _GROUP_RANKS[kind] = ranks
                 _OWNED_GROUPS.append(group)
-                if kind == _DATA:
-                    _GROUPS[_DATA_GLOO] = gloo_group
-                    _GROUP_RANKS[_DATA_GLOO] = ranks
-                    if gloo_group is not group:
-                        _OWNED_GROUPS.append(gloo_group)
+    # The DP group's gloo copy (get_data_parallel_group(with_gloo=True)) is made on first use.
 
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
     if virtual_pipeline_model_parallel_size is not None:
@@ -116,15 +120,23 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget and destroy every group created by initialize_model_parallel()."""
-    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
+    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _TIMEOUT
     if dist.is_initialized():
         for group in _OWNED_GROUPS:
             dist.destroy_process_group(group)
     _OWNED_GROUPS.clear()
+    _DATA_LAYOUT.clear()
     _GROUPS.clear()
     _GROUP_RANKS.clear()
     _VIRTUAL_PIPELINE_RANK = None
     _VIRTUAL_PIPELINE_WORLD_SIZE = None
+    _TIMEOUT = None
+
+
+def get_distributed_timeout() -> datetime.timedelta:
+    """How long a collective on the model-parallel groups may wait before it fails."""
+    _group(_TENSOR)
+    return _TIMEOUT
 
 
 def _group(kind: str) -> dist.ProcessGroup:
@@ -157,8 +169,23 @@ def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
 
 
 def get_data_parallel_group(with_gloo: bool = False) -> dist.ProcessGroup:
-    """The DP group; ``with_gloo`` gives a gloo copy for CPU-side traffic (e.g. checkpoints)."""
-    return _group(_DATA_GLOO if with_gloo else _DATA)
+    """The DP group; ``with_gloo`` gives a gloo copy for CPU-side traffic (e.g. checkpoints).
+
+    On nccl the gloo copies are made on first use (each holds sockets and threads on every
+    member, a waste when nothing asks for them); making them is collective over the whole
+    world, so every rank must ask the first time. On gloo the copy is the DP group itself."""
+    group = _group(_DATA)
+    if with_gloo and _DATA_GLOO not in _GROUPS:
+        _GROUPS[_DATA_GLOO] = group
+        if device.dist_backend() != "gloo":
+            # Every rank creates every DP group's copy, in the same order (new_group's rule).
+            for ranks in _DATA_LAYOUT:
+                copy = dist.new_group(ranks, backend="gloo", timeout=_TIMEOUT)
+                if dist.get_rank() in ranks:
+                    _GROUPS[_DATA_GLOO] = copy
+                    _OWNED_GROUPS.append(copy)
+        _GROUP_RANKS[_DATA_GLOO] = _GROUP_RANKS[_DATA]
+    return _GROUPS[_DATA_GLOO] if with_gloo else group
 
 
 def get_model_parallel_group() -> dist.ProcessGroup:

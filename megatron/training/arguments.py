@@ -209,6 +209,9 @@ def _add_training_args(parser):
     g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="How long a collective waits for the other ranks before the job fails "
+                        "(also how long ranks wait for rank 0 to build dataset indices).")
     g.add_argument("--job-name", default=None)
     g.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
                    help="Per-GPU peak for MFU; default 989 = H100 SXM dense BF16.")
@@ -358,6 +361,8 @@ def _check_flags(args):
                  "micro_batch_size", "lr"):
         _need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required.")
     _need(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive; pick one.")
+    _need(args.distributed_timeout_minutes >= 1, f"--distributed-timeout-minutes must be >= 1, "
+          f"got {args.distributed_timeout_minutes}.")
     _need(args.max_consecutive_nan_iterations >= 1,
           f"--max-consecutive-nan-iterations must be >= 1, got "
           f"{args.max_consecutive_nan_iterations}.")

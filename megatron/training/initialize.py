@@ -30,7 +30,8 @@ def _free_port() -> int:
 
 def initialize_distributed(device_type: Optional[str] = None,
                            timeout_minutes: float = 10.0) -> None:
-    """Join the job torchrun started, or make a one-process group when run directly."""
+    """Join the job torchrun started, or make a one-process group when run directly.
+    ``timeout_minutes`` (--distributed-timeout-minutes) bounds every collective's wait."""
     if device_type not in (None, "auto"):
         device.set_device_type(device_type)
     if dist.is_initialized():
@@ -43,20 +44,23 @@ def initialize_distributed(device_type: Optional[str] = None,
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device.set_device(local_rank)
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    kwargs = dict(timeout=datetime.timedelta(minutes=timeout_minutes))
+    device_id = device.process_group_device_id(local_rank)
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:
-        dist.init_process_group(device.dist_backend(), timeout=timeout)
+        dist.init_process_group(device.dist_backend(), **kwargs)
         return
     # A worker group torchrun restarted: the store still holds the failed group's addresses
     # under the same keys, and gloo/nccl would connect to dead peers (pytorch/pytorch#167288).
     # Keys under a prefix of this attempt cannot be stale.
     store = dist.PrefixStore(f"megatron_attempt_{restart}/", dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timeout))
+        timeout=kwargs["timeout"]))
     dist.init_process_group(device.dist_backend(), store=store,
                             rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                            world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
 
 
 def set_random_seeds(seed: int) -> None:
@@ -78,8 +82,13 @@ def seed_for_model_init(seed: int) -> None:
 def initialize_megatron(tensor_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1,
                         virtual_pipeline_model_parallel_size: Optional[int] = None,
-                        seed: int = 1234, device_type: Optional[str] = None) -> None:
-    initialize_distributed(device_type)
+                        seed: int = 1234, device_type: Optional[str] = None,
+                        distributed_timeout_minutes: float = 10.0) -> None:
+    if device_type not in (None, "auto"):
+        device.set_device_type(device_type)
+    # Before any CUDA work: CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when its context starts.
+    device.check_max_connections(tensor_model_parallel_size)
+    initialize_distributed(device_type, distributed_timeout_minutes)
     world = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % model_parallel:
@@ -89,5 +98,6 @@ def initialize_megatron(tensor_model_parallel_size: int = 1,
                          f"of processes.")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size,
                                              pipeline_model_parallel_size,
-                                             virtual_pipeline_model_parallel_size)
+                                             virtual_pipeline_model_parallel_size,
+                                             distributed_timeout_minutes)
     set_random_seeds(seed)

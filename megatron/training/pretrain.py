@@ -86,8 +86,13 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     args, configs, _ = _configs_or_exit(argv)
     t = configs.training
     start_time = time.time()
-    initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                        args.virtual_pipeline_model_parallel_size, t.seed, t.device)
+    try:
+        initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                            args.virtual_pipeline_model_parallel_size, t.seed, t.device,
+                            t.distributed_timeout_minutes)
+    except device.DeviceSetupError as exc:  # a launch mistake: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     model = build_model(_with_configs(model_provider, configs), configs.transformer,
                         configs.ddp, t.seed)
     optimizer = get_megatron_optimizer(configs.optimizer, model)
@@ -131,7 +136,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     history, iteration = [], resumed.iteration
     nan_guard = NanGuard(t.check_for_nan_in_loss_and_grad, t.max_consecutive_nan_iterations)
     exit_signal = ExitSignal(t.exit_signal_handler)
-    resumed.restore_rng()
+    resumed.restore_rng(t.seed)
     try:
         while iteration < train_iters:
             iteration += 1

@@ -41,6 +41,7 @@ class TrainingConfig:
     dataloader_type: str = "single"  # single | cyclic
     num_workers: int = 2
     device: Optional[str] = None  # None: auto (megatron.core.device decides)
+    distributed_timeout_minutes: int = 10  # every process group's collective timeout
     job_name: Optional[str] = None
     # MFU denominator per GPU, in TFLOPS.
     peak_tflops: float = H100_BF16_PEAK_TFLOPS

@@ -94,8 +94,9 @@ def is_last_rank() -> bool:
 
 def memory_usage() -> Tuple[str, float]:
     """(label, GiB): peak allocated on the accelerator, else this process's peak RSS."""
-    if device.device_type() == "cuda":
-        return "max allocated (GiB)", torch.accelerator.max_memory_allocated() / 2**30
+    allocated = device.max_memory_allocated()
+    if allocated is not None:
+        return "max allocated (GiB)", allocated / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
     return "max RSS (GiB)", rss_bytes / 2**30

@@ -191,3 +191,66 @@ def test_rank_layout_tensor_and_data_group():
     layout = ps.rank_layout(8, 2, 2)
     assert layout["tensor_and_data"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert layout["position_embedding"] == [[0], [1], [2], [3]]
+
+
+def _lazy_gloo_copy_and_timeouts():
+    """On a pretended nccl job: which groups initialize_model_parallel and the gloo accessor
+    create, with which backend and timeout."""
+    import datetime
+    from unittest import mock
+
+    from megatron.core import device
+
+    created = []
+    real_new_group = dist.new_group
+
+    def recording_new_group(ranks=None, timeout=None, backend=None, **kwargs):
+        created.append((list(ranks), backend, timeout))
+        return real_new_group(ranks, timeout=timeout, backend=backend, **kwargs)
+
+    result = {}
+    with mock.patch.object(dist, "new_group", recording_new_group), \
+            mock.patch.object(device, "dist_backend", lambda: "nccl"):
+        ps.initialize_model_parallel(2, 1, distributed_timeout_minutes=7)
+        result["at_init"] = list(created)
+        result["timeout"] = ps.get_distributed_timeout()
+        first = ps.get_data_parallel_group(with_gloo=True)
+        second = ps.get_data_parallel_group(with_gloo=True)
+        result["made_by_accessor"] = created[len(result["at_init"]):]
+        result["same_copy"] = first is second
+        result["distinct_from_dp"] = first is not ps.get_data_parallel_group()
+        result["copy_ranks"] = dist.get_process_group_ranks(first)
+        result["copy_works"] = _all_reduce_one(first)
+    ps.destroy_model_parallel()
+    # On a gloo job the DP group already is a gloo group: no copy at all.
+    ps.initialize_model_parallel(2, 1)
+    result["gloo_job_copy_is_dp"] = \
+        ps.get_data_parallel_group(with_gloo=True) is ps.get_data_parallel_group()
+    return result
+
+
+def _all_reduce_one(group):
+    import torch
+
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def test_gloo_copy_of_dp_group_is_made_on_first_use_and_every_group_has_the_timeout():
+    import datetime
+
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_lazy_gloo_copy_and_timeouts, world_size=4)
+    minutes7 = datetime.timedelta(minutes=7)
+    for rank, r in enumerate(results):
+        assert all(backend is None for _, backend, _ in r["at_init"]), r["at_init"]
+        assert r["at_init"] and all(timeout == minutes7 for _, _, timeout in r["at_init"])
+        assert r["timeout"] == minutes7
+        # TP=2 on 4 ranks: DP groups [0, 2] and [1, 3]; every rank creates both copies.
+        assert r["made_by_accessor"] == [([0, 2], "gloo", minutes7), ([1, 3], "gloo", minutes7)]
+        assert r["same_copy"] and r["distinct_from_dp"]
+        assert r["copy_ranks"] == [rank % 2, rank % 2 + 2]
+        assert r["copy_works"] == 2.0
+        assert r["gloo_job_copy_is_dp"]

@@ -323,3 +323,21 @@ def test_tensorboard_scalars_round_trip(tmp_path):
     assert scalars["lm loss validation vs samples"] == [(32, f32(6.4))]
     assert scalars["lm loss validation ppl"] == [(4, f32(math.exp(6.4)))]
     assert "params-norm" not in scalars
+
+
+def test_memory_usage_goes_through_device_and_works_without_torch_accelerator(monkeypatch):
+    """On CUDA the peak comes from megatron.core.device (torch.cuda), not from
+    torch.accelerator's memory API, which torch releases before 2.9 lack."""
+    import torch
+
+    from megatron.core import device
+    from megatron.training.training_log import memory_usage
+
+    monkeypatch.setattr(device, "device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    if hasattr(torch, "accelerator"):
+        monkeypatch.delattr(torch.accelerator, "max_memory_allocated", raising=False)
+    assert memory_usage() == ("max allocated (GiB)", 3.0)
+    monkeypatch.setattr(device, "device_type", lambda: "cpu")
+    label, gib = memory_usage()
+    assert label == "max RSS (GiB)" and gib > 0

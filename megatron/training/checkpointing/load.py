@@ -40,11 +40,12 @@ class LoadedCheckpoint:
     notes: List[str] = field(default_factory=list)
     rng_state: Optional[Dict] = None
 
-    def restore_rng(self) -> None:
+    def restore_rng(self, seed: int) -> None:
         """Call right before the first iteration: anything drawn after it (building data
-        loaders draws a seed) would shift the random streams away from the saved run's."""
+        loaders draws a seed) would shift the random streams away from the saved run's.
+        ``seed`` (the run's --seed) reseeds device streams saved on another device type."""
         if self.rng_state is not None:
-            restore_rng_state(self.rng_state)
+            restore_rng_state(self.rng_state, seed, self.iteration)
 
 
 @dataclass
