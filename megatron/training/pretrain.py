@@ -15,6 +15,7 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training import fault_injection
 from megatron.training.arguments import ConfigError, build_configs, parse_args
+from megatron.training.batch import stage_needs_data
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointWriter,
@@ -53,18 +54,42 @@ def _with_configs(fn: Callable, configs) -> Callable:
 
 
 def _iterators(dataset, configs, consumed_samples: int, cyclic: bool, chunks: int):
-    """One data iterator per model chunk, each yielding the same micro batches."""
-    t = configs.training
+    """One data iterator per model chunk, each yielding the same micro batches; None for a
+    chunk that reads no data (TP ranks > 0 receive the batch; middle pipeline stages need
+    none), so no loader or worker process is started for it. Skipping those changes no
+    order: every chunk's loader has its own sampler from ``consumed_samples``."""
     if dataset is None:
         return None
-    iterators = []
-    for _ in range(chunks):
-        loader = build_pretraining_data_loader(
-            dataset, consumed_samples, t.dataloader_type, t.micro_batch_size, 0,
-            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-            t.seed)
-        iterators.append(cyclic_iter(loader) if cyclic else iter(loader))
+    iterators = [None] * chunks
+    for chunk in range(chunks):
+        if _chunk_reads_data(configs, chunk):
+            loader = _data_loader(dataset, configs, consumed_samples)
+            iterators[chunk] = cyclic_iter(loader) if cyclic else iter(loader)
     return iterators if chunks > 1 else iterators[0]
+
+
+def _chunk_reads_data(configs, chunk: int) -> bool:
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return False
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None
+    if virtual:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+    try:
+        return stage_needs_data(configs.dataset.reset_position_ids,
+                                configs.dataset.reset_attention_mask)
+    finally:
+        if virtual:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+
+
+def _data_loader(dataset, configs, consumed_samples: int):
+    """This DP rank's DataLoader: --num-workers worker processes (kept across epochs and
+    evaluations), pinned host batches on CUDA (the loader's default there)."""
+    t = configs.training
+    return build_pretraining_data_loader(
+        dataset, consumed_samples, t.dataloader_type, t.micro_batch_size,
+        num_workers=t.num_workers, data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(), seed=t.seed)
 
 
 def _flops(configs, args) -> int:
