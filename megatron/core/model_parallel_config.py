@@ -15,6 +15,10 @@ class ModelParallelConfig:
     params_dtype: torch.dtype = torch.float32
     # False when weights will be loaded anyway (skips the master-weight init).
     perform_initialization: bool = True
+    # Linear layers add their weight gradient straight into DDP's ``main_grad`` in backward
+    # (no weight-sized gradient tensor per microbatch). Only acts on weights that have a
+    # main_grad, i.e. inside DDP; --no-gradient-accumulation-fusion turns it off.
+    gradient_accumulation_fusion: bool = True
 
     # --- pipeline schedules ---
     # dtype of the activations and gradients sent between stages (None = params_dtype).

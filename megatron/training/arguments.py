@@ -33,8 +33,6 @@ __all__ = ["ConfigError", "MegatronConfigs", "TrainingConfig", "build_configs", 
 # (apex / Megatron fused ops) or states what is always true in this framework.
 NOOP_FLAGS = {
     "--use-flash-attn": "attention always uses torch SDPA, which runs flash attention on CUDA",
-    "--no-gradient-accumulation-fusion": "there is no fused (apex) weight-grad accumulation "
-                                         "kernel; grads always accumulate in the DDP buffer",
     "--causal-lm": "GPT and LLaMA models are always causal language models",
     "--no-masked-softmax-fusion": "no fused softmax kernel; SDPA does masking and softmax",
     "--no-bias-gelu-fusion": "no fused bias-GeLU kernel",
@@ -215,6 +213,13 @@ def _add_training_args(parser):
     g.add_argument("--job-name", default=None)
     g.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
                    help="Per-GPU peak for MFU; default 989 = H100 SXM dense BF16.")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="Compute each weight gradient separately and add it to the DDP buffer "
+                        "(default: the weight-gradient GEMM accumulates into it directly).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each layer's element-wise regions (norms, residual adds, "
+                        "activation, RoPE); GEMMs, attention and TP collectives stay eager.")
 
 
 def _add_checkpoint_args(parser):

@@ -143,6 +143,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=params_dtype_of(args),
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        torch_compile=args.torch_compile,
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,

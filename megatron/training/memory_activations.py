@@ -95,9 +95,9 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
     s, b, e = setup.seq_length, setup.micro_batch_size, setup.activation_bytes
     d = config.kv_channels
     if setup.flash_attention(config):
+        # Its output is the storage the output projection keeps (a view: the projection's
+        # linear saves its 3-D input as given), counted as that GEMM's input.
         terms = {"attention log-sum-exp": FP32 * b * heads * s}
-        if b > 1:  # with one sequence the output is the same storage as the next GEMM's input
-            terms["attention output"] = e * s * b * heads * d
         return terms
     # Unfused (CPU with attention dropout): scaled Q and K^T copies, softmax, dropout mask
     # and dropout output, and K/V expanded to all heads under grouped-query attention.

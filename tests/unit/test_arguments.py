@@ -100,7 +100,7 @@ def test_launch_line_maps_to_configs(files):
     assert tr.device is None and tr.peak_tflops == H100_BF16_PEAK_TFLOPS == 989.0
     assert cfg.model_kwargs["share_embeddings_and_output_weights"]
     # Accepted no-ops are recorded, and args stay plain data for checkpoints.
-    assert args.use_flash_attn and args.causal_lm and args.no_gradient_accumulation_fusion
+    assert args.use_flash_attn and args.causal_lm and not args.gradient_accumulation_fusion
     assert args.data_impl == "mmap" and args.tokenizer_type == "PretrainedFromHF"
     assert all(isinstance(v, (type(None), bool, int, float, str, list)) for v in vars(args).values())
 

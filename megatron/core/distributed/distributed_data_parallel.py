@@ -94,7 +94,12 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         """Move the fresh gradient into the buffer; launch the bucket's reduction if it is the
         last microbatch and the bucket is now complete."""
-        param.main_grad.add_(param.grad)
+        if getattr(param, "grad_added_to_main_grad", False):
+            # Gradient-accumulation fusion: the layer's backward already added it to main_grad
+            # and .grad is only a placeholder (see tensor_parallel.LinearWithGradAllReduce).
+            param.grad_added_to_main_grad = False
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
             bucket = self._bucket_of[param]

@@ -66,22 +66,69 @@ def _new_bias(size: int, config: ModelParallelConfig) -> Parameter:
     return Parameter(device.zeros(size, dtype=config.params_dtype))
 
 
+_FP32_ACCUMULATE_FROM_HALF: dict = {}
+
+
+def _fp32_accumulate_from_half_supported(dev: torch.device) -> bool:
+    """Whether this device can add a bf16/fp16 GEMM into an fp32 tensor in one kernel
+    (aten::addmm.dtype_out: cuBLAS with fp32 C; CUDA builds of recent torch, not CPU)."""
+    if dev.type not in _FP32_ACCUMULATE_FROM_HALF:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=dev)
+        c = torch.zeros(2, 2, dtype=torch.float32, device=dev)
+        try:
+            torch.ops.aten.addmm.dtype_out(c, a, a, torch.float32, out=c)
+            _FP32_ACCUMULATE_FROM_HALF[dev.type] = bool((c == 2).all())
+        except (RuntimeError, NotImplementedError):
+            _FP32_ACCUMULATE_FROM_HALF[dev.type] = False
+    return _FP32_ACCUMULATE_FROM_HALF[dev.type]
+
+
+def accumulate_weight_grad(main_grad: torch.Tensor, grad_2d: torch.Tensor,
+                           input_2d: torch.Tensor) -> None:
+    """``main_grad += grad_2d^T @ input_2d`` without a weight-sized temporary where possible.
+
+    Same dtypes: one in-place GEMM (beta = 1). bf16/fp16 activations into an fp32 main_grad: one
+    GEMM with fp32 output where the device has it (CUDA); elsewhere (CPU) torch has no such
+    kernel, so the gradient is computed in the activation dtype and then added (the unfused
+    cost, and the unfused rounding)."""
+    if grad_2d.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+    elif main_grad.dtype == torch.float32 and _fp32_accumulate_from_half_supported(
+            main_grad.device):
+        torch.ops.aten.addmm.dtype_out(main_grad, grad_2d.t(), input_2d, torch.float32,
+                                       out=main_grad)
+    else:
+        main_grad.add_(grad_2d.t().matmul(input_2d))
+
+
 class LinearWithGradAllReduce(torch.autograd.Function):
     """``input @ weight.T + bias`` whose input gradient is summed over TP ranks in backward.
 
     Under sequence parallelism the input arrives as this rank's sequence shard: it is
     all-gathered in forward, only the shard is kept for backward (re-gathered there, overlapped
     with the input-gradient GEMM), and the input gradient is reduce-scattered back to shards
-    (overlapped with the weight-gradient GEMM). Otherwise the input gradient is all-reduced,
-    overlapped with the weight-gradient GEMM.
+    (overlapped with the weight-gradient GEMM). Otherwise the input gradient is all-reduced
+    (if ``reduce_input_grad``), overlapped with the weight-gradient GEMM.
+
+    Gradient-accumulation fusion (Megatron's): when the weight has a ``main_grad`` (DDP's fp32
+    buffer), the weight-gradient GEMM accumulates straight into it instead of producing a
+    gradient that DDP's hook then adds (a weight-sized write and read-modify-write per
+    microbatch). The weight is marked ``grad_added_to_main_grad`` and its returned gradient is an
+    uninitialised placeholder (an allocation only: no arithmetic, no memory traffic) so that
+    autograd still runs DDP's post-accumulate hook, which launches overlapped reductions and
+    skips the add. In fp32 the GEMM is the same; into a zero main_grad (one microbatch per step)
+    the result is bitwise the unfused one, with accumulation over microbatches the k-blocked
+    GEMM rounds the running sum at each block instead of once (a few ulps, see the tests).
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, sequence_parallel, reduce_input_grad):
+    def forward(ctx, input_, weight, bias, sequence_parallel, reduce_input_grad,
+                gradient_accumulation_fusion=False):
         ctx.save_for_backward(input_, weight)
         ctx.use_bias = bias is not None
         ctx.sequence_parallel = sequence_parallel
         ctx.reduce_input_grad = reduce_input_grad
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         total_input = gather_along_first_dim(input_) if sequence_parallel else input_
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
@@ -113,12 +160,20 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         grad_weight = grad_bias = None
         if need_weight_grad:
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-            grad_weight = grad_2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+            input_2d = total_input.reshape(-1, total_input.shape[-1])
+            main_grad = getattr(weight, "main_grad", None) \
+                if ctx.gradient_accumulation_fusion else None
+            if main_grad is not None:
+                accumulate_weight_grad(main_grad, grad_2d, input_2d)
+                weight.grad_added_to_main_grad = True
+                grad_weight = torch.empty_like(weight)
+            else:
+                grad_weight = grad_2d.t().matmul(input_2d)
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if reduce_handle is not None:
             reduce_handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -142,6 +197,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel and world_size > 1
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output is incompatible with "
                              "sequence parallelism (the output would be gathered twice).")
@@ -171,8 +227,11 @@ class ColumnParallelLinear(torch.nn.Module):
                              f"{(self.output_size_per_partition, self.input_size)}.")
         bias = None if self.skip_bias_add else self.bias
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        # A weight passed in (the tied embedding) also gets the embedding's gradient through
+        # .grad: keep its two parts summed before the buffer add, as without fusion.
+        fuse = self.gradient_accumulation_fusion and weight is self.weight
         output = LinearWithGradAllReduce.apply(
-            input_, weight, bias, self.sequence_parallel, tp_size > 1)
+            input_, weight, bias, self.sequence_parallel, tp_size > 1, fuse)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
@@ -198,6 +257,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel and world_size > 1
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs "
                              "input_is_parallel=True.")
@@ -215,7 +275,9 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, input_: torch.Tensor):
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_)
-        partial = F.linear(input_, self.weight)
+        # The same GEMMs as F.linear, with the weight gradient accumulated as above.
+        partial = LinearWithGradAllReduce.apply(input_, self.weight, None, False, False,
+                                                self.gradient_accumulation_fusion)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial)
         else:

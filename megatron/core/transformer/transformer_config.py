@@ -50,6 +50,9 @@ class TransformerConfig(ModelParallelConfig):
     # Or balance the ends by counting the embedding / the output layer + loss as one layer.
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # torch.compile each layer's element-wise regions (norm + residual, activation, RoPE), not
+    # the GEMMs, attention or TP collectives (--torch-compile).
+    torch_compile: bool = False
 
     def __post_init__(self):
         def need(cond, message):
