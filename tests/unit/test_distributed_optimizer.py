@@ -5,6 +5,7 @@ Not bitwise, for the reason given in test_data_parallel: the reduce-scatter adds
 partial gradient sums in another order than one process accumulating microbatch by microbatch
 (Adam then passes the rounding on): <= 1e-6 on every parameter.
 """
+import contextlib
 import copy
 import math
 
@@ -116,15 +117,24 @@ def test_sharded_steps_equal_single_process(kind, dp):
 def test_collectives_per_bucket_and_none_before_the_last_microbatch(kind):
     for rank in run_distributed(_run, world_size=2, tp=1, kind=kind, num_microbatches=6,
                                 bucket_size=3000):
-        assert rank["buckets"] > 2
-        for counts in rank["counts"]:
-            assert counts["before_last"] == {}
-            assert counts["forward_backward"].get("reduce_scatter") == rank["buckets"]
-            assert counts["forward_backward"].get("all_gather", 0) == 0
-            assert counts["total"]["reduce_scatter"] == rank["buckets"]
-            assert counts["total"]["all_gather"] == rank["buckets"]
-            # The overlapped optimizer leaves the all-gathers running into the next forward.
-            assert all(counts["pending_gathers"]) == (kind == "overlapped")
+        n = rank["buckets"]
+        assert n > 2
+        for i, counts in enumerate(rank["counts"]):
+            assert counts["forward_backward"].get("reduce_scatter") == n
+            assert counts["total"]["reduce_scatter"] == n
+            if kind == "distributed":  # the step gathers every bucket
+                assert counts["before_last"] == {}
+                assert counts["forward_backward"].get("all_gather", 0) == 0
+                assert counts["total"]["all_gather"] == n
+                assert not any(counts["pending_gathers"])
+            else:
+                # The step issues the first bucket's all-gather (in forward order) and leaves
+                # it running; the first microbatch's forward issues the others, one ahead.
+                in_forward = 0 if i == 0 else n - 1
+                assert counts["before_last"] == ({"all_gather": n - 1} if i else {})
+                assert counts["forward_backward"].get("all_gather", 0) == in_forward
+                assert counts["total"]["all_gather"] == in_forward + 1
+                assert sum(counts["pending_gathers"]) == 1
 
 
 def _optimizer_elements(kind):
@@ -305,3 +315,74 @@ def test_checkpoint_state_uses_one_bucket_of_one_key_at_a_time(dtype):
         assert r["load_peak"] <= r["largest"] * 4, (dp_rank, r)
         assert r["load_kept"] == r["installed_bytes"], (dp_rank, r)
     assert ranks[1]["result_bytes"] == 0 < ranks[0]["result_bytes"]
+
+
+# --- --overlap-param-gather: forward order, one bucket ahead ----------------------------------
+
+def _forward_order(model):
+    """The sharded buckets ordered by their first parameter in registration (forward) order."""
+    position = {p: i for i, p in enumerate(model.module.parameters())}
+    return sorted(model._buckets(), key=lambda b: min(position[p] for p in b.params))
+
+
+@contextlib.contextmanager
+def recorded_param_gathers(model, defer=False):
+    """Records ("launch" | "wait", forward position of the bucket) for every parameter
+    all-gather. ``defer``: an asynchronous all-gather does nothing until its handle is waited
+    (a legal schedule for an async collective, and the slowest), so reading a parameter
+    before its wait sees the stale value on gloo too."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    real = buffers.all_gather_into_tensor
+    index = {b.param_data.data_ptr(): i for i, b in enumerate(_forward_order(model))}
+    events = []
+
+    class Handle:
+        def __init__(self, i, finish):
+            self.i, self.finish = i, finish
+
+        def wait(self):
+            events.append(("wait", self.i))
+            self.finish()
+
+    def all_gather(output, input_, group=None, async_op=False):
+        i = index[output.data_ptr()]
+        events.append(("launch", i))
+        if not async_op:
+            return real(output, input_, group=group)
+        if defer:
+            return Handle(i, lambda: real(output, input_, group=group))
+        return Handle(i, real(output, input_, group=group, async_op=True).wait)
+
+    buffers.all_gather_into_tensor = all_gather
+    try:
+        yield events
+    finally:
+        buffers.all_gather_into_tensor = real
+
+
+def _param_gather_order(kind):
+    model, optimizer = _build(kind, bucket_size=3000)
+    first = _forward_order(model)[0]
+    with recorded_param_gathers(model) as events:
+        history = _train(model, optimizer, _global_batches(2, steps=3))
+    embedding = model.module.embedding.word_embeddings.weight
+    return dict(events=events, history=history, buckets=len(model._buckets()),
+                embedding_first=any(p is embedding for p in first.params))
+
+
+def test_overlapped_param_gathers_run_in_forward_order_one_bucket_ahead():
+    ranks = run_distributed(_param_gather_order, world_size=2, tp=1, kind="overlapped")
+    plain = run_distributed(_param_gather_order, world_size=2, tp=1, kind="distributed")
+    for rank, sync in zip(ranks, plain):
+        n, events = rank["buckets"], rank["events"]
+        assert n > 2 and rank["embedding_first"]
+        launches = [i for what, i in events if what == "launch"]
+        assert launches == list(range(n)) * 3  # each step's round, the first layer's first
+        for at, (what, i) in enumerate(events):
+            if what == "wait" and i + 1 < n:  # the next bucket is already on its way
+                assert ("launch", i + 1) in events[:at][-(n + 1):], (at, events)
+        assert [e for e in events if e[0] == "wait"] == [("wait", i) for i in range(n)] * 3
+        # Only the timing of the all-gathers differs: bitwise equal to gathering at once.
+        for a, b in zip(rank["history"], sync["history"]):
+            _assert_params(a, b, 0)

@@ -58,6 +58,12 @@ class DistributedDataParallel(torch.nn.Module):
                                    shard=ddp_config.use_distributed_optimizer)
                         for (_, grad_dtype), params in by_dtype.items()]
         self._bucket_of = {p: bucket for b in self.buffers for p, bucket in b.bucket_of.items()}
+        # The sharded buckets in forward order (by their first parameter's registration),
+        # the order the next forward needs their all-gathers; [:_gathers_launched] are issued.
+        position = {p: i for i, p in enumerate(module.parameters())}
+        self._gather_order = sorted((b for b in self._buckets() if b.sharded),
+                                    key=lambda b: min(position[p] for p in b.params))
+        self._gathers_launched = len(self._gather_order)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self._bucket_of]
         if ddp_config.overlap_param_gather:
@@ -69,24 +75,45 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _register_param_gather_waits(self) -> None:
         """Before a module runs forward, wait for the all-gather of its own parameters only."""
+        index = {id(b): i for i, b in enumerate(self._gather_order)}
         for module in self.module.modules():
-            buckets = {id(self._bucket_of[p]): self._bucket_of[p]
-                       for p in module.parameters(recurse=False) if p in self._bucket_of}
+            buckets = {index[id(self._bucket_of[p])] for p in module.parameters(recurse=False)
+                       if p in self._bucket_of}
             if buckets:
-                def wait(_module, _inputs, buckets=tuple(buckets.values())):
-                    for bucket in buckets:
-                        bucket.wait_param_gather()
+                def wait(_module, _inputs, buckets=tuple(sorted(buckets))):
+                    for i in buckets:
+                        self._wait_param_gather(i)
                 self._hooks.append(module.register_forward_pre_hook(wait))
 
+    def _launch_param_gathers(self, upto: int) -> None:
+        """Issue the all-gathers of buckets [0, upto] in forward order (once each)."""
+        while self._gathers_launched <= min(upto, len(self._gather_order) - 1):
+            self._gather_order[self._gathers_launched].start_param_gather(async_op=True)
+            self._gathers_launched += 1
+
+    def _wait_param_gather(self, i: int) -> None:
+        """Prefetch: bucket i+1's all-gather runs while the modules of bucket i compute
+        (Megatron-Core's order; all at once would make the first layer wait behind them)."""
+        self._launch_param_gathers(i + 1)
+        self._gather_order[i].wait_param_gather()
+
     def start_param_sync(self, async_op: bool = False) -> None:
-        """Distributed optimizer: all-gather every rank's updated parameter shard."""
-        for bucket in self._buckets():
-            bucket.start_param_gather(async_op=async_op)
+        """Distributed optimizer: all-gather every rank's updated parameter shard. With
+        ``async_op`` only the first bucket in forward order is issued; each forward pre-hook
+        issues the next one (``finish_param_sync`` issues whatever is left)."""
+        self.finish_param_sync()  # a previous round still in flight writes the same buffers
+        if async_op:
+            self._gathers_launched = 0
+            self._launch_param_gathers(0)
+        else:
+            for bucket in self._gather_order:
+                bucket.start_param_gather(async_op=False)
 
     def finish_param_sync(self) -> None:
-        for bucket in self._buckets():
-            if bucket.sharded:
-                bucket.wait_param_gather()
+        """Every parameter is up to date when this returns."""
+        self._launch_param_gathers(len(self._gather_order) - 1)
+        for bucket in self._gather_order:
+            bucket.wait_param_gather()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
