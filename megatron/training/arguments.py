@@ -103,6 +103,10 @@ def _add_network_args(parser):
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--allow-math-attention", action="store_true",
+                   help="On CUDA, accept a configuration in which SDPA would run its math "
+                        "kernel ([b, heads, s, s] scores per layer: slow, out of memory at long "
+                        "sequences); without it such a run stops at start saying why.")
     for flag, why in NOOP_FLAGS.items():
         g.add_argument(flag, action="store_true", help=f"Accepted, no effect: {why}.")
 
@@ -129,7 +133,12 @@ def _add_parallel_args(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Old spelling of --recompute-granularity selective.")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="full: recompute whole layers (see --recompute-method). selective: "
+                        "recompute the attention core only where it keeps the s x s softmax "
+                        "(the unfused kernel: CPU with attention dropout, or CUDA's math "
+                        "kernel); with flash / memory-efficient attention it is a no-op "
+                        "(nothing to save, no recompute cost).")
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--distribute-saved-activations", action="store_true")

@@ -8,10 +8,12 @@ import types
 
 import torch
 
+from megatron.core import device
 from megatron.core.datasets.config import GPTDatasetConfig, parse_data_path
 from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
 from megatron.training.training_config import (
@@ -182,6 +184,10 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     _check_files(args)
     dtype = params_dtype_of(args)
     transformer = transformer_config_from_args(args)
+    if not getattr(args, "allow_math_attention", False):  # saved args may predate the flag
+        target = device.device_type() if args.device == "auto" else args.device
+        reason = math_attention_reason(transformer, target)
+        _need(reason is None, reason)
     optimizer = _built("optimizer flags", lambda: OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,

@@ -6,7 +6,8 @@ Large Transformer Models", section 4): every tensor the backward pass needs, nam
 Their GPT-3 layer (fp16, 1-byte dropout masks, unfused attention) gives sbh(34 + 5as/h);
 tensor parallelism divides the parts inside attention and the MLP by t, sequence parallelism
 also the norms, dropouts and linear inputs (sbh/t (34 + 5as/h)); selective recomputation drops
-the attention core (sbh/t x 34); full recomputation keeps only each checkpointed span's input.
+the attention core (sbh/t x 34) where it is unfused (with flash there is nothing to drop, so
+selective recomputes nothing there); full recomputation keeps only each checkpointed span's input.
 The same terms here are those of this code base's layers, so the estimate tracks what really
 stays alive:
 - norms keep their input in fp32 (statistics are computed in fp32) and their per-token
@@ -23,7 +24,11 @@ stays alive:
 """
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megatron.core.transformer.attention import sdpa_kernel_for
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.training.memory_params import chunk_span
@@ -43,8 +48,16 @@ class ActivationSetup:
     def mask_bytes(self) -> int:
         return 1 if self.device == "cuda" else self.activation_bytes
 
+    def attention_kernel(self, config) -> Tuple[str, bool]:
+        """(kernel, K/V expanded) as attention.sdpa_kernel_for picks them for this setup."""
+        dtype = torch.float32 if self.activation_bytes == FP32 else torch.bfloat16
+        return sdpa_kernel_for(self.device, dtype, config.kv_channels,
+                               config.num_query_groups != config.num_attention_heads, False,
+                               self.training and config.attention_dropout > 0)
+
     def flash_attention(self, config) -> bool:
-        return self.device == "cuda" or not (self.training and config.attention_dropout > 0)
+        """A fused kernel (flash or memory-efficient): no s x s matrix is kept."""
+        return self.attention_kernel(config)[0] != "math"
 
 
 def _norm_terms(config, tokens: int, h: int, e: int) -> Dict[str, int]:
@@ -110,9 +123,11 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
 
 def layer_bytes(config, setup: ActivationSetup, recompute: Optional[str] = None) -> int:
     """One layer, one microbatch. ``recompute``: None, "selective" (the attention core is
-    recomputed) or "full" (nothing but the span inputs, see ``chunk_bytes``)."""
+    recomputed where the kernel keeps the s x s softmax; a no-op with a fused kernel, which
+    keeps only Q, K, V, output and log-sum-exp) or "full" (nothing but the span inputs, see
+    ``chunk_bytes``)."""
     terms = layer_terms(config, setup)
-    if recompute == "selective":
+    if recompute == "selective" and not setup.flash_attention(config):
         tp = config.tensor_model_parallel_size
         core = _attention_core_terms(config, setup, config.num_attention_heads // tp,
                                      config.num_query_groups // tp)

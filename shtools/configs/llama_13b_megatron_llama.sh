@@ -1,9 +1,10 @@
 # shellcheck shell=bash
 # LLaMA 13B with Megatron-LLaMA's flag set, flag for flag (Megatron-LLaMA's example 13B
-# launch line, the one tests/unit/test_arguments.py LAUNCH checks), its paths as variables:
+# launch line, the one tests/unit/test_arguments.py LAUNCH checks), its paths as variables,
+# less --recompute-activations (selective recomputation saves nothing with flash attention):
 # 40 layers, hidden 5120, 40 heads, FFN 13824, context 2048, RMSNorm 1e-6, SwiGLU, rotary
 # embeddings, no biases, bf16, TP=2 with sequence parallelism, PP=1, Megatron-LLaMA's
-# overlapped distributed optimizer (buckets of 2e8), selective recomputation; micro batch 2,
+# overlapped distributed optimizer (buckets of 2e8); micro batch 2,
 # global batch 64: 8 GPUs (data parallel 4) or any multiple of 2 GPUs that divides 32.
 #
 # It continues training a converted checkpoint (tools/checkpoint/convert.py hf-to-megatron):
@@ -57,5 +58,5 @@ CONFIG_FLAGS=(
     --tensorboard-dir "$TENSORBOARD_DIR" --tensorboard-queue-size 1000
     --log-timers-to-tensorboard
     --log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard --job-name "$JOB_NAME"
-    --bf16 --recompute-activations --recompute-granularity selective --use-flash-attn
+    --bf16 --use-flash-attn
 )
