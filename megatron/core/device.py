@@ -191,3 +191,13 @@ def max_memory_allocated() -> Optional[int]:
     if device_type() != "cuda":
         return None
     return torch.cuda.max_memory_allocated()
+
+
+def timing_event():
+    """A timing event recorded now on the current CUDA stream; None on CPU (where the host
+    clock is the device's). Reading its time later needs no synchronize here."""
+    if device_type() != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

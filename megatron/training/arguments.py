@@ -251,6 +251,11 @@ def _add_logging_args(parser):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Timers printed at --log-interval: 1 adds forward-backward, optimizer "
+                        "and all-grads-sync; 2 also forward-compute and batch-generator.")
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+                   help="Timer report across ranks: the max, min and max, or every rank.")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",

@@ -8,6 +8,7 @@ import torch
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.packed_seq_params import packed_seq_params_from_eod
 from megatron.training.batch import get_batch_from_config
+from megatron.training.timers import get_timers
 
 
 def model_provider_for(model_class):
@@ -33,8 +34,11 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def forward_step(data_iterator, model, configs):
     data = configs.dataset
+    timer = get_timers()("batch-generator", log_level=2)
+    timer.start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch_from_config(
         data_iterator, data, configs.training.micro_batch_size)
+    timer.stop()
     # Packed documents attend within themselves: boundaries, not a [b, 1, s, s] mask (one
     # host copy of the EOD positions per microbatch).
     packed = packed_seq_params_from_eod(tokens, data.eod_token) \

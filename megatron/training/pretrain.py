@@ -30,6 +30,7 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training.nan_guard import NanGuard
 from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.theoretical_memory import report_theoretical_memory
+from megatron.training.timers import Timers, set_timers
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_log import TrainingLogger
@@ -146,6 +147,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     forward_step = _with_configs(forward_step_func, configs)
 
     num_micro = gbs // (t.micro_batch_size * t.data_parallel_size)
+    # Read (and the device synchronised) only at --log-interval, by the logger.
+    timers = Timers(t.timing_log_level, t.timing_log_option)
+    set_timers(timers)  # for the script's forward step (batch-generator)
     logger = TrainingLogger(train_iters, gbs, args.seq_length, dist.get_world_size(),
                             flops_per_iteration=_flops(configs, args), peak_tflops=t.peak_tflops,
                             log_interval=t.log_interval, tensorboard_dir=t.tensorboard_dir,
@@ -153,7 +157,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                             log_timers_to_tensorboard=t.log_timers_to_tensorboard,
                             log_batch_size_to_tensorboard=t.log_batch_size_to_tensorboard,
                             log_validation_ppl_to_tensorboard=t.log_validation_ppl_to_tensorboard,
-                            log_throughput=t.log_throughput)
+                            log_throughput=t.log_throughput, timers=timers)
     logger.start()
     checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args))
     consumed_train, consumed_valid = resumed.consumed_train_samples, \
@@ -170,7 +174,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             losses, skipped, grad_norm, num_zeros = train_step(
                 forward_step, train_iter, model, optimizer, scheduler, num_micro,
                 args.seq_length, t.micro_batch_size,
-                partial(fault_injection.maybe_poison_gradients, iteration=iteration), trace=trace)
+                partial(fault_injection.maybe_poison_gradients, iteration=iteration), trace=trace,
+                timers=timers)
             finish_trace(trace, t)
             consumed_train += gbs
             history.append(losses)
@@ -204,6 +209,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     except CheckpointError as exc:
         _exit_with(exc, code=1)
     logger.close()
+    set_timers(None)
     return history
 
 

@@ -16,8 +16,10 @@ from megatron.core.pipeline_parallel import (
     build_model_chunks,
     get_forward_backward_func,
 )
+from megatron.core.pipeline_parallel.model_chunks import get_model_config
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.training.initialize import seed_for_model_init
+from megatron.training.timers import Timer, Timers
 
 
 def build_model(model_provider: Callable[..., torch.nn.Module], config, ddp_config,
@@ -78,25 +80,63 @@ def _average_losses_of_iterations(iterations: List[List[Dict[str, torch.Tensor]]
 def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], optimizer,
                scheduler, num_microbatches: int, seq_length: int, micro_batch_size: int,
                before_optimizer_step: Optional[Callable[[List[torch.nn.Module]], None]] = None,
-               trace: Optional[PipelineTrace] = None
+               trace: Optional[PipelineTrace] = None, timers: Optional[Timers] = None
                ) -> Tuple[Dict[str, float], bool, Optional[float], Optional[int]]:
     """Returns (mean reported losses, skipped?, grad norm, zeros in grads).
     ``before_optimizer_step(model)`` sees the reduced gradients (fault injection in tests);
-    ``trace`` records the schedule's steps (``--pipeline-trace-dir``)."""
+    ``trace`` records the schedule's steps (``--pipeline-trace-dir``); ``timers`` times
+    Megatron's forward-backward, optimizer (level 1), forward-compute (level 2) and
+    all-grads-sync (level 1: the whole finalize_model_grads)."""
+    timers = timers or Timers(log_level=0)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, forward_only=False, trace=trace)
+    config = get_model_config(model[0])
+    finalize = config.finalize_model_grads_func
+    if finalize is not None:
+        config.finalize_model_grads_func = _timed(finalize, timers("all-grads-sync", 1))
+    timers("forward-backward", log_level=1).start()
+    try:
+        losses = get_forward_backward_func()(
+            forward_step_func=_timed_forward_step(forward_step_func, timers),
+            data_iterator=data_iterator, model=model, num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=False,
+            trace=trace)
+    finally:
+        timers("forward-backward").stop()
+        if finalize is not None:
+            config.finalize_model_grads_func = finalize
     if before_optimizer_step is not None:
         before_optimizer_step(model)
+    timers("optimizer", log_level=1).start()
     ok, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer").stop()
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *
                        parallel_state.get_data_parallel_world_size())
     return _average_losses(losses), not ok, grad_norm, num_zeros
+
+
+def _timed(fn: Callable, timer) -> Callable:
+    def timed(*args, **kwargs):
+        timer.start()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer.stop()
+    return timed
+
+
+def _timed_forward_step(forward_step_func: Callable, timers: Timers) -> Callable:
+    """Megatron's forward-compute: the script's forward step and its loss function."""
+    timer = timers("forward-compute", log_level=2)
+    if not isinstance(timer, Timer):  # above --timing-log-level: leave the step alone
+        return forward_step_func
+
+    def forward_step(data_iterator, model):
+        output, loss_func = _timed(forward_step_func, timer)(data_iterator, model)
+        return output, _timed(loss_func, timer)
+    return forward_step
 
 
 @torch.no_grad()

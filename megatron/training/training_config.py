@@ -64,6 +64,8 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = None
     tensorboard_queue_size: int = 1000
     log_timers_to_tensorboard: bool = False
+    timing_log_level: int = 0  # 0, 1 or 2: which timers are printed
+    timing_log_option: str = "minmax"  # max | minmax | all, across ranks
     log_batch_size_to_tensorboard: bool = False
     log_validation_ppl_to_tensorboard: bool = False
     log_learning_rate_to_tensorboard: bool = True

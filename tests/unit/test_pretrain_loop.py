@@ -4,6 +4,7 @@ Megatron's timers. (Not in the test pool: its ranks are daemons, which cannot st
 DataLoader workers.)"""
 import contextlib
 import io
+import re
 import os
 
 import pytest
@@ -75,3 +76,41 @@ def test_num_workers_reaches_the_data_loader_and_changes_no_loss(world_of_one):
     assert len(history2) == 4 and all(h["lm loss"] > 0 for h in history2)
     assert history2 == history0  # bitwise: the samplers decide the order, not the workers
     assert "validation loss at iteration 4" in out2
+
+
+@contextlib.contextmanager
+def _counting_synchronize():
+    from megatron.core import device
+
+    calls = []
+    original = device.synchronize
+    device.synchronize = lambda: (calls.append(1), original())[1]
+    try:
+        yield calls
+    finally:
+        device.synchronize = original
+
+
+TIMER_LINE = re.compile(r"^    (\S+) \.*: \((\d+\.\d\d), (\d+\.\d\d)\)$")
+
+
+def test_timing_log_level_prints_megatrons_timers_and_syncs_only_to_read_them(world_of_one):
+    history, out, _, syncs = _pretrain(["--timing-log-level", "2", "--num-workers", "0"],
+                                       patch=_counting_synchronize)
+    assert out.count("(min, max) time across ranks (ms):") == 2  # iterations 2 and 4
+    timed = {}
+    for match in filter(None, map(TIMER_LINE.match, out.splitlines())):
+        timed.setdefault(match.group(1), []).append(
+            (float(match.group(2)), float(match.group(3))))
+    # Levels 1 and 2 of Megatron's names that the loop and the forward step time (the
+    # schedule's backward-compute and p2p timers are not wired).
+    assert set(timed) == {"forward-backward", "forward-compute", "batch-generator",
+                          "all-grads-sync", "optimizer"}
+    for name, values in timed.items():
+        assert len(values) == 2 and all(0 < low == high for low, high in values), name
+    # The device is waited for once per read of the timers, i.e. once per log interval.
+    assert len(syncs) == 2
+    # Level 0 (the default): no timer lines and no synchronize at all.
+    history0, out0, _, syncs0 = _pretrain(["--num-workers", "0"], patch=_counting_synchronize)
+    assert "time across ranks" not in out0 and syncs0 == []
+    assert history0 == history  # timing changes no number
