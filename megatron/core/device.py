@@ -201,3 +201,9 @@ def timing_event():
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+def reset_max_memory_allocated() -> None:
+    """Start a new peak for ``max_memory_allocated`` (no-op on CPU)."""
+    if device_type() == "cuda":
+        torch.cuda.reset_peak_memory_stats()

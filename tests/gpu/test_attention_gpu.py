@@ -1,0 +1,128 @@
+"""Attention on CUDA: the default path runs flash attention in bf16; each kernel
+``sdpa_kernel_for`` predicts is the one torch can run for our call; packed documents run
+torch's variable-length flash kernel, equal to one SDPA per document, at a sequence length where
+an s x s tensor would dwarf the measured peak."""
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tests.gpu.harness import run_on_gpu
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "math": SDPBackend.MATH}
+
+
+def _attention(dtype, heads=8, groups=4, head_dim=128):
+    from megatron.core.models import llama_config
+    from megatron.core.transformer.attention import SelfAttention
+
+    config = llama_config(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                          num_query_groups=groups, ffn_hidden_size=64, attention_dropout=0.0,
+                          hidden_dropout=0.0, params_dtype=dtype)
+    return SelfAttention(config, 1).to(dtype)
+
+
+def _default_path_is_flash():
+    from megatron.core import device
+
+    attention = _attention(torch.bfloat16)
+    hidden = torch.randn(512, 2, 1024, device=device.current_device(), dtype=torch.bfloat16,
+                         requires_grad=True)
+    # Flash only: raises "No available kernel" if our call cannot run it.
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out, _ = attention(hidden)
+        out.float().sum().backward()
+    return bool(torch.isfinite(hidden.grad).all())
+
+
+def test_default_attention_runs_flash_in_bf16(gpu_env):
+    assert run_on_gpu(_default_path_is_flash, world_size=1, backend="nccl") == [True]
+
+
+CASES = [  # dtype, head dim, query groups (of 8 heads), explicit mask
+    (torch.bfloat16, 128, 4, False), (torch.bfloat16, 128, 8, True),
+    (torch.bfloat16, 128, 4, True), (torch.float32, 64, 4, False),
+    (torch.float32, 64, 8, False), (torch.bfloat16, 320, 4, False),
+    (torch.float32, 30, 8, False),
+]
+
+
+def _predicted_kernel_runs():
+    from megatron.core import device
+    from megatron.core.transformer.attention import sdpa_kernel_for
+
+    results = []
+    for dtype, d, groups, with_mask in CASES:
+        attention = _attention(dtype, 8, groups, d)
+        kernel, _ = sdpa_kernel_for("cuda", dtype, d, groups != 8, with_mask, False)
+        dev, s = device.current_device(), 256
+        q = torch.randn(2, 8, s, d, device=dev, dtype=dtype)
+        k, v = (torch.randn(2, groups, s, d, device=dev, dtype=dtype) for _ in range(2))
+        mask = torch.ones(s, s, device=dev, dtype=torch.bool).triu(1) if with_mask else None
+
+        def runs(backend):
+            try:
+                with sdpa_kernel([backend]):
+                    attention._sdpa(q, k, v, mask, 0.0)
+                return True
+            except RuntimeError:
+                return False
+        fused = {name: runs(_BACKENDS[name]) for name in ("flash", "efficient")}
+        if kernel == "math":  # predicted math: really no fused kernel takes our call
+            results.append((dtype, d, groups, with_mask, kernel, not any(fused.values())))
+        else:
+            results.append((dtype, d, groups, with_mask, kernel, fused[kernel]))
+    return results
+
+
+def test_predicted_kernel_is_one_torch_runs(gpu_env):
+    (results,) = run_on_gpu(_predicted_kernel_runs, world_size=1, backend="nccl")
+    for *case, ok in results:
+        assert ok, case
+
+
+def _packed(seq_length, docs):
+    from megatron.core import device
+    from megatron.core.packed_seq_params import packed_seq_params_from_eod
+    import megatron.core.transformer.attention as attention_module
+
+    dev = device.current_device()
+    attention = _attention(torch.bfloat16)
+    tokens = torch.ones(1, seq_length, dtype=torch.long, device=dev)
+    tokens[0, torch.linspace(0, seq_length - 1, docs).long()] = 0  # EODs
+    packed = packed_seq_params_from_eod(tokens, 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = torch.randn(seq_length, 1, 1024, device=dev, dtype=torch.bfloat16, generator=g,
+                         requires_grad=True)
+    device.synchronize()
+    device.reset_max_memory_allocated()
+    out, _ = attention(hidden, packed_seq_params=packed)
+    out.float().sum().backward()
+    device.synchronize()
+    peak = device.max_memory_allocated()  # everything alive, the weights and input included
+    varlen_out, varlen_grad = out.detach().float(), hidden.grad.float()
+    # The same through one SDPA (flash) per document.
+    hidden.grad = None
+    saved, attention_module._varlen_attn = attention_module._varlen_attn, None
+    try:
+        out, _ = attention(hidden, packed_seq_params=packed)
+        out.float().sum().backward()
+    finally:
+        attention_module._varlen_attn = saved
+    return (saved is not None, peak, (varlen_out - out.detach().float()).abs().max().item(),
+            (varlen_grad - hidden.grad.float()).abs().max().item())
+
+
+def test_packed_documents_run_varlen_flash_without_s_by_s(gpu_env):
+    s = 65536
+    (has_varlen, peak, out_diff, grad_diff), = run_on_gpu(_packed, world_size=1,
+                                                           backend="nccl", seq_length=s,
+                                                           docs=24)
+    # One bf16 s x s matrix is 8 GiB here (the math kernel keeps one per head, 64 GiB); the
+    # packed step's activations are O(s): about 1.5-2 GiB, under half of one s x s matrix.
+    assert peak < s * s * 2 / 2, peak
+    if has_varlen:
+        # bf16: two flash kernels with other tilings round differently (~1e-2 relative).
+        assert out_diff < 5e-2 and grad_diff < 5e-1, (out_diff, grad_diff)
