@@ -22,6 +22,9 @@
 #   TORCHRUN       the launcher command (default torchrun; e.g. "python3 -m torch.distributed.run")
 #   DRY_RUN        1: print the command instead of running it
 set -euo pipefail
+# One hardware queue per GPU: kernels run in issue order, so a tensor-parallel collective
+# issued before a GEMM overlaps it (Megatron requires it for TP; pretrain checks it on CUDA).
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 CONFIG=${CONFIG:-shtools/configs/gpt_small.sh}

@@ -274,3 +274,22 @@ def test_slurm_requeues_until_the_checkpoint_reaches_train_iters(
     assert proc.returncode == expect_rc, proc.stderr
     requeued = log.read_text().split() if log.exists() else []
     assert requeued == (["requeue", "777"] if expect_requeue else []), proc.stderr
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_launchers_export_cuda_device_max_connections(launcher, files, tmp_path):
+    """What the launched command sees: CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor-parallel
+    communication overlaps GEMMs only with one hardware queue), even if the caller set it."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "seen"
+    bin_dir.mkdir()
+    for tool in ("torchrun", "srun"):  # stand-ins that record what the job would get
+        (bin_dir / tool).write_text(
+            f'#!/bin/bash\necho "${{CUDA_DEVICE_MAX_CONNECTIONS:-unset}}" > {seen}\n')
+        os.chmod(bin_dir / tool, 0o755)
+    env = clean_env(CUDA_DEVICE_MAX_CONNECTIONS=8, CONFIG=CONFIGS["gpt_small"],
+                    CHECKPOINT_DIR=files["ck"], SLURM_JOB_ID=1, SLURM_NNODES=1,
+                    SLURM_SUBMIT_DIR=ROOT, MASTER_ADDR="localhost", AUTO_REQUEUE=0)
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    subprocess.run(["bash", os.path.join(ROOT, "shtools", "launch", launcher)], env=env,
+                   cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert seen.read_text().strip() == "1"

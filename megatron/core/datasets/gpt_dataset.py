@@ -157,7 +157,10 @@ def _atomic_write(path: str, write) -> None:
 
 
 def _tell_others(failed: bool) -> None:
-    """Rank 0's build status to every rank; also the barrier the loaders wait on."""
+    """Rank 0's build status to every rank; also the barrier the loaders wait on. The others
+    wait in this broadcast on the world group for at most its timeout, which is
+    --distributed-timeout-minutes (nccl's watchdog uses the same): raise it for index builds
+    that take longer."""
     from megatron.core import device
 
     status = device.tensor([1 if failed else 0], dtype=torch.int32)
