@@ -203,6 +203,28 @@ def timing_event():
     return event
 
 
+def host_empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A host tensor for device-to-host copies: pinned on CUDA (so a non_blocking copy into it
+    is truly asynchronous and runs at full bandwidth), plain memory on CPU."""
+    return torch.empty(*size, dtype=dtype, device="cpu", pin_memory=device_type() == "cuda")
+
+
+def record_event():
+    """An event marking the work issued so far on the current stream (e.g. non_blocking
+    copies); None on CPU, where that work is already done."""
+    if device_type() != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def wait_event(event) -> None:
+    """Block the calling thread (not the device) until ``event`` has passed; None: no-op."""
+    if event is not None:
+        event.synchronize()
+
+
 def reset_max_memory_allocated() -> None:
     """Start a new peak for ``max_memory_allocated`` (no-op on CPU)."""
     if device_type() == "cuda":

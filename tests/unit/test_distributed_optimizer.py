@@ -60,7 +60,9 @@ def _build(kind, bucket_size=None, dtype=torch.float32, seed=42):
     return model, get_megatron_optimizer(opt_config, [model])
 
 
-def _train(model, optimizer, batches, counts=None):
+def _train(model, optimizer, batches, counts=None, finish=True):
+    """Steps on ``batches``; the parameters after each step (``finish=False``: the last step's
+    overlapped all-gathers are left in flight and its parameters are not recorded)."""
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     history = []
     for batch in batches:
@@ -87,8 +89,9 @@ def _train(model, optimizer, batches, counts=None):
             counts.append(dict(before_last=before_last[-1], forward_backward=fb,
                                total=dict(totals), pending_gathers=pending))
         history.append(None)
-    model.finish_param_sync()
-    history[-1] = _snapshot(model)
+    if finish:
+        model.finish_param_sync()
+        history[-1] = _snapshot(model)
     return history
 
 

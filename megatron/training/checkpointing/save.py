@@ -12,7 +12,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.layout import current_layout, model_key
 from megatron.training.checkpointing.paths import (
@@ -85,14 +85,30 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     """Collective: every rank calls it. Returns once the state is captured (async) or saved."""
     t = configs.training
     writer.wait()  # one save at a time: the previous one is published first
-    # The background write needs a copy that training will not change (and host memory).
-    snapshot = (lambda x: x.detach().to("cpu", copy=True)) if writer.async_save else \
-        (lambda x: x.detach())
+    for chunk in model_chunks:
+        # --overlap-param-gather: the step's all-gathers may still be writing the parameters
+        # this save reads (whatever else it saves).
+        finish_param_sync = getattr(chunk, "finish_param_sync", None)
+        if finish_param_sync is not None:
+            finish_param_sync()
+    # The background write needs a copy that training will not change, in host memory: the
+    # writer's reused host buffers, filled without blocking (the writer waits for them).
+    host = writer.host if writer.async_save else None
+    if host is not None:
+        host.start()
+        snapshot = host.snapshot
+    else:
+        snapshot = lambda tree, name: _map_tensors(tree, lambda x: x.detach())
     dp_root = parallel_state.get_data_parallel_rank() == 0
     optimizer_state = None
     if not t.no_save_optim and (configs.optimizer.sharded or dp_root):
-        optimizer_state = _map_tensors(optimizer.state_dict(), snapshot)  # dist: gathers
-    rng_states = None if t.no_save_rng else _gather_rng_states()
+        if configs.optimizer.sharded and host is not None:  # gathers straight into them
+            state = optimizer.state_dict(host_tensor=lambda name, key, shape: host.tensor(
+                f"optimizer/params/{name}/{key}", shape, torch.float32))
+        else:
+            state = optimizer.state_dict()  # distributed: gathers to DP rank 0
+        optimizer_state = snapshot(state, "optimizer")
+    rng_states = None if t.no_save_rng else snapshot(_gather_rng_states(), "rng_state")
 
     staging = os.path.join(root, iteration_dir_name(iteration) + STAGING_SUFFIX)
     if dist.get_rank() == 0:
@@ -109,8 +125,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
                  "consumed_valid_samples": consumed_valid_samples}
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
         for c, chunk in enumerate(model_chunks):
-            state[model_key(c, vpp)] = {k: snapshot(v) for k, v in
-                                        unwrap_model(chunk).state_dict().items()}
+            key = model_key(c, vpp)
+            state[key] = snapshot(unwrap_model(chunk).state_dict(), key)
         if optimizer_state is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
             if not configs.optimizer.sharded:
@@ -134,4 +150,4 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         if dist.get_rank() == 0:
             publish(root, staging, iteration_dir_name(iteration), iteration)
 
-    writer.submit(write, finalize)
+    writer.submit(write, finalize, ready=device.record_event())

@@ -7,9 +7,14 @@ and when all are, the save is published. The next save and the end of training w
 pending one. A save is published (``finalize``: the directory rename and the tracker file)
 only after every rank's writes succeeded; a failed write raises on every rank and leaves the
 previous checkpoint the latest.
+
+An async save writes host copies taken at save time (``HostBuffers``): allocated by the first
+save and reused by every later one (pinned on CUDA), filled by non_blocking device-to-host
+copies; the writer thread waits for them (one event), so training is held up only while the
+copies are issued, not while they run or while files are written.
 """
 import threading
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,20 +24,91 @@ from megatron.core import device
 from megatron.training.checkpointing.paths import CheckpointError
 
 
+class HostBuffers:
+    """Host copies of a save's tensors, one buffer per storage, kept for the next save.
+
+    Buffers are named by where their tensor sits in the checkpoint (the same names every
+    save), so the second save reuses the first one's memory. A snapshot copies whole storages
+    and rebuilds each tensor as the same view of the copy: ``torch.save`` then writes the same
+    bytes as for the live tensors (it too writes whole storages)."""
+
+    def __init__(self):
+        self.buffers: Dict[str, torch.Tensor] = {}  # name -> uint8 host tensor
+        self._ours = set()  # data_ptr of every buffer
+        self._taken = set()  # names filled by the current save
+
+    def start(self) -> None:
+        """A new save: every buffer may be filled again."""
+        self._taken = set()
+
+    def _buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        if name in self._taken:  # two tensors in one buffer would overwrite each other
+            raise RuntimeError(f"checkpoint snapshot: the name {name} is used twice")
+        self._taken.add(name)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() != nbytes:  # new, or the model changed shape
+            if buffer is not None:
+                self._ours.discard(buffer.data_ptr())
+            buffer = self.buffers[name] = device.host_empty(nbytes, dtype=torch.uint8)
+            self._ours.add(buffer.data_ptr())
+        return buffer
+
+    def tensor(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of that shape and dtype in the buffer ``name`` (to be filled)."""
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        return self._buffer(name, nbytes).view(dtype).view(shape)
+
+    def snapshot(self, tree, name: str = ""):
+        """``tree`` with every tensor replaced by its copy in a host buffer (copies issued
+        non_blocking: record an event before reading them). Tensors already in our buffers
+        (filled by ``tensor()``) are kept as they are."""
+        copies: Dict[tuple, torch.Tensor] = {}  # (device, data_ptr) of a storage -> its copy
+
+        def copy(x: torch.Tensor, path: str) -> torch.Tensor:
+            x = x.detach()
+            storage = x.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in self._ours:
+                return x
+            key = (storage.device, storage.data_ptr())
+            if key not in copies:
+                host = self._buffer(path, storage.nbytes())
+                whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                host.copy_(whole, non_blocking=True)
+                copies[key] = host
+            return torch.empty(0, dtype=x.dtype).set_(
+                copies[key].untyped_storage(), x.storage_offset(), x.shape, x.stride())
+
+        def walk(value, path):
+            if torch.is_tensor(value):
+                return copy(value, path)
+            if isinstance(value, dict):
+                return {k: walk(v, f"{path}/{k}") for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+            return value
+
+        return walk(tree, name)
+
+
 class _Pending:
-    def __init__(self, write: Callable[[], None], finalize: Callable[[], None], background):
+    def __init__(self, write: Callable[[], None], finalize: Callable[[], None], background,
+                 ready=None):
         self.finalize = finalize
         self.error: Optional[str] = None
         self.thread = None
         if background:
-            self.thread = threading.Thread(target=self._run, args=(write,), daemon=True,
+            self.thread = threading.Thread(target=self._run, args=(write, ready), daemon=True,
                                            name="checkpoint-writer")
             self.thread.start()
         else:
-            self._run(write)
+            self._run(write, ready)
 
-    def _run(self, write):
+    def _run(self, write, ready):
         try:
+            device.wait_event(ready)  # the device-to-host copies of the snapshot
             write()
         except Exception as exc:  # reported on every rank by _complete
             self.error = f"{type(exc).__name__}: {exc}"
@@ -45,14 +121,17 @@ class CheckpointWriter:
     def __init__(self, async_save: bool = False):
         self.async_save = async_save
         self._pending: Optional[_Pending] = None
+        self.host = HostBuffers()  # used by async saves only
 
     @property
     def pending(self) -> bool:
         return self._pending is not None
 
-    def submit(self, write: Callable[[], None], finalize: Callable[[], None]) -> None:
+    def submit(self, write: Callable[[], None], finalize: Callable[[], None],
+               ready=None) -> None:
+        """``ready``: an event (``device.record_event()``) the writes must wait for."""
         self.wait()
-        self._pending = _Pending(write, finalize, background=self.async_save)
+        self._pending = _Pending(write, finalize, background=self.async_save, ready=ready)
         if not self.async_save:
             self._complete()
 
