@@ -87,16 +87,23 @@ def _get_batch_on_tp_ranks():
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         iterator, eod_token=0, reset_position_ids=True, reset_attention_mask=True,
         eod_mask_loss=True)
+    from megatron.core.packed_seq_params import packed_seq_params_from_eod
+
+    # No [b, 1, s, s] mask: packed documents go to attention as boundaries.
+    packed = packed_seq_params_from_eod(tokens, 0)
     return (source, tokens.tolist(), labels.tolist(), loss_mask.tolist(),
-            attention_mask.tolist(), position_ids.tolist())
+            (attention_mask, packed.cu_seqlens.tolist(), packed.max_seqlen),
+            position_ids.tolist())
 
 
 def test_get_batch_is_identical_on_every_tp_rank():
     rank0, rank1 = run_distributed(_get_batch_on_tp_ranks, world_size=2, tp=2)
     assert rank0[0] is True and rank1[0] is False  # only TP rank 0 had an iterator
     assert rank0[1:] == rank1[1:]
-    _, tokens, labels, loss_mask, _, position_ids = rank1
+    _, tokens, labels, loss_mask, packed, position_ids = rank1
     assert tokens == [[11, 12, 0, 13], [21, 0, 22, 23]]
+    # Documents [11 12 0] [13] | [21 0] [22 23]: an EOD ends its document, so does a row.
+    assert packed == (None, [0, 3, 4, 6, 8], 3)
     assert labels == [[12, 0, 13, 14], [0, 22, 23, 24]]
     assert loss_mask == [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]]
     assert position_ids == [[0, 1, 2, 0], [0, 1, 0, 1]]
