@@ -10,8 +10,8 @@ the attention core (sbh/t x 34) where it is unfused (with flash there is nothing
 selective recomputes nothing there); full recomputation keeps only each checkpointed span's input.
 The same terms here are those of this code base's layers, so the estimate tracks what really
 stays alive:
-- norms keep their input in fp32 (statistics are computed in fp32) and their per-token
-  statistics; RMSNorm also keeps its normalized output for the weight's gradient;
+- LayerNorm keeps its input in fp32 (statistics are computed in fp32) and its per-token mean
+  and rstd; RMSNorm keeps its input as it is and its per-token rstd (it recomputes the rest);
 - attention is SDPA: the flash/memory-efficient kernels (CUDA, and CPU without attention
   dropout) keep Q, K, V, the output and the log-sum-exp, no s x s matrix; CPU with attention
   dropout runs the unfused math path, which keeps Korthikanti's softmax, mask and dropout
@@ -61,11 +61,9 @@ class ActivationSetup:
 
 
 def _norm_terms(config, tokens: int, h: int, e: int) -> Dict[str, int]:
-    terms = {"norm input (fp32)": FP32 * tokens * h,
-             "norm statistics": FP32 * tokens * (1 if config.normalization == "RMSNorm" else 2)}
     if config.normalization == "RMSNorm":
-        terms["norm output before weight"] = e * tokens * h
-    return terms
+        return {"norm input": e * tokens * h, "norm statistics": FP32 * tokens}
+    return {"norm input (fp32)": FP32 * tokens * h, "norm statistics": 2 * FP32 * tokens}
 
 
 def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
@@ -208,8 +206,10 @@ def chunk_bytes(config, setup: ActivationSetup, pipeline_rank: int, chunk: int =
     total = layers_bytes(config, setup, span.end - span.start) + rotary_bytes(config, setup)
     if span.pre_process:
         total += embedding_bytes(config, setup)
-    elif setup.activation_bytes != FP32 and config.recompute_granularity != "full":
-        # The received input stays alive for backward; the first norm keeps an fp32 copy.
+    elif setup.activation_bytes != FP32 and config.recompute_granularity != "full" and \
+            config.normalization != "RMSNorm":
+        # The received input stays alive for backward; the first LayerNorm keeps an fp32 copy
+        # (RMSNorm keeps the received input itself, counted as its norm input).
         total += _hidden_input_bytes(config, setup)
     if span.post_process:
         total += output_bytes(config, setup)

@@ -95,7 +95,12 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _reduce(x.clone() if _tp_size() > 1 else x)
+        # All-reduce in place, no copy: the callers pass a partial sum that only this reduction
+        # reads (a GEMM output, the masked embedding lookup). mark_dirty bumps its version, so
+        # autograd raises rather than silently using it if something had saved it.
+        if _tp_size() > 1:
+            ctx.mark_dirty(x)
+        return _reduce(x)
 
     @staticmethod
     def backward(ctx, grad):

@@ -5,6 +5,41 @@ import torch.nn.functional as F
 from megatron.core import device
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``(x * rstd).to(x.dtype) * weight`` with rstd = 1 / sqrt(mean(x^2) + eps) in fp32.
+
+    Keeps for backward only the input (in its own dtype) and rstd (one float a token); the
+    normalized output the weight gradient needs is recomputed from them (one multiply), instead
+    of autograd keeping an fp32 copy of the input and the normalized output as well. The
+    arithmetic is that of F.rms_norm and autograd's backward of it, op for op, so fp32 results
+    are bitwise the same.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+        normed = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(x, rstd, weight)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        xf = x.float()
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * (xf * rstd).to(x.dtype)).sum_to_size(weight.shape)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            g = (grad * weight).float()
+            # d/dx of x * rstd(x): g * rstd + x * (2 / n) * (-rstd^3 / 2) * sum(g * x)
+            grad_rstd = (g * xf).sum(-1, keepdim=True)
+            grad_mean_sq = (grad_rstd * (rstd.pow(3) * -0.5)).expand_as(xf) / xf.shape[-1]
+            grad_input = (g * rstd + grad_mean_sq * (xf * 2)).to(x.dtype)
+        return grad_input, grad_weight, None
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, params_dtype=torch.float32):
         super().__init__()
@@ -13,8 +48,7 @@ class RMSNorm(torch.nn.Module):
                                                     device=device.current_device()))
 
     def forward(self, x):
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return normed * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class LayerNorm(torch.nn.Module):

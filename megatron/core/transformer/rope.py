@@ -54,6 +54,6 @@ def _rotate_half(x):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [b, s, heads, d]; rotates the first rotary_dim channels, passes the rest through."""
     rot_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    x_rot = (x_rot.float() * cos + _rotate_half(x_rot.float()) * sin).to(x.dtype)
-    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+    x_rot = x[..., :rot_dim].float()  # one cast (none in fp32); the rotation is done in fp32
+    x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
+    return torch.cat((x_rot, x[..., rot_dim:]), dim=-1) if rot_dim < x.shape[-1] else x_rot
