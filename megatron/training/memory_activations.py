@@ -109,6 +109,8 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
         # Its output is the storage the output projection keeps (a view: the projection's
         # linear saves its 3-D input as given), counted as that GEMM's input.
         terms = {"attention log-sum-exp": FP32 * b * heads * s}
+        if setup.attention_kernel(config)[1]:  # memory-efficient kernel under GQA (CUDA)
+            terms["K, V expanded to all heads"] = 2 * e * s * b * heads * d
         return terms
     # Unfused (CPU with attention dropout): scaled Q and K^T copies, softmax, dropout mask
     # and dropout output, and K/V expanded to all heads under grouped-query attention.
