@@ -105,7 +105,8 @@ def _async_and_sync_saves(tmp_path, kind):
               CheckpointWriter())
     after_save = _train(model, optimizer, batches[2:])  # while the last write may run
     writer.wait()
-    return pointers, after_save
+    pinned = [b.is_pinned() for b in writer.host.buffers.values()]
+    return pointers, after_save, pinned, next(model.parameters()).device.type
 
 
 def _resume(tmp_path, kind):
@@ -120,15 +121,16 @@ def _resume(tmp_path, kind):
 def test_async_save_reuses_host_buffers_writes_sync_bytes_and_resumes(tmp_path, kind):
     ranks = run_distributed(_async_and_sync_saves, world_size=2, tp=1, tmp_path=tmp_path,
                             kind=kind)
-    for first, second in (r[0] for r in ranks):
+    for (first, second), _, pinned, where in ranks:
         assert first and first == second  # the second save filled the first one's buffers
+        assert where == "cpu" and not any(pinned)  # pinned on CUDA: tests/gpu
     for iteration in (1, 2):
         name = f"iter_{iteration:07d}"
         want = _files(tmp_path / f"sync{iteration}" / name)
         assert want and _files(tmp_path / "async" / name) == want
         if kind == "distributed":
             assert any(path.endswith("distrib_optim.pt") for path in want)
-    for (iteration, got), (_, want) in zip(
+    for (iteration, got), (_, want, _, _) in zip(
             run_distributed(_resume, world_size=2, tp=1, tmp_path=tmp_path, kind=kind), ranks):
         assert iteration == 2
         for a, b in zip(got, want):
