@@ -236,3 +236,41 @@ def test_cross_entropy_inplace_equals_copy(tp):
             _inplace_matches_copy, world_size=tp, tp=tp):
         assert same_loss and same_grad and leaves_intact
         assert copy_kept and not inplace_kept  # inplace really reuses the caller's buffer
+
+
+def _vectorized_vs_chunked(label_smoothing):
+    """fp32 logits over 140 rows (3 chunks of 64), the model's in-place call."""
+    from tests.allocation_tracker import track_allocations
+    tp_size, _ = _tp()
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(70, 2, 32, generator=g)
+    target = torch.randint(0, 30, (70, 2), generator=g)
+    dloss = torch.rand(70, 2, generator=g)
+    out = {}
+    for vectorized in (False, True):
+        x = _shard(logits, -1).clone().requires_grad_()
+        feed = x * 1.0  # non-leaf logits the function overwrites, as the model's
+        with track_allocations() as track:
+            loss = vocab_parallel_cross_entropy(feed, target, label_smoothing, vocab_size=30,
+                                                inplace=True, vectorized=vectorized)
+            (grad,) = torch.autograd.grad(loss, feed, dloss)
+        track.finish()
+        largest = max(e[2] for e in track.events if e[0] == "alloc")
+        out[vectorized] = (loss.detach(), grad, track.peak_temporary + track.kept, largest,
+                           grad.data_ptr() == feed.data_ptr())
+    return out, x.numel() * 4
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_vectorized_equals_chunked(tp, label_smoothing):
+    """One pass over all rows (the default; CUDA's launch count) gives bitwise the chunked
+    numbers, and in the same memory: the gradient is the logits buffer itself, and nothing
+    else of the logits' size is allocated (peak bytes of every aten allocation, CPU)."""
+    for out, logits_bytes in run_distributed(_vectorized_vs_chunked, world_size=tp, tp=tp,
+                                             label_smoothing=label_smoothing):
+        (loss_c, grad_c, peak_c, largest_c, _), (loss_v, grad_v, peak_v, largest_v, in_place) = \
+            out[False], out[True]
+        assert torch.equal(loss_v, loss_c) and torch.equal(grad_v, grad_c)
+        assert in_place and largest_v < logits_bytes
+        assert peak_v <= peak_c

@@ -20,13 +20,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.utils import vocab_range_for_rank
 
-# Rows processed together in the exp/sum pass, so the chunk stays in cache between the ops.
+# Rows per pass with vectorized=False (meant to keep a chunk in cache between the ops). The
+# default is one pass over all rows: on CUDA each op is one launch instead of ~128 iterations x
+# 3-4 launches per microbatch, and on CPU it measured faster too (fwd+bwd on [1024, 32000],
+# 2 threads: ~175-280 ms against ~320-460 ms chunked, on a loaded machine).
 _ROWS_PER_CHUNK = 64
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, label_smoothing, vocab_size, inplace):
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing, vocab_size, inplace,
+                vectorized):
         group = parallel_state.get_tensor_model_parallel_group()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         partition = vocab_parallel_logits.shape[-1]
@@ -54,9 +58,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = logits_max.view(-1, 1)
         sum_exp = torch.empty(rows.shape[0], dtype=torch.float32, device=work.device)
         sum_logits = torch.zeros_like(sum_exp) if label_smoothing > 0 else None
-        for begin in range(0, rows.shape[0], _ROWS_PER_CHUNK):
-            chunk = rows[begin:begin + _ROWS_PER_CHUNK]
-            chunk.sub_(row_max[begin:begin + _ROWS_PER_CHUNK])
+        # The same in-place ops on all rows at once (vectorized) or on 64 rows at a time.
+        step = rows.shape[0] if vectorized else _ROWS_PER_CHUNK
+        for begin in range(0, rows.shape[0], step):
+            chunk = rows[begin:begin + step]
+            chunk.sub_(row_max[begin:begin + step])
             if sum_logits is not None:
                 sum_logits[begin:begin + chunk.shape[0]] = chunk[:, :valid].sum(dim=-1)
             torch.sum(chunk.exp_(), dim=-1, out=sum_exp[begin:begin + chunk.shape[0]])
@@ -88,17 +94,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local_target.unsqueeze(-1), on_target.unsqueeze(-1))
         if eps > 0:
             grad[..., :ctx.valid].sub_((eps / ctx.num_classes * grad_output).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0, vocab_size: Optional[int] = None,
-                                 inplace: bool = False) -> torch.Tensor:
+                                 inplace: bool = False,
+                                 vectorized: bool = True) -> torch.Tensor:
     """Per-token loss (shape of ``target``) from this rank's vocab slice of the logits.
 
     ``target`` holds global token ids; ``vocab_size`` is the unpadded vocabulary (defaults to
     the padded one, i.e. nothing excluded). ``inplace=True`` lets fp32 logits be overwritten
     (saves a copy of the largest activation); pass it only for logits nothing else reads.
+    ``vectorized``: one pass over all rows (default) or 64-row chunks; the numbers are
+    bitwise the same on CPU (each row is reduced alike) and the memory too (all in place).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
@@ -106,4 +115,4 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         raise ValueError(f"logits {tuple(vocab_parallel_logits.shape)} and target "
                          f"{tuple(target.shape)} disagree on the leading dimensions.")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits.contiguous(), target,
-                                            label_smoothing, vocab_size, inplace)
+                                            label_smoothing, vocab_size, inplace, vectorized)
