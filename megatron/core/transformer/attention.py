@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel import (
     checkpoint,
     get_rng_tracker,
 )
-from megatron.core.transformer.rope import apply_rotary
+from megatron.core.transformer.rope import rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -104,6 +104,7 @@ class SelfAttention(torch.nn.Module):
         check_attention_partition(config, tp_size)
         self.config = config
         self.layer_number = layer_number
+        self.apply_rotary = rotary_function(config)  # compiled under --torch-compile
         self.head_dim = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = divide(config.num_query_groups, tp_size)
@@ -132,8 +133,8 @@ class SelfAttention(torch.nn.Module):
         query = query.reshape(b, s, self.local_heads, self.head_dim)
         key, value = key.squeeze(3), value.squeeze(3)
         if rotary_cos is not None:
-            query = apply_rotary(query, rotary_cos, rotary_sin)
-            key = apply_rotary(key, rotary_cos, rotary_sin)
+            query = self.apply_rotary(query, rotary_cos, rotary_sin)
+            key = self.apply_rotary(key, rotary_cos, rotary_sin)
         dropout = self.config.attention_dropout if self.training else 0.0
         kernel, _ = self._kernel(query, attention_mask if packed_seq_params is None else None,
                                  dropout)

@@ -7,13 +7,29 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.norms import compiled
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+
+def _swiglu(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"swiglu": _swiglu, "gelu_tanh": _gelu_tanh, "gelu": F.gelu}
 
 
 class MLP(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
         self.activation = config.activation
+        activation = _ACTIVATIONS[config.activation]
+        # --torch-compile: SwiGLU's chunk, SiLU and product become one kernel.
+        self.activation_func = compiled(activation) if config.torch_compile else activation
         gated = config.activation == "swiglu"
         out_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
                     if config.scaled_output_init else init_method_normal(config.init_method_std))
@@ -29,11 +45,4 @@ class MLP(torch.nn.Module):
     def forward(self, hidden):
         """hidden [s, b, h] -> (output [s, b, h], bias or None)."""
         x, _ = self.linear_fc1(hidden)
-        if self.activation == "swiglu":
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        elif self.activation == "gelu_tanh":
-            x = F.gelu(x, approximate="tanh")
-        else:
-            x = F.gelu(x)
-        return self.linear_fc2(x)
+        return self.linear_fc2(self.activation_func(x))

@@ -1,8 +1,41 @@
-"""LayerNorm and RMSNorm over the last dimension, statistics in fp32."""
+"""LayerNorm and RMSNorm over the last dimension, statistics in fp32.
+
+With ``compile=True`` (--torch-compile) a norm runs as one torch.compile'd function of plain
+ops (inductor fuses the statistics, the scaling and the casts, and picks what to save), and
+``residual_forward`` also fuses the residual add that precedes it.
+"""
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from megatron.core import device
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(fn):
+    """``fn`` compiled once, shared by all layers: a whole graph (no breaks), static shapes
+    (one microbatch shape per run)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def _rms_norm(x, weight, eps):
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def _layer_norm(x, weight, bias, eps):
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(),
+                        eps).to(x.dtype)
+
+
+def _add_residual_rms_norm(residual, out, bias, weight, eps):
+    hidden = residual + (out if bias is None else out + bias)
+    return hidden, _rms_norm(hidden, weight, eps)
+
+
+def _add_residual_layer_norm(residual, out, bias, weight, norm_bias, eps):
+    hidden = residual + (out if bias is None else out + bias)
+    return hidden, _layer_norm(hidden, weight, norm_bias, eps)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -41,34 +74,50 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float, params_dtype=torch.float32):
+    def __init__(self, hidden_size: int, eps: float, params_dtype=torch.float32,
+                 compile: bool = False):
         super().__init__()
         self.eps = eps
+        self.compile = compile
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=params_dtype,
                                                     device=device.current_device()))
 
     def forward(self, x):
+        if self.compile:
+            return compiled(_rms_norm)(x, self.weight, self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+    def residual_forward(self, residual, out, bias=None):
+        """(residual + out + bias, its norm), one compiled function."""
+        return compiled(_add_residual_rms_norm)(residual, out, bias, self.weight, self.eps)
 
 
 class LayerNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float, params_dtype=torch.float32):
+    def __init__(self, hidden_size: int, eps: float, params_dtype=torch.float32,
+                 compile: bool = False):
         super().__init__()
         self.eps = eps
+        self.compile = compile
         dev = device.current_device()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=dev))
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=dev))
 
     def forward(self, x):
-        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(),
-                            self.eps).to(x.dtype)
+        fn = compiled(_layer_norm) if self.compile else _layer_norm
+        return fn(x, self.weight, self.bias, self.eps)
+
+    def residual_forward(self, residual, out, bias=None):
+        """(residual + out + bias, its norm), one compiled function."""
+        return compiled(_add_residual_layer_norm)(residual, out, bias, self.weight, self.bias,
+                                                  self.eps)
 
 
 def build_norm(config, hidden_size=None):
     """The config's norm; under sequence parallelism its parameters see only a sequence shard,
     so they are marked for the TP all-reduce of their gradients."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    norm = cls(hidden_size or config.hidden_size, config.layernorm_epsilon, config.params_dtype)
+    norm = cls(hidden_size or config.hidden_size, config.layernorm_epsilon, config.params_dtype,
+               compile=config.torch_compile)
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel
     return norm

@@ -57,3 +57,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x_rot = x[..., :rot_dim].float()  # one cast (none in fp32); the rotation is done in fp32
     x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
     return torch.cat((x_rot, x[..., rot_dim:]), dim=-1) if rot_dim < x.shape[-1] else x_rot
+
+
+def rotary_function(config):
+    """apply_rotary, torch.compile'd under --torch-compile (the casts, rotation and products
+    become one kernel; shared by all layers)."""
+    if config.torch_compile:
+        from megatron.core.transformer.norms import compiled
+        return compiled(apply_rotary)
+    return apply_rotary

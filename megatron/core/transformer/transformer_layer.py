@@ -39,6 +39,12 @@ class TransformerLayer(torch.nn.Module):
                 packed_seq_params=None):
         out, bias = self.self_attention(self.input_layernorm(hidden), attention_mask,
                                         rotary_cos, rotary_sin, packed_seq_params)
-        hidden = self._residual(hidden, out, bias)
-        out, bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        if self.config.torch_compile and not (self.training and self.config.hidden_dropout > 0):
+            # One compiled kernel for the bias and residual adds and the norm after them
+            # (dropout stays eager: it draws from our RNG tracker).
+            hidden, normed = self.pre_mlp_layernorm.residual_forward(hidden, out, bias)
+        else:
+            hidden = self._residual(hidden, out, bias)
+            normed = self.pre_mlp_layernorm(hidden)
+        out, bias = self.mlp(normed)
         return self._residual(hidden, out, bias)
