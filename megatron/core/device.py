@@ -30,6 +30,7 @@ MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
 class DeviceSetupError(RuntimeError):
     """The job cannot run on this machine as launched; the message names the fix."""
 
+
 _device_type_override: Optional[str] = None
 
 
