@@ -1,0 +1,77 @@
+"""TP=2, PP=2 (1F1B and interleaved) and DP=2 with the distributed optimizer on CUDA tensors,
+each equal to one process, through pretrain_llama.py's pretrain() (tiny LLaMA, 6 iterations).
+
+Several ranks share the one GPU with gloo collectives on CUDA tensors (see harness.py: gloo
+takes CUDA tensors for all_reduce, broadcast, all_gather[_into_tensor] and reduce_scatter_tensor,
+not for send/recv, so pipeline messages are staged through host memory in these tests only).
+The reference is one process on nccl, the backend's only run here. Left untested by this
+file: nccl between ranks (its communicators, streams and p2p), CUDA-device p2p, and real
+overlap of communication with compute across GPUs; those need one GPU per rank (docs/gpu.md).
+"""
+import pytest
+import torch
+
+from tests.e2e.runner import LLAMA, TINY
+from tests.gpu.harness import last_stage_losses, pretrain_losses, run_on_gpu
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# fp32 with TF32 off: the layouts differ only in the order of sums (as on CPU, tests/e2e).
+FP32_TOL = 1e-5
+# bf16 (8 mantissa bits, 3.9e-3 relative per rounding): a TP all-reduce or a split GEMM rounds
+# other partial sums than one GEMM does, and the differences compound over 6 Adam steps; a loss
+# near ln(65) = 4.2 may move by ~1e-2 (a broken stream order or stale buffer moves it by far
+# more, or to NaN).
+BF16_TOL = 3e-2
+
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "pp2_1f1b": ["--pipeline-model-parallel-size", "2"],
+    "pp2_interleaved": ["--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"],
+    "dp2_distributed_optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                  "--overlap-param-gather"],
+}
+BF16_LAYOUTS = ("tp2", "pp2_1f1b", "dp2_distributed_optimizer")
+
+
+def _flags(dtype):
+    # No data-loader worker processes: the ranks are daemonic pool processes.
+    return TINY + LLAMA + ["--num-workers", "0"] + (["--bf16"] if dtype == "bf16" else [])
+
+
+@pytest.fixture(scope="module")
+def references(gpu_env):
+    """One process on nccl (TP=PP=DP=1), per dtype."""
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        (result,) = run_on_gpu(pretrain_losses, world_size=1, backend="nccl",
+                               argv=_flags(dtype))
+        out[dtype] = result
+    return out
+
+
+def test_single_process_runs_on_nccl_and_cuda(references):
+    for dtype, result in references.items():
+        assert result["backend"] == "nccl" and result["device"] == "cuda", (dtype, result)
+        assert len(result["losses"]) == 6 and all(torch.isfinite(torch.tensor(
+            result["losses"]))), result
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp32_layout_equals_one_process(references, layout):
+    results = run_on_gpu(pretrain_losses, world_size=2, argv=_flags("fp32") + LAYOUTS[layout])
+    assert all(r["device"] == "cuda" and r["backend"] == "gloo" for r in results), results
+    got, want = last_stage_losses(results), references["fp32"]["losses"]
+    assert len(got) == len(want) == 6
+    for a, b in zip(got, want):
+        assert abs(a - b) <= FP32_TOL, (layout, got, want)
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_bf16_layout_close_to_one_process(references, layout):
+    results = run_on_gpu(pretrain_losses, world_size=2, argv=_flags("bf16") + LAYOUTS[layout])
+    got, want = last_stage_losses(results), references["bf16"]["losses"]
+    assert len(got) == len(want) == 6
+    for a, b in zip(got, want):
+        assert abs(a - b) <= BF16_TOL, (layout, got, want)
