@@ -188,7 +188,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                 checkpoints.save(iteration, consumed_train, consumed_valid)  # the last good state
                 checkpoints.wait()
                 _exit_with(nan_guard.stop_message(iteration, t.save), code=1)
-            if t.eval_interval and valid_iter is not None and iteration % t.eval_interval == 0:
+            # Every rank evaluates (TP ranks > 0 and middle stages hold no iterator but
+            # join the schedule's collectives), so ask about the dataset, not the iterator.
+            if t.eval_interval and datasets[1] is not None and \
+                    iteration % t.eval_interval == 0:
                 logger.log_validation(iteration, evaluate(
                     forward_step, valid_iter, model, t.eval_iters, num_micro, args.seq_length,
                     t.micro_batch_size))
