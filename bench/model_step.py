@@ -1,10 +1,13 @@
 """One training step (forward, backward, AdamW) of our LLaMA vs transformers.LlamaForCausalLM.
 
-    python bench/model_step.py [--steps 6] [--threads 2]
+    python bench/model_step.py [--steps 6] [--threads 2] [--torch-compile] [--hf-compile]
 
 Same config, same weights, fused AdamW for both (copied through hf_conversion), same batch, same process; the two
 models run alternately so drift in machine load hits both. Prints tokens/s of each and the
-ratio (ours / HF). Default config: the CPU reference (4 layers, hidden 512, 8 heads, 4 query
+ratio (ours / HF). ``--torch-compile`` runs ours as ``--torch-compile`` trains (the layers'
+element-wise regions compiled); the peer stays HF eager, which is how transformers trains
+unless asked; ``--hf-compile`` compiles the whole HF model too (torch.compile(model)), for a
+compiled-vs-compiled figure. Default config: the CPU reference (4 layers, hidden 512, 8 heads, 4 query
 groups, ffn 1376, vocab 32000, seq 256, micro batch 4, fp32).
 """
 import argparse
@@ -38,6 +41,10 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="ours with --torch-compile (compiled element-wise regions)")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="torch.compile the whole HF model as well")
     return p.parse_args()
 
 
@@ -51,10 +58,11 @@ def build_models(args):
         tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).to(device.current_device())
-    config, kwargs = config_from_hf(hf_config)
+    config, kwargs = config_from_hf(hf_config, torch_compile=args.torch_compile)
     ours = GPTModel(config, **kwargs)
     ours.load_state_dict(hf_to_megatron(hf.state_dict(), hf_config), strict=True)
-    return ours.train(), hf.train()
+    hf.train()
+    return ours.train(), (torch.compile(hf) if args.hf_compile else hf)
 
 
 def step_fns(args, ours, hf):
@@ -116,7 +124,9 @@ def main():
     rate = {k: tokens / statistics.median(v) for k, v in times.items()}
     print(f"config: layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"groups={args.groups} ffn={args.ffn} vocab={args.vocab} seq={args.seq} "
-          f"mbs={args.micro_batch} {args.dtype} threads={args.threads} device={device.device_type()}")
+          f"mbs={args.micro_batch} {args.dtype} threads={args.threads} device={device.device_type()} "
+          f"ours {'--torch-compile' if args.torch_compile else 'eager'}, "
+          f"HF {'torch.compile' if args.hf_compile else 'eager'}")
     for k in ("ours", "hf"):
         print(f"{k:>4}: median step {statistics.median(times[k]) * 1e3:8.1f} ms  "
               f"{rate[k]:9.1f} tokens/s")

@@ -54,7 +54,9 @@ def _rotate_half(x):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [b, s, heads, d]; rotates the first rotary_dim channels, passes the rest through."""
     rot_dim = cos.shape[-1]
-    x_rot = x[..., :rot_dim].float()  # one cast (none in fp32); the rotation is done in fp32
+    # One cast (none in fp32); the rotation is done in fp32. No slice when all channels rotate:
+    # a slice's backward zero-fills a full-size gradient and copies into it.
+    x_rot = (x if rot_dim == x.shape[-1] else x[..., :rot_dim]).float()
     x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
     return torch.cat((x_rot, x[..., rot_dim:]), dim=-1) if rot_dim < x.shape[-1] else x_rot
 
