@@ -35,14 +35,15 @@ def close_pools() -> None:
     _backend_of_pool.clear()
 
 
-def run_on_gpu(fn, world_size: int, backend: str = "gloo", **kwargs):
+def run_on_gpu(fn, world_size: int, backend: str = "gloo", timeout: float = 300, **kwargs):
     """run_distributed on the GPU: ranks spawned with GPU_ENV (set by the ``gpu_env`` fixture)
     and ``backend``; a pool made for another backend is replaced."""
     pool = distributed._POOLS.get(world_size)
     if pool is not None and _backend_of_pool.get(world_size) != (id(pool), backend):
         distributed._POOLS.pop(world_size).close()
     os.environ["MEGATRON_DIST_BACKEND"] = backend
-    results = distributed.run_distributed(fn, world_size=world_size, timeout=300, **kwargs)
+    results = distributed.run_distributed(fn, world_size=world_size, timeout=timeout,
+                                           **kwargs)
     _backend_of_pool[world_size] = (id(distributed._POOLS[world_size]), backend)
     return results
 
