@@ -1,0 +1,98 @@
+"""Kernels and fusion on CUDA: gradient-accumulation fusion in bf16 (one GEMM with an fp32
+output into DDP's fp32 main_grad), the vectorized cross entropy, --torch-compile."""
+import pytest
+import torch
+
+from tests.gpu.harness import run_on_gpu
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+VOCAB, SEQ, MBS, MICROBATCHES = 256, 64, 2, 3
+
+
+def _bf16_model(fusion, torch_compile=False):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models import LlamaModel, llama_config
+
+    config = llama_config(num_layers=2, hidden_size=128, num_attention_heads=4,
+                          num_query_groups=2, ffn_hidden_size=256, max_position_embeddings=SEQ,
+                          params_dtype=torch.bfloat16, gradient_accumulation_fusion=fusion,
+                          torch_compile=torch_compile)
+    torch.manual_seed(42)
+    return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                   LlamaModel(config, VOCAB))
+
+
+def _main_grads(fusion):
+    from megatron.core import device
+    from megatron.core.tensor_parallel.layers import _fp32_accumulate_from_half_supported
+
+    model = _bf16_model(fusion)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(MICROBATCHES):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g).to(device.current_device())
+        model(tokens, labels=tokens).float().mean().backward()
+    grads = {n: p.main_grad.float().cpu() for n, p in model.module.named_parameters()}
+    return grads, _fp32_accumulate_from_half_supported(device.current_device())
+
+
+def test_gradient_accumulation_fusion_bf16_matches_unfused(gpu_env):
+    """Fused: one bf16 x bf16 -> fp32 GEMM adds each microbatch's weight gradient to the fp32
+    main_grad. Unfused: the gradient is rounded to bf16 (2^-9 relative), then added. Over
+    MICROBATCHES microbatches they differ by at most that rounding each time."""
+    (fused, supported), = run_on_gpu(_main_grads, world_size=1, backend="nccl", tp=1,
+                                      fusion=True)
+    (unfused, _), = run_on_gpu(_main_grads, world_size=1, backend="nccl", tp=1, fusion=False)
+    assert supported, "torch on this GPU has no fp32-output bf16 GEMM (aten::addmm.dtype_out)"
+    for name, want in unfused.items():
+        bound = MICROBATCHES * 2.0 ** -8 * want.abs().max().item()
+        torch.testing.assert_close(fused[name], want, rtol=0, atol=bound, msg=name)
+
+
+def _cross_entropy_paths():
+    from megatron.core import device
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(1024, 4, 4000, generator=g).to(device.current_device())
+    target = torch.randint(0, 4000, (1024, 4), generator=g).to(device.current_device())
+    out = []
+    for vectorized in (False, True):
+        x = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x * 1.0, target, 0.1, inplace=True,
+                                            vectorized=vectorized)
+        loss.sum().backward()
+        out.append((loss.detach().cpu(), x.grad.cpu()))
+    return out
+
+
+def test_vectorized_cross_entropy_equals_chunked(gpu_env):
+    """The same ops over all rows at once; a CUDA row reduction may split a row differently
+    with another row count, hence fp32 rounding (1e-6 relative) rather than bitwise."""
+    ((loss_c, grad_c), (loss_v, grad_v)), = run_on_gpu(_cross_entropy_paths, world_size=1,
+                                                       backend="nccl", tp=1)
+    torch.testing.assert_close(loss_v, loss_c, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_v, grad_c, rtol=1e-6, atol=1e-9)
+
+
+def _compiled_step(torch_compile):
+    from megatron.core import device
+
+    model = _bf16_model(True, torch_compile=torch_compile)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(7))
+    tokens = tokens.to(device.current_device())
+    loss = model(tokens, labels=tokens).float().mean()
+    loss.backward()
+    grad_norm = torch.stack([p.main_grad.norm() for p in model.module.parameters()]).norm()
+    return loss.item(), grad_norm.item()
+
+
+def test_torch_compile_runs_a_step(gpu_env):
+    """bf16: compiled element-wise regions round differently from eager ones (bf16 results of
+    fp32 math), so the loss and gradient norm agree to bf16 precision."""
+    (eager_loss, eager_norm), = run_on_gpu(_compiled_step, world_size=1, backend="nccl", tp=1,
+                                           torch_compile=False)
+    (loss, norm), = run_on_gpu(_compiled_step, world_size=1, backend="nccl", tp=1,
+                               torch_compile=True)
+    assert loss == pytest.approx(eager_loss, rel=1e-2)
+    assert norm == pytest.approx(eager_norm, rel=2e-2)
