@@ -211,24 +211,6 @@ def step_functions(args, margs, configs, model, optimizer, scheduler, hf):
     return ours, theirs, hf_opt
 
 
-# Peak memory through device.py where it has the calls; None on CPU (no allocator stats).
-def _memory(name):
-    fn = getattr(device, name, None)
-    if fn is not None:
-        return fn()
-    if device.device_type() != "cuda":
-        return None
-    return getattr(torch.cuda, name)()  # until device.py has it
-
-
-def _reset_peak():
-    fn = getattr(device, "reset_peak_memory_stats", None)
-    if fn is not None:
-        fn()
-    elif device.device_type() == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
 def _tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -258,8 +240,8 @@ def run(args):
     for i in range(args.warmup + args.steps):
         for name, fn in steps.items():
             device.synchronize()
-            _reset_peak()
-            before = _memory("memory_allocated")
+            device.reset_max_memory_allocated()
+            before = device.memory_allocated()  # None on CPU: no allocator statistics
             start = time.perf_counter()
             loss = fn()
             device.synchronize()
@@ -272,7 +254,7 @@ def run(args):
                 hf_resident = _hf_resident_bytes(hf, hf_opt)
                 # The other model's resident state was allocated throughout; take it off.
                 other = hf_resident if name == "ours" else before - hf_resident
-                peaks[name] = max(peaks[name], _memory("max_memory_allocated") - other)
+                peaks[name] = max(peaks[name], device.max_memory_allocated() - other)
 
     flops = num_floating_point_operations(
         args.layers, args.hidden, args.ffn, args.heads, args.groups, args.seq,
@@ -292,7 +274,7 @@ def run(args):
     for name in steps:
         median = statistics.median(times[name])
         rate[name] = tokens / median
-        memory = "n/a" if _memory("memory_allocated") is None else \
+        memory = "n/a" if device.memory_allocated() is None else \
             f"{peaks[name] / 2**30:.2f} GiB"
         print(f"{name:>4}: median step {median * 1e3:10.2f} ms | tokens/s {rate[name]:12.1f} | "
               f"TFLOP/s {flops / median / 1e12:9.4f} | "

@@ -230,3 +230,10 @@ def reset_max_memory_allocated() -> None:
     """Start a new peak for ``max_memory_allocated`` (no-op on CPU)."""
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+
+def memory_allocated() -> Optional[int]:
+    """Bytes held by live tensors on this rank's GPU now; None on CPU."""
+    if device_type() != "cuda":
+        return None
+    return torch.cuda.memory_allocated()
