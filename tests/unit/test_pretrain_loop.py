@@ -1,14 +1,16 @@
 """pretrain()'s loop in this process (a world of one, as a plain ``python pretrain_gpt.py``):
 --num-workers reaches the DataLoader and changes no number; --timing-log-level prints
-Megatron's timers. (Not in the test pool: its ranks are daemons, which cannot start
-DataLoader workers.)"""
+Megatron's timers. (Not in the test pool, whose ranks are daemons and cannot start DataLoader
+workers; except at TP=2 with --num-workers 0: ranks without a data iterator.)"""
 import contextlib
 import io
-import re
 import os
+import re
 
 import pytest
 import torch.distributed as dist
+
+from tests.distributed import run_distributed
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 "
@@ -114,3 +116,19 @@ def test_timing_log_level_prints_megatrons_timers_and_syncs_only_to_read_them(wo
     history0, out0, _, syncs0 = _pretrain(["--num-workers", "0"], patch=_counting_synchronize)
     assert "time across ranks" not in out0 and syncs0 == []
     assert history0 == history  # timing changes no number
+
+
+def _pretrain_on_pool(flags):
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())  # build_configs' world size
+    history, out, loaders, _ = _pretrain(flags)
+    return history, loaders
+
+
+def test_tp_ranks_without_a_data_iterator_train_and_evaluate():
+    # TP rank 1 reads no batch (it receives TP rank 0's), so it has no loader, yet it must
+    # join every step and every evaluation (deciding evaluation by the iterator hung).
+    ranks = run_distributed(_pretrain_on_pool, world_size=2, timeout=120,
+                            flags=["--tensor-model-parallel-size", "2", "--num-workers", "0"])
+    (history0, loaders0), (history1, loaders1) = ranks
+    assert len(loaders0) == 2 and loaders1 == []
+    assert len(history0) == 4 and history0 == history1
