@@ -6,10 +6,11 @@ setup(
     description="A Megatron-style framework for pretraining large language models",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*"]),
-    # torch: any release from 2.4 on (2.13.0 included); scripts install it only when missing,
-    # because a bare requirement would pull the CUDA wheels onto CPU-only machines.
+    # torch: 2.11 or newer, the oldest release the tests have been run on (on CPU, 2.11.0
+    # and 2.13.0; the GPU tier's machine has 2.11). Scripts install it only when missing or
+    # older, because a bare requirement would pull the CUDA wheels onto CPU-only machines.
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.11",
         "numpy>=1.24",
         "tokenizers>=0.15",  # GPT-2 BPE in Rust
         "sentencepiece>=0.1.99",  # LLaMA tokenizers

@@ -1,0 +1,22 @@
+"""One torch floor everywhere it is declared (setup.py, requirements.txt, install_deps.sh),
+and the torch running these tests is inside it."""
+import os
+import re
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def test_torch_floor_is_the_same_everywhere_and_holds_here():
+    (setup_floor,) = re.findall(r'"torch>=(\d+)\.(\d+)"', _read("setup.py"))
+    (requirements_floor,) = re.findall(r"^torch>=(\d+)\.(\d+)", _read("requirements.txt"), re.M)
+    (script_floor,) = re.findall(r"< \((\d+), (\d+)\)\)", _read("shtools/install_deps.sh"))
+    assert setup_floor == requirements_floor == script_floor == ("2", "11")
+    here = tuple(int(v) for v in torch.__version__.split(".")[:2])
+    assert here >= (2, 11)
