@@ -13,6 +13,7 @@ save and reused by every later one (pinned on CUDA), filled by non_blocking devi
 copies; the writer thread waits for them (one event), so training is held up only while the
 copies are issued, not while they run or while files are written.
 """
+import math
 import threading
 from typing import Callable, Dict, Optional
 
@@ -55,10 +56,7 @@ class HostBuffers:
 
     def tensor(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of that shape and dtype in the buffer ``name`` (to be filled)."""
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         return self._buffer(name, nbytes).view(dtype).view(shape)
 
     def snapshot(self, tree, name: str = ""):
