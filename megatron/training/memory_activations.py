@@ -18,8 +18,8 @@ stays alive:
   output (as^2b each);
 - V is a view of the fused QKV output, so the whole QKV output stays alive; RoPE makes Q and
   K new tensors; grouped-query attention shrinks K and V;
-- SwiGLU keeps the fc1 output (gate and up), SiLU's output and the product (4 f per token);
-  GeLU its input and output (2 f);
+- SwiGLU keeps the fc1 output (gate and up) and the product (3 f per token; SiLU's output is
+  recomputed in backward); GeLU its input and output (2 f);
 - dropout masks are 1 byte on CUDA (fused kernel) and a full-width tensor on CPU.
 """
 import math
@@ -96,7 +96,7 @@ def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
     add("attention output projection input", e * tokens * heads * d)
     add("dropout masks", 2 * m * sharded_tokens * h)
     add("MLP input", e * sharded_tokens * h)
-    add("MLP intermediate", e * tokens * f // tp * (4 if config.activation == "swiglu" else 2))
+    add("MLP intermediate", e * tokens * f // tp * (3 if config.activation == "swiglu" else 2))
     return terms
 
 

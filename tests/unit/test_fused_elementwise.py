@@ -105,3 +105,39 @@ def test_reduce_from_tp_region_reduces_in_place():
         assert same_storage
         assert torch.equal(out, torch.full((4, 3), 6.0))  # 2 * 1 + 2 * 2
         assert torch.equal(grad, torch.full((4, 3), 2.0))
+
+
+def _mlp_case(dtype):
+    from megatron.core.models import llama_config
+    from megatron.core.transformer.mlp import MLP, _swiglu
+
+    config = llama_config(num_layers=1, hidden_size=32, num_attention_heads=4,
+                          ffn_hidden_size=48, params_dtype=dtype)
+    mlp = MLP(config)
+    torch.manual_seed(1)
+    x = torch.randn(6, 2, 32).to(dtype).requires_grad_()
+    grad = torch.randn(6, 2, 32).to(dtype)
+    (out, _), saved = _saved(mlp, x)
+    out.backward(grad)
+    # Reference: the same weights with autograd's SwiGLU (F.silu(gate) * up).
+    ref_x = x.detach().clone().requires_grad_()
+    fc1 = ref_x.matmul(mlp.linear_fc1.weight.detach().t())
+    ref = _swiglu(fc1).matmul(mlp.linear_fc2.weight.detach().t())
+    ref.backward(grad)
+    params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                if t.untyped_storage().data_ptr() not in params}
+    return out, ref, x.grad, ref_x.grad, sorted(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_keeps_fc1_output_only_and_equals_autograd(dtype):
+    """SiLU's output is recomputed in backward instead of kept (f per token less), and the
+    gradient halves are written into one buffer instead of concatenated: same kernels, so
+    bitwise autograd's numbers."""
+    out, ref, grad, ref_grad, storages = run_distributed(_mlp_case, world_size=1, tp=1,
+                                                         dtype=dtype)[0]
+    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+    e, tokens = torch.finfo(dtype).bits // 8, 12
+    # the MLP input, the fc1 output [gate | up] and the product (fc2's input)
+    assert storages == sorted([e * tokens * 32, e * tokens * 96, e * tokens * 48])

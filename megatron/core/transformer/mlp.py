@@ -16,6 +16,29 @@ def _swiglu(x):
     return F.silu(gate) * up
 
 
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up of x = [gate | up], keeping only x for backward (autograd would also
+    keep silu(gate), recomputed here) and writing both halves of the gradient straight into
+    one buffer (autograd concatenates them). The kernels are autograd's (silu, silu_backward,
+    mul), so the numbers are bitwise the same."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        grad_x = torch.empty_like(x)
+        grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, F.silu(gate), out=grad_up)
+        return grad_x
+
+
 def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
@@ -29,7 +52,12 @@ class MLP(torch.nn.Module):
         self.activation = config.activation
         activation = _ACTIVATIONS[config.activation]
         # --torch-compile: SwiGLU's chunk, SiLU and product become one kernel.
-        self.activation_func = compiled(activation) if config.torch_compile else activation
+        if config.torch_compile:
+            self.activation_func = compiled(activation)
+        elif config.activation == "swiglu":
+            self.activation_func = _SwiGLUFunction.apply
+        else:
+            self.activation_func = activation
         gated = config.activation == "swiglu"
         out_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
                     if config.scaled_output_init else init_method_normal(config.init_method_std))
