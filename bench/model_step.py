@@ -7,8 +7,8 @@ models run alternately so drift in machine load hits both. Prints tokens/s of ea
 ratio (ours / HF). ``--torch-compile`` runs ours as ``--torch-compile`` trains (the layers'
 element-wise regions compiled); the peer stays HF eager, which is how transformers trains
 unless asked; ``--hf-compile`` compiles the whole HF model too (torch.compile(model)), for a
-compiled-vs-compiled figure. Default config: the CPU reference (4 layers, hidden 512, 8 heads, 4 query
-groups, ffn 1376, vocab 32000, seq 256, micro batch 4, fp32).
+compiled-vs-compiled figure. Default config: the CPU reference (4 layers, hidden 512, 8 heads,
+4 query groups, ffn 1376, vocab 32000, seq 256, micro batch 4, fp32).
 """
 import argparse
 import os
@@ -124,8 +124,8 @@ def main():
     rate = {k: tokens / statistics.median(v) for k, v in times.items()}
     print(f"config: layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"groups={args.groups} ffn={args.ffn} vocab={args.vocab} seq={args.seq} "
-          f"mbs={args.micro_batch} {args.dtype} threads={args.threads} device={device.device_type()} "
-          f"ours {'--torch-compile' if args.torch_compile else 'eager'}, "
+          f"mbs={args.micro_batch} {args.dtype} threads={args.threads} "
+          f"device={device.device_type()} ours {'--torch-compile' if args.torch_compile else 'eager'}, "
           f"HF {'torch.compile' if args.hf_compile else 'eager'}")
     for k in ("ours", "hf"):
         print(f"{k:>4}: median step {statistics.median(times[k]) * 1e3:8.1f} ms  "
