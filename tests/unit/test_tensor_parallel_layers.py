@@ -274,3 +274,36 @@ def test_cross_entropy_vectorized_equals_chunked(tp, label_smoothing):
         assert torch.equal(loss_v, loss_c) and torch.equal(grad_v, grad_c)
         assert in_place and largest_v < logits_bytes
         assert peak_v <= peak_c
+
+
+def _autocast_case():
+    config = ModelParallelConfig()
+    torch.manual_seed(3)
+    layers = [ColumnParallelLinear(16, 24, config=config, init_method=init_method_normal(0.02),
+                                   bias=False),
+              RowParallelLinear(24, 16, config=config, init_method=init_method_normal(0.02),
+                                bias=False)]
+    x = torch.randn(5, 2, 16)
+    grads = []
+    for ours in (True, False):
+        inp = x.clone().requires_grad_()
+        weights = [layer.weight.detach().clone().requires_grad_() for layer in layers]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if ours:
+                for layer, w in zip(layers, weights):
+                    layer.weight = torch.nn.Parameter(w)
+                h = layers[1](layers[0](inp)[0])[0]
+                weights = [layer.weight for layer in layers]
+            else:
+                h = F.linear(F.linear(inp, weights[0]), weights[1])
+        h.float().sum().backward()
+        grads.append([inp.grad] + [w.grad for w in weights])
+    return grads
+
+
+def test_linear_layers_under_autocast_match_f_linear():
+    """Under torch.autocast the forward GEMMs run in bf16; the backward must too (it used to
+    fail on a bf16 gradient times the fp32 weight), giving autograd's F.linear gradients."""
+    ours, ref = run_distributed(_autocast_case, world_size=1, tp=1)[0]
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)

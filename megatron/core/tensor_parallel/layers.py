@@ -137,7 +137,10 @@ class LinearWithGradAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
+        input_, param = ctx.saved_tensors
+        weight = param
+        if weight.dtype != grad_output.dtype:  # forward ran under autocast: so does backward
+            weight, input_ = weight.to(grad_output.dtype), input_.to(grad_output.dtype)
         need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gather_handle = None
         total_input = input_
@@ -161,12 +164,12 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         if need_weight_grad:
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
             input_2d = total_input.reshape(-1, total_input.shape[-1])
-            main_grad = getattr(weight, "main_grad", None) \
+            main_grad = getattr(param, "main_grad", None) \
                 if ctx.gradient_accumulation_fusion else None
             if main_grad is not None:
                 accumulate_weight_grad(main_grad, grad_2d, input_2d)
-                weight.grad_added_to_main_grad = True
-                grad_weight = torch.empty_like(weight)
+                param.grad_added_to_main_grad = True
+                grad_weight = torch.empty_like(param)
             else:
                 grad_weight = grad_2d.t().matmul(input_2d)
         if ctx.use_bias and ctx.needs_input_grad[2]:
