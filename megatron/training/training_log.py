@@ -199,8 +199,11 @@ class TrainingLogger:
         """Record one step; at the log interval print and return the console line."""
         self._accumulate(losses, skipped_iter)
         interval_iters = self._advanced + self._skipped
+        # Timers are read only at the log interval: reading one synchronizes the device, and a
+        # per-iteration read (Megatron writes them every --tensorboard-log-interval) would
+        # stall the GPU every step.
         if self.timers is not None and self.log_timers_to_tensorboard and \
-                iteration % self.tensorboard_log_interval == 0:
+                iteration % self.log_interval == 0:
             self.timers.write(TIMERS_TO_LOG, self.writer, iteration, normalizer=interval_iters)
         if self.writer is not None and iteration % self.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, learning_rate, loss_scale,

@@ -1,12 +1,16 @@
 """Gradient-accumulation fusion: the weight-gradient GEMM accumulates into DDP's main_grad.
 
 Reference: the same training run with --no-gradient-accumulation-fusion (the weight gradient
-computed on its own and added by DDP's hook). With one microbatch per step main_grad starts at
-zero, and addmm_ into zeros is the same k-blocked GEMM as mm, so everything is bitwise equal.
-With several microbatches the fused GEMM rounds the running sum once per k-block
-(((G + p1) + p2) instead of G + (p1 + p2)): a few ulps of the accumulated gradient per
-microbatch, which AdamW turns into parameter differences far below FUSION_TOL.
+computed on its own and added by DDP's hook). On CPU the fused layer computes the product and
+adds it to main_grad itself (the unfused arithmetic): bitwise equal in every case. The GEMM
+that accumulates in place (beta = 1, what CUDA runs; forced here with ACCUMULATE_IN_GEMM):
+with one microbatch per step main_grad starts at zero, and addmm_ into zeros is the same
+k-blocked GEMM as mm, so bitwise equal; with several microbatches it rounds the running sum
+once per k-block (((G + p1) + p2) instead of G + (p1 + p2)): a few ulps of the accumulated
+gradient per microbatch, which AdamW turns into parameter differences far below FUSION_TOL.
 """
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +24,7 @@ from megatron.core.models import LlamaModel, llama_config
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import layers
 from tests.distributed import run_distributed
 
 # 24 tokens per microbatch: no weight dimension (32, 48, 64, 96) equals it, so a weight-shaped
@@ -52,7 +57,21 @@ def _forward_step(data_iterator, model):
     return model(tokens, labels=labels), loss_func
 
 
-def _train(fusion, sequence_parallel, num_microbatches, overlap):
+@contextlib.contextmanager
+def _accumulate_in_gemm(value):
+    layers.ACCUMULATE_IN_GEMM = value
+    try:
+        yield
+    finally:
+        layers.ACCUMULATE_IN_GEMM = None
+
+
+def _train(fusion, sequence_parallel, num_microbatches, overlap, in_gemm=None):
+    with _accumulate_in_gemm(in_gemm):
+        return _train_steps(fusion, sequence_parallel, num_microbatches, overlap)
+
+
+def _train_steps(fusion, sequence_parallel, num_microbatches, overlap):
     from megatron.core import parallel_state as ps
     config = _config(ps.get_tensor_model_parallel_world_size(), sequence_parallel, fusion)
     torch.manual_seed(42)
@@ -78,16 +97,17 @@ def _train(fusion, sequence_parallel, num_microbatches, overlap):
     return torch.stack(losses), params, hooks_ran
 
 
+@pytest.mark.parametrize("in_gemm", [None, True], ids=["cpu_default", "in_gemm"])
 @pytest.mark.parametrize("sequence_parallel,num_microbatches,overlap",
                          [(False, 1, False), (True, 1, True), (False, 3, True), (True, 3, False)])
-def test_fused_training_equals_unfused(sequence_parallel, num_microbatches, overlap):
+def test_fused_training_equals_unfused(sequence_parallel, num_microbatches, overlap, in_gemm):
     kwargs = dict(world_size=2, tp=2, sequence_parallel=sequence_parallel,
                   num_microbatches=num_microbatches, overlap=overlap)
-    fused = run_distributed(_train, fusion=True, **kwargs)
+    fused = run_distributed(_train, fusion=True, in_gemm=in_gemm, **kwargs)
     unfused = run_distributed(_train, fusion=False, **kwargs)
     for (f_loss, f_params, f_hooks), (u_loss, u_params, _) in zip(fused, unfused):
         assert all(f_hooks)
-        if num_microbatches == 1:  # main_grad starts at zero: bitwise
+        if num_microbatches == 1 or in_gemm is None:  # the unfused arithmetic: bitwise
             assert torch.equal(f_loss, u_loss)
             for name, value in u_params.items():
                 assert torch.equal(f_params[name], value), name
@@ -121,6 +141,11 @@ class _RecordWeightGradients(TorchDispatchMode):
 
 
 def _backward_ops(fusion):
+    with _accumulate_in_gemm(True):
+        return _backward_ops_run(fusion)
+
+
+def _backward_ops_run(fusion):
     config = _config(1, False, fusion)
     torch.manual_seed(42)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(),
@@ -138,9 +163,9 @@ def _backward_ops(fusion):
 
 
 def test_fused_backward_makes_no_weight_gradient_tensor():
-    """With fusion no GEMM produces a weight-shaped gradient and DDP's hook adds nothing into
-    the linear weights' main_grad: one addmm_ per weight writes it (before fusion: an mm per
-    weight, then the hook's add_)."""
+    """With fusion accumulating in the GEMM (CUDA's path), no GEMM produces a weight-shaped
+    gradient and DDP's hook adds nothing into the linear weights' main_grad: one addmm_ per
+    weight writes it (before fusion: an mm per weight, then the hook's add_)."""
     fused, n, fused_grads = run_distributed(_backward_ops, world_size=1, tp=1, fusion=True)[0]
     assert fused.weight_sized_gemms == [] and fused.main_grad_adds == []
     assert fused.fused == n

@@ -318,3 +318,18 @@ def test_bad_files(tmp_path, capsys):
                       "--seq-length 32 --vocab-size 10)\n")
     assert "the global batch size is unknown: pass --global-batch-size" in error_of(
         ["--num-gpus", "8", "--config-file", str(script)], capsys)
+
+
+def test_selective_recomputation_is_planned_only_where_attention_keeps_scores(llama_8x80):
+    """With a fused kernel on CUDA selective recomputation is a no-op (the same memory as none,
+    attention.py), so the planner offers it only where the math kernel keeps s x s scores."""
+    _, fused = llama_8x80
+    recomputes = {r.layout.recompute for r in fused.rows}
+    assert "selective" not in recomputes and {None, "full"} <= recomputes
+    # Head dim 300 (the planner plans in bf16): above flash's 256 and not a multiple of 8
+    # (the memory-efficient kernel's alignment), so SDPA on CUDA runs the math kernel.
+    flags = list(TINY_GPT2)
+    flags[flags.index("--hidden-size") + 1] = "600"
+    flags[flags.index("--num-attention-heads") + 1] = "2"
+    math = plan(workload_from_flags(flags, global_batch_size=16), Cluster(num_gpus=2))
+    assert "selective" in {r.layout.recompute for r in math.rows}

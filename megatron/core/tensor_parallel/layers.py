@@ -83,18 +83,27 @@ def _fp32_accumulate_from_half_supported(dev: torch.device) -> bool:
     return _FP32_ACCUMULATE_FROM_HALF[dev.type]
 
 
+# Where the weight-gradient GEMM itself accumulates into main_grad (beta = 1): None means
+# on CUDA only. Tests set it to exercise that kernel path on CPU.
+ACCUMULATE_IN_GEMM = None
+
+
 def accumulate_weight_grad(main_grad: torch.Tensor, grad_2d: torch.Tensor,
                            input_2d: torch.Tensor) -> None:
     """``main_grad += grad_2d^T @ input_2d`` without a weight-sized temporary where possible.
 
-    Same dtypes: one in-place GEMM (beta = 1). bf16/fp16 activations into an fp32 main_grad: one
-    GEMM with fp32 output where the device has it (CUDA); elsewhere (CPU) torch has no such
-    kernel, so the gradient is computed in the activation dtype and then added (the unfused
-    cost, and the unfused rounding)."""
-    if grad_2d.dtype == main_grad.dtype:
+    On CUDA: one in-place GEMM (beta = 1); bf16/fp16 activations into an fp32 main_grad as one
+    GEMM with fp32 output where torch has it (else computed in the activation dtype, then
+    added). On CPU the product is computed, then added: the arithmetic of the unfused path,
+    so CPU runs are bitwise the same with and without fusion (a GEMM with beta = 1 rounds the
+    running sum once per k-block, a few ulps away from mm + add once microbatches
+    accumulate). Either way the gradient skips .grad and DDP's hook."""
+    in_gemm = ACCUMULATE_IN_GEMM if ACCUMULATE_IN_GEMM is not None else \
+        main_grad.device.type == "cuda"
+    if in_gemm and grad_2d.dtype == main_grad.dtype:
         main_grad.addmm_(grad_2d.t(), input_2d)
-    elif main_grad.dtype == torch.float32 and _fp32_accumulate_from_half_supported(
-            main_grad.device):
+    elif in_gemm and main_grad.dtype == torch.float32 and \
+            _fp32_accumulate_from_half_supported(main_grad.device):
         torch.ops.aten.addmm.dtype_out(main_grad, grad_2d.t(), input_2d, torch.float32,
                                        out=main_grad)
     else:
@@ -116,9 +125,8 @@ class LinearWithGradAllReduce(torch.autograd.Function):
     microbatch). The weight is marked ``grad_added_to_main_grad`` and its returned gradient is an
     uninitialised placeholder (an allocation only: no arithmetic, no memory traffic) so that
     autograd still runs DDP's post-accumulate hook, which launches overlapped reductions and
-    skips the add. In fp32 the GEMM is the same; into a zero main_grad (one microbatch per step)
-    the result is bitwise the unfused one, with accumulation over microbatches the k-blocked
-    GEMM rounds the running sum at each block instead of once (a few ulps, see the tests).
+    skips the add. See ``accumulate_weight_grad`` for the arithmetic (bitwise the unfused one
+    on CPU).
     """
 
     @staticmethod

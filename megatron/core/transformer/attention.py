@@ -28,7 +28,6 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.rope import rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
-_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 try:  # torch's variable-length flash attention (CUDA only)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -172,7 +171,7 @@ class SelfAttention(torch.nn.Module):
         kwargs = {}
         _, repeat_kv = self._kernel(query, attention_mask, dropout)
         if self.heads_per_group > 1:
-            if _SDPA_HAS_GQA and not repeat_kv:
+            if not repeat_kv:
                 kwargs["enable_gqa"] = True
             else:  # the memory-efficient kernel needs equal head counts (see sdpa_kernel_for)
                 key = key.repeat_interleave(self.heads_per_group, dim=1)

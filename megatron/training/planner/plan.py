@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
 from megatron.training.configs_from_args import transformer_config_from_args
@@ -84,8 +85,13 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
                                   workload.global_batch_size, max_micro_batch_size,
                                   grad_reduce_in_fp32):
         for layout in family:  # ascending micro batch: stop at the first that does not fit
-            result.enumerated += 1
             config = layout_config(workload, layout)
+            if layout.recompute == "selective" and \
+                    math_attention_reason(config, "cuda") is None:
+                # Fused attention keeps no s x s scores: selective recomputation is a no-op
+                # (attention.py), the same layout as no recomputation.
+                break
+            result.enumerated += 1
             memory = layout_memory(workload, layout, config)
             if smallest is None or memory.max_total < smallest[1]:
                 smallest = (layout, memory.max_total)
