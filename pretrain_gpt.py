@@ -6,7 +6,7 @@ from megatron.training.gpt_step import (
     model_provider_for,
     train_valid_test_datasets_provider,
 )
-from megatron.training.pretrain import pretrain
+from megatron.training.pretrain import pretrain, shutdown_distributed
 
 model_provider = model_provider_for(GPTModel)
 
@@ -14,3 +14,4 @@ model_provider = model_provider_for(GPTModel)
 if __name__ == "__main__":
     pretrain(train_valid_test_datasets_provider, model_provider,
              ModelType.encoder_or_decoder, forward_step)
+    shutdown_distributed()

@@ -132,3 +132,24 @@ def test_tp_ranks_without_a_data_iterator_train_and_evaluate():
     (history0, loaders0), (history1, loaders1) = ranks
     assert len(loaders0) == 2 and loaders1 == []
     assert len(history0) == 4 and history0 == history1
+
+
+def test_error_exit_tears_down_the_process_group_first():
+    """An exit with an agreed error destroys the process group before the interpreter's
+    teardown, where gloo's threads can abort the process ("terminate called without an
+    active exception", exit -6 instead of 1: seen once in the e2e load-error test)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, os, torch.distributed as dist\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0')\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "atexit.register(lambda: print('still initialized:', dist.is_initialized()))\n"
+        "from megatron.training.pretrain import _exit_with\n"
+        "_exit_with(ValueError('the checkpoint is bad'), code=1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "RANK": "0"})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "error: the checkpoint is bad", done.stderr
+    assert "still initialized: False" in done.stdout, done.stdout
