@@ -194,28 +194,19 @@ def max_memory_allocated() -> Optional[int]:
     return torch.cuda.max_memory_allocated()
 
 
-def timing_event():
-    """A timing event recorded now on the current CUDA stream; None on CPU (where the host
-    clock is the device's). Reading its time later needs no synchronize here."""
-    if device_type() != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
 def host_empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A host tensor for device-to-host copies: pinned on CUDA (so a non_blocking copy into it
     is truly asynchronous and runs at full bandwidth), plain memory on CPU."""
     return torch.empty(*size, dtype=dtype, device="cpu", pin_memory=device_type() == "cuda")
 
 
-def record_event():
+def record_event(timing: bool = False):
     """An event marking the work issued so far on the current stream (e.g. non_blocking
-    copies); None on CPU, where that work is already done."""
+    copies; with ``timing``, a timer's start or stop); None on CPU, where that work is already
+    done and the host clock is the device's."""
     if device_type() != "cuda":
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(enable_timing=timing)
     event.record()
     return event
 

@@ -4,7 +4,7 @@ Timers of a level above ``--timing-log-level`` (0, 1 or 2) are free no-ops, so t
 time every stage unconditionally. This module knows nothing about CUDA.
 
 No synchronize per start/stop (that would stall the host's run-ahead every microbatch): on
-CUDA each start/stop records a timing event on the current stream (``device.timing_event``),
+CUDA each start/stop records a timing event on the current stream (``device.record_event``),
 so an interval is the stream's time from reaching start() to reaching stop(); on CPU the
 host clock is the device's. The only ``device.synchronize()`` is in ``Timers.get_elapsed``,
 once per read, i.e. at the log interval (Megatron synchronises at every start and stop).
@@ -71,7 +71,7 @@ class Timer:
             raise RuntimeError(f"timer {self.name!r} has already been started")
         if barrier:
             _barrier()
-        self._start_event = device.timing_event()
+        self._start_event = device.record_event(timing=True)
         self._start_time = self._clock()
         self._started = True
 
@@ -80,7 +80,7 @@ class Timer:
             raise RuntimeError(f"timer {self.name!r} is not started")
         if barrier:
             _barrier()
-        end_event = device.timing_event()
+        end_event = device.record_event(timing=True)
         if end_event is None:
             self._add(self._clock() - self._start_time)
         else:
@@ -115,7 +115,9 @@ class Timer:
         if was_started:
             self.stop(barrier=barrier)
         if self._pending:
-            self._fold(wait=synchronized or _synchronize_once())
+            if was_started or not synchronized:
+                device.synchronize()  # (a running timer's stop() just recorded one more)
+            self._fold(wait=True)
         value = self._elapsed
         if reset:
             self.reset()
@@ -125,13 +127,9 @@ class Timer:
 
     def active_time(self) -> float:
         if self._pending:
-            self._fold(wait=_synchronize_once())
+            device.synchronize()
+            self._fold(wait=True)
         return self._active_time
-
-
-def _synchronize_once() -> bool:
-    device.synchronize()
-    return True
 
 
 class _DummyTimer:
