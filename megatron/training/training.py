@@ -161,10 +161,3 @@ def evaluate(forward_step_func, data_iterator, model: List[torch.nn.Module], eva
         for key, value in averaged.items():
             totals[key] = totals.get(key, 0.0) + value
     return {k: v / eval_iters for k, v in totals.items()}
-
-
-def average_across_data_parallel(values: List[torch.Tensor]) -> torch.Tensor:
-    """The reported loss averaged over DP ranks (what Megatron logs)."""
-    stacked = torch.stack([v.detach().float().reshape(()) for v in values])
-    dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
-    return stacked / parallel_state.get_data_parallel_world_size()

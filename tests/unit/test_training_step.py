@@ -104,7 +104,8 @@ def _loss_reduction(num_microbatches):
 
 def _old_logged_value(per_rank_losses):
     """What the per-microbatch reduction logged: each microbatch's loss summed over DP in
-    fp32 and divided by DP (average_across_data_parallel), then the float mean of those."""
+    fp32 and divided by DP (the removed average_across_data_parallel), then the float mean
+    of those."""
     summed = sum(torch.tensor(losses, dtype=torch.float32) for losses in per_rank_losses)
     per_microbatch = (summed / len(per_rank_losses)).tolist()
     return float(sum(per_microbatch) / len(per_microbatch))

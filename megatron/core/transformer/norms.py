@@ -4,19 +4,11 @@ With ``compile=True`` (--torch-compile) a norm runs as one torch.compile'd funct
 ops (inductor fuses the statistics, the scaling and the casts, and picks what to save), and
 ``residual_forward`` also fuses the residual add that precedes it.
 """
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from megatron.core import device
-
-
-@functools.lru_cache(maxsize=None)
-def compiled(fn):
-    """``fn`` compiled once, shared by all layers: a whole graph (no breaks), static shapes
-    (one microbatch shape per run)."""
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+from megatron.core.transformer.compiled import compiled
 
 
 def _rms_norm(x, weight, eps):

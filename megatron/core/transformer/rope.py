@@ -5,6 +5,7 @@ import math
 import torch
 
 from megatron.core import device
+from megatron.core.transformer.compiled import compiled
 
 
 def rotary_inv_freq(dim: int, base: float, scaling_factor=None, low_freq_factor=1.0,
@@ -65,6 +66,5 @@ def rotary_function(config):
     """apply_rotary, torch.compile'd under --torch-compile (the casts, rotation and products
     become one kernel; shared by all layers)."""
     if config.torch_compile:
-        from megatron.core.transformer.norms import compiled
         return compiled(apply_rotary)
     return apply_rotary
