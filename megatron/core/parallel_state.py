@@ -4,6 +4,7 @@ Rank order is Megatron's: tensor-parallel ranks are adjacent, then data-parallel
 pipeline-parallel, i.e. ``global_rank = tp_rank + dp_rank * TP + pp_rank * TP * DP``. Adjacent
 ranks share a node, so the chattiest groups (TP) stay on the fastest links.
 """
+import contextlib
 import datetime
 from typing import Dict, List, Optional
 
@@ -307,6 +308,22 @@ def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
         raise ValueError(f"virtual pipeline rank {rank} out of range "
                          f"[0, {_VIRTUAL_PIPELINE_WORLD_SIZE}).")
     _VIRTUAL_PIPELINE_RANK = rank
+
+
+@contextlib.contextmanager
+def in_model_chunk(chunk: int):
+    """Stage queries answer for model chunk ``chunk`` inside the block (chunk 0 after it);
+    without virtual stages only chunk 0 exists and nothing changes."""
+    if _VIRTUAL_PIPELINE_WORLD_SIZE is None:
+        if chunk != 0:
+            raise ValueError(f"model chunk {chunk} without virtual pipeline stages.")
+        yield
+        return
+    set_virtual_pipeline_model_parallel_rank(chunk)
+    try:
+        yield
+    finally:
+        set_virtual_pipeline_model_parallel_rank(0)
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:

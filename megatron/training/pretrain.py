@@ -72,15 +72,9 @@ def _iterators(dataset, configs, consumed_samples: int, cyclic: bool, chunks: in
 def _chunk_reads_data(configs, chunk: int) -> bool:
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return False
-    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None
-    if virtual:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-    try:
+    with parallel_state.in_model_chunk(chunk):
         return stage_needs_data(configs.dataset.reset_position_ids,
                                 configs.dataset.reset_attention_mask)
-    finally:
-        if virtual:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
 
 def _data_loader(dataset, configs, consumed_samples: int):

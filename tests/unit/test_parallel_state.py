@@ -130,6 +130,37 @@ def _virtual_stages():
     return (ps.get_virtual_pipeline_model_parallel_world_size(), seen)
 
 
+def _in_model_chunk():
+    """in_model_chunk(c) answers stage queries for chunk c and returns to chunk 0."""
+    inside = []
+    for chunk in range(3):
+        with ps.in_model_chunk(chunk):
+            inside.append((ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()))
+        assert ps.get_virtual_pipeline_model_parallel_rank() == 0
+    return inside
+
+
+def _in_model_chunk_without_virtual_stages():
+    with ps.in_model_chunk(0):
+        first = ps.is_pipeline_first_stage()
+    try:
+        with ps.in_model_chunk(1):
+            pass
+    except ValueError as exc:
+        return first, str(exc)
+    return first, None
+
+
+def test_in_model_chunk():
+    from tests.distributed import run_distributed
+
+    F, T = False, True
+    got = run_distributed(_in_model_chunk, world_size=2, pp=2, vpp=3)
+    assert got == [[(T, F), (F, F), (F, F)], [(F, F), (F, F), (F, T)]]
+    got = run_distributed(_in_model_chunk_without_virtual_stages, world_size=1, pp=1)
+    assert got == [(True, "model chunk 1 without virtual pipeline stages.")]
+
+
 def test_virtual_pipeline_stages():
     from tests.distributed import run_distributed
 

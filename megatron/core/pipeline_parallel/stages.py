@@ -34,17 +34,14 @@ def build_model_chunks(model_provider: Callable[..., torch.nn.Module], config
     generator_state = torch.get_rng_state()
     for chunk in range(virtual_size or 1):
         torch.set_rng_state(generator_state)
-        if virtual_size is not None:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
         layer_range = chunk_layer_range(
             config.num_layers, pipeline_size, rank, chunk, virtual_size,
             config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage,
             config.account_for_embedding_in_pipeline_split,
             config.account_for_loss_in_pipeline_split)
-        chunks.append(model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
-                                     post_process=parallel_state.is_pipeline_last_stage(),
-                                     layer_range=layer_range))
-    if virtual_size is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+        with parallel_state.in_model_chunk(chunk):
+            chunks.append(model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
+                                         post_process=parallel_state.is_pipeline_last_stage(),
+                                         layer_range=layer_range))
     sync_tied_embedding_weights(chunks)
     return chunks
