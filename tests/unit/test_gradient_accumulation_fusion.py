@@ -31,6 +31,9 @@ from tests.distributed import run_distributed
 # GEMM output can only be a weight gradient.
 VOCAB, SEQ, MBS, STEPS = 64, 8, 3, 3
 FUSION_TOL = 1e-6  # max |param difference| after STEPS AdamW steps (lr 1e-3), see above
+# The first step's accumulated main_grad, in-GEMM vs unfused: a few fp32 ulps per element
+# (relative 1e-5 is ~80 ulps), plus an absolute floor for elements that cancel to ~0.
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-8
 ADAM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
 
 
@@ -80,7 +83,7 @@ def _train_steps(fusion, sequence_parallel, num_microbatches, overlap):
         LlamaModel(config, VOCAB))
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM), [model])
-    losses, hooks_ran = [], []
+    losses, hooks_ran, first_grads = [], [], None
     for batch in _batches(num_microbatches):
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -91,10 +94,12 @@ def _train_steps(fusion, sequence_parallel, num_microbatches, overlap):
         hooks_ran.append(all(p.grad is None and not getattr(p, "grad_added_to_main_grad", False)
                              for p in model.module.parameters()))
         losses.append(torch.stack([o["lm loss"] for o in out]))
+        if first_grads is None:  # the accumulated gradients, before Adam normalises them
+            first_grads = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
         ok, _, _ = optimizer.step()
         assert ok
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    return torch.stack(losses), params, hooks_ran
+    return torch.stack(losses), params, hooks_ran, first_grads
 
 
 @pytest.mark.parametrize("in_gemm", [None, True], ids=["cpu_default", "in_gemm"])
@@ -105,14 +110,21 @@ def test_fused_training_equals_unfused(sequence_parallel, num_microbatches, over
                   num_microbatches=num_microbatches, overlap=overlap)
     fused = run_distributed(_train, fusion=True, in_gemm=in_gemm, **kwargs)
     unfused = run_distributed(_train, fusion=False, **kwargs)
-    for (f_loss, f_params, f_hooks), (u_loss, u_params, _) in zip(fused, unfused):
+    for (f_loss, f_params, f_hooks, f_grads), (u_loss, u_params, _, u_grads) in zip(fused,
+                                                                                  unfused):
         assert all(f_hooks)
         if num_microbatches == 1 or in_gemm is None:  # the unfused arithmetic: bitwise
             assert torch.equal(f_loss, u_loss)
             for name, value in u_params.items():
                 assert torch.equal(f_params[name], value), name
+                assert torch.equal(f_grads[name], u_grads[name]), name
         else:
             assert torch.equal(f_loss[0], u_loss[0])  # the first step's forward is the same
+            # Adam cancels a constant scale of a gradient: compare the accumulated gradients
+            # themselves, element by element (k-block rounding: a few ulps of each).
+            for name, value in u_grads.items():
+                torch.testing.assert_close(f_grads[name], value, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                           msg=name)
             torch.testing.assert_close(f_loss, u_loss, rtol=0, atol=FUSION_TOL)
             for name, value in u_params.items():
                 torch.testing.assert_close(f_params[name], value, rtol=0, atol=FUSION_TOL,
