@@ -163,7 +163,8 @@ def run_distributed(fn: Callable, world_size: int, tp: Optional[int] = None,
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """End every rank pool (the next run_distributed starts fresh ones)."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

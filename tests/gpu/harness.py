@@ -30,8 +30,7 @@ _backend_of_pool = {}
 
 def close_pools() -> None:
     """End every rank pool: CPU pools must not serve GPU tests, nor GPU pools CPU tests."""
-    for size in list(distributed._POOLS):
-        distributed._POOLS.pop(size).close()
+    distributed.close_pools()
     _backend_of_pool.clear()
 
 

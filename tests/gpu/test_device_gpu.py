@@ -94,9 +94,10 @@ def test_build_model_gives_the_cuda_generator_back():
         config = _config()
         build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
                     DistributedDataParallelConfig(), seed=42)
-        torch.cuda.manual_seed(1234)
+        after = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(1234)  # what initialize_megatron seeded (pp_rank 0)
         print(json.dumps({
-            "unchanged": torch.equal(torch.cuda.get_rng_state(), expected),
+            "unchanged": torch.equal(after, expected),
             "is_seed": torch.equal(expected, torch.cuda.get_rng_state()),
             "tracker": all(torch.equal(v, get_rng_tracker().get_states()[k])
                            for k, v in tracker.items())}))
@@ -125,9 +126,11 @@ def test_rng_state_saved_on_cpu_resumes_on_cuda():
             with get_rng_tracker().fork():
                 sharded = torch.nn.functional.dropout(x, 0.5)
             masks.append((sharded, torch.nn.functional.dropout(x, 0.5)))
-        torch.cuda.manual_seed(1234 + 10)
+        torch.cuda.manual_seed(1234 + 10)  # Megatron's seed from --seed + iteration, pp_rank 0
+        megatron_mask = torch.nn.functional.dropout(torch.ones(1024, device="cuda"), 0.5)
         print(json.dumps({
             "same": all(torch.equal(a, b) for a, b in zip(*masks)),
+            "megatron_seed": torch.equal(masks[0][1], megatron_mask),
             "dropped": float((masks[0][1] == 0).float().mean())}))
     """)
-    assert result["same"] and 0.4 < result["dropped"] < 0.6
+    assert result["same"] and result["megatron_seed"] and 0.4 < result["dropped"] < 0.6

@@ -11,7 +11,7 @@ overlap of communication with compute across GPUs; those need one GPU per rank (
 import pytest
 import torch
 
-from tests.e2e.runner import LLAMA, TINY
+from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script
 from tests.gpu.harness import last_stage_losses, pretrain_losses, run_on_gpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -56,6 +56,19 @@ def test_single_process_runs_on_nccl_and_cuda(references):
         assert result["backend"] == "nccl" and result["device"] == "cuda", (dtype, result)
         assert len(result["losses"]) == 6 and all(torch.isfinite(torch.tensor(
             result["losses"]))), result
+
+
+def test_one_process_on_gpu_equals_the_cpu_run(references, monkeypatch):
+    """The GPU reference itself against the CPU run of the same flags (no dropout in TINY:
+    the two devices draw other random streams), so a CUDA-only model bug cannot hide in a
+    reference every layout is compared with."""
+    with monkeypatch.context() as m:
+        m.setenv("MEGATRON_DIST_BACKEND", "gloo")  # run_script's process is a CPU run
+        cpu, _ = parse_losses(run_script("pretrain_llama.py", _flags("fp32")))
+    gpu = references["fp32"]["losses"]
+    assert len(cpu) == len(gpu) == 6
+    for a, b in zip(gpu, cpu):
+        assert abs(a - b) <= FP32_TOL, (gpu, cpu)  # CPU and CUDA sum in other orders
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -138,7 +138,7 @@ def test_tensor_parallel_on_cuda_without_max_connections_is_one_error_line(tmp_p
 
 
 _SLOW_INDEX_BUILD = """
-    import sys, time
+    import hashlib, sys, time
     import numpy as np, torch, torch.distributed as dist
     from megatron.core.datasets import gpt_dataset
     from megatron.training.initialize import initialize_megatron
@@ -153,7 +153,8 @@ _SLOW_INDEX_BUILD = """
     arrays = gpt_dataset.load_or_build_indices(np.array([5, 7, 3], dtype=np.int32),
                                                description, {cache!r})
     world = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
-    print(dist.get_rank(), len(arrays[1]), world.total_seconds())
+    digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays))
+    print(dist.get_rank(), digest.hexdigest(), world.total_seconds())
 """
 
 
@@ -181,5 +182,5 @@ def test_ranks_wait_for_rank_0_index_build_under_the_configured_timeout(tmp_path
     for out, err, code in results:
         assert code == 0, err
     (r0, n0, timeout0), (r1, n1, timeout1) = [out.split() for out, _, _ in results]
-    assert (r0, r1) == ("0", "1") and n0 == n1  # rank 1 loaded what rank 0 built
+    assert (r0, r1) == ("0", "1") and n0 == n1  # rank 1 loaded what rank 0 built, byte for byte
     assert float(timeout0) == float(timeout1) == 300.0
