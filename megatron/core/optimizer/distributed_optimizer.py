@@ -65,6 +65,8 @@ class DistributedOptimizer(MegatronOptimizer):
                                  "(see ddp_config_for_optimizer).")
         self.model_chunks = model_chunks
         self.shards = [_Shard(bucket) for chunk in model_chunks for bucket in chunk._buckets()]
+        # Made once: a save allocates nothing to agree on the step (see _agreed_step).
+        self._step_slot = device.zeros(1, dtype=torch.float64)
         group_index = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
         piece_groups = [[] for _ in param_groups]
         self._model_of = {}
@@ -117,20 +119,33 @@ class DistributedOptimizer(MegatronOptimizer):
         an event before reading them); by default a new one."""
         self._finish_param_gather()
         keys = state_keys(self.optimizer, lambda p, v: v.dim() == 1)
-        params, step = self._gather_state(keys, host_tensor or (
+        # The step is agreed before the gather buffer exists, so its small tensors never add
+        # to the gather's peak (a backend may free that buffer late, off this thread).
+        step = self._agreed_step()
+        params = self._gather_state(keys, host_tensor or (
             lambda name, key, shape: torch.empty(shape, dtype=torch.float32)))
-        group = parallel_state.get_data_parallel_group()
-        steps = [step if step is not None else -1.0]
-        all_steps = [None] * dist.get_world_size(group)
-        dist.all_gather_object(all_steps, steps, group=group)
-        step = max(s[0] for s in all_steps)
         if params is None:
             return None
         return wrap_state(self.optimizer, params, step if step >= 0 else None, keys,
                           self.num_skipped_steps, self.grad_scaler)
 
+    def _agreed_step(self) -> float:
+        """The largest Adam step over the DP group, or -1.0 where no rank has stepped (a rank
+        whose shard holds no stepped parameter has none of its own). Reduced in a slot made
+        once: a collective's own tensors may be released late by the backend's thread, and
+        would then count against the gather that follows."""
+        step = -1.0
+        for shard in self.shards:
+            for piece, *_ in shard.pieces:
+                if "step" in self.optimizer.state.get(piece, {}):
+                    step = float(self.optimizer.state[piece]["step"])
+        self._step_slot.fill_(step)
+        dist.all_reduce(self._step_slot, op=dist.ReduceOp.MAX,
+                        group=parallel_state.get_data_parallel_group())
+        return float(self._step_slot.item())
+
     def _gather_state(self, keys, host_tensor):
-        """({name: {key: host tensor}} on DP rank 0, else None; this rank's step or None).
+        """{name: {key: host tensor}} on DP rank 0, else None.
 
         One state key of one bucket at a time is gathered to DP rank 0 and copied to host
         before the next, into one device buffer: the whole bucket on DP rank 0, one shard
@@ -141,7 +156,6 @@ class DistributedOptimizer(MegatronOptimizer):
         dp = parallel_state.get_data_parallel_world_size()
         root = parallel_state.get_data_parallel_ranks()[0]
         params: Optional[Dict[str, Dict[str, torch.Tensor]]] = {} if dp_rank == 0 else None
-        step = None
         buffer = None
         if keys or not all(s.in_place for s in self.shards):
             buffer = device.empty(max(s.bucket.grad_data.numel() if dp_rank == 0 else
@@ -149,9 +163,6 @@ class DistributedOptimizer(MegatronOptimizer):
                                   dtype=torch.float32)
         for shard in self.shards:
             size = shard.end - shard.begin
-            for piece, *_ in shard.pieces:
-                if "step" in self.optimizer.state.get(piece, {}):
-                    step = float(self.optimizer.state[piece]["step"])
             if params is not None:  # entries in the file's order: per parameter, "param" first
                 for param in shard.bucket.param_ranges:
                     params[self._names[param]] = {}
@@ -179,7 +190,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         host.copy_(buffer[p_begin:p_end].view(param.shape),
                                    non_blocking=host.is_pinned())
                         params[name][key] = host
-        return params, step
+        return params
 
     def load_state_dict(self, state: Dict) -> None:
         """``state`` from any optimizer's ``state_dict()`` at any DP size; the same dict on
