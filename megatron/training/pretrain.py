@@ -24,6 +24,7 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.training.errors import exit_with_error, shutdown_distributed  # noqa: F401 (entry points)
 from megatron.training.exit_signal import ExitSignal
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
@@ -210,22 +211,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     return history
 
 
-def shutdown_distributed() -> None:
-    """Tear the process groups down before the interpreter does: left to interpreter exit,
-    gloo's worker threads can abort the process (SIGABRT, "terminate called without an
-    active exception", pytorch/pytorch#190489). Collective: every rank calls it at the same
-    point (the end of training, or an error all ranks agreed on)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _exit_with(exc: Exception, code: int) -> None:
     """Every caller's error is seen by all ranks at the same point (agreed load errors, the
     NaN guard's stop, a save that failed everywhere), so the groups can be torn down."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-    shutdown_distributed()
-    sys.exit(code)
+    exit_with_error(exc, code)
 
 
 def _load_or_exit(model, optimizer, scheduler, configs) -> LoadedCheckpoint:

@@ -1,0 +1,51 @@
+"""How a run stops on a user's mistake: one ``error:`` line, from one rank, and an exit code;
+no Python traceback (set MEGATRON_TRACEBACK=1 to see it when debugging).
+
+Entry points and tools call ``report_error`` / ``exit_with_error``; the caller decides the
+code (2: the input was wrong before any work, as argparse does; 1: a failure during the run).
+"""
+import os
+import sys
+import traceback
+from typing import NoReturn, Optional, Union
+
+import torch.distributed as dist
+
+TRACEBACK_ENV = "MEGATRON_TRACEBACK"
+
+
+def is_reporting_rank() -> bool:
+    """Rank 0 of the job (before torch.distributed starts, torchrun's RANK says which)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def report_error(error: Union[str, BaseException], prog: Optional[str] = None) -> None:
+    """Print ``[prog: ]error: <message>`` on the reporting rank only; with MEGATRON_TRACEBACK
+    set, the traceback of the exception being handled first (on every rank)."""
+    if os.environ.get(TRACEBACK_ENV) and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    if is_reporting_rank():
+        prefix = f"{prog}: " if prog else ""
+        message = " ".join(str(error).split("\n"))  # one line, whatever the exception held
+        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+
+
+def shutdown_distributed() -> None:
+    """Tear the process groups down before the interpreter does: left to interpreter exit,
+    gloo's worker threads can abort the process (SIGABRT, "terminate called without an
+    active exception", pytorch/pytorch#190489). Collective: every rank calls it at the same
+    point (the end of training, or an error all ranks agreed on)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_with_error(error: Union[str, BaseException], code: int,
+                    prog: Optional[str] = None, shutdown: bool = True) -> NoReturn:
+    """``report_error`` then exit with ``code``. ``shutdown``: every rank reached this point
+    together (an agreed error), so the process groups can be torn down first."""
+    report_error(error, prog)
+    if shutdown:
+        shutdown_distributed()
+    sys.exit(code)
