@@ -6,7 +6,8 @@ from megatron.training.gpt_step import (
     model_provider_for,
     train_valid_test_datasets_provider,
 )
-from megatron.training.pretrain import pretrain, shutdown_distributed
+from megatron.training.errors import shutdown_distributed
+from megatron.training.pretrain import pretrain
 
 model_provider = model_provider_for(GPTModel)
 

@@ -24,7 +24,7 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
-from megatron.training.errors import exit_with_error, shutdown_distributed  # noqa: F401 (entry points)
+from megatron.training.errors import exit_with_error
 from megatron.training.exit_signal import ExitSignal
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
