@@ -35,3 +35,11 @@ class ModelParallelConfig:
     # Scales the last stage's loss before backward (mixed-precision loss scaling).
     grad_scale_func: Optional[Callable] = None
 
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 (or None), "
+                             f"got {vpp}.")

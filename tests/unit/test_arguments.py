@@ -246,7 +246,10 @@ def test_world_and_model_errors(extra, world, message):
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x "
      "--num-layers-per-virtual-pipeline-stage 3"),
-    (["--max-position-embeddings", "16"], "--max-position-embeddings 16 is smaller than"),
+    (["--max-position-embeddings", "16"], "--seq-length 32 is longer than "
+     "--max-position-embeddings 16, the size of the learned position table"),
+    (["--use-rope-scaling", "--rope-high-freq-factor", "1"],
+     "--rope-high-freq-factor 1.0 must be greater than --rope-low-freq-factor 1.0"),
     (["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu both choose the MLP activation"),
     (["--max-consecutive-nan-iterations", "0"], "--max-consecutive-nan-iterations must be >= 1"),
     (["--pipeline-trace-dir", "t", "--pipeline-trace-iteration", "11"],
@@ -289,7 +292,8 @@ def test_neither_train_length_and_required_flags():
     (["--lr-warmup-fraction", "1.0"], "learning-rate flags: OptimizerParamScheduler: "
                                       "--lr-warmup-iters/--lr-warmup-samples (20.0) must be"),
     (["--min-lr", "1"], "--min-lr (1.0) must be <= --lr"),
-    (["--loss-scale", "-1"], "optimizer flags: --loss-scale must be > 0"),
+    (["--initial-loss-scale", "0.5"],
+     "optimizer flags: need 0 < --min-loss-scale <= --initial-loss-scale"),
     (["--recompute-granularity", "full"], "full recomputation needs recompute_method"),
 ])
 def test_config_constructor_errors_are_wrapped(extra, message):
@@ -345,3 +349,108 @@ def test_bf16_gradients_are_reduced_in_fp32_unless_asked():
     assert grads_fp32 == {
         (): False, ("--bf16",): True, ("--bf16", "--grad-reduce-in-bf16"): False,
         ("--fp16",): False, ("--fp16", "--accumulate-allreduce-grads-in-fp32"): True}
+
+
+def _numeric_dests():
+    from megatron.training.arguments import get_parser
+
+    return {a.dest for a in get_parser()._actions
+            if getattr(a.type, "__name__", "") in ("int", "float", "_int_from_float")}
+
+
+def test_every_numeric_flag_has_a_range():
+    from megatron.training.arguments import FLAG_RANGES
+
+    checked_elsewhere = {"timing_log_level", "pipeline_trace_iteration"}
+    assert _numeric_dests() - checked_elsewhere == set(FLAG_RANGES)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--hidden-size", "-8"], "--hidden-size must be >= 1, got -8."),
+    (["--num-layers", "0"], "--num-layers must be >= 1, got 0."),
+    (["--num-attention-heads", "0"], "--num-attention-heads must be >= 1, got 0."),
+    (["--ffn-hidden-size", "-1"], "--ffn-hidden-size must be >= 1, got -1."),
+    (["--seq-length", "0"], "--seq-length must be >= 1, got 0."),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0."),
+    (["--global-batch-size", "-4"], "--global-batch-size must be >= 1, got -4."),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0."),
+    (["--train-iters", "-5"], "--train-iters must be >= 1, got -5."),
+    (["--tensor-model-parallel-size", "0"],
+     "--tensor-model-parallel-size must be >= 1, got 0 (1 = no tensor parallelism)."),
+    (["--pipeline-model-parallel-size", "-2"], "--pipeline-model-parallel-size must be >= 1"),
+    (["--lr", "-0.001"], "--lr must be >= 0, got -0.001 (the peak learning rate, e.g. 3e-4)."),
+    (["--lr", "nan"], "--lr must be >= 0, got nan"),
+    (["--eval-iters", "-1"], "--eval-iters must be >= 0, got -1 (0 = no evaluation)."),
+    (["--hidden-dropout", "1.5"],
+     "--hidden-dropout must be in [0, 1), got 1.5 (a dropout probability; 0 = no dropout)."),
+    (["--attention-dropout", "-0.1"], "--attention-dropout must be in [0, 1), got -0.1"),
+    (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1), got 1.0"),
+    (["--adam-beta2", "1.0"], "--adam-beta2 must be in [0, 1), got 1.0"),
+    (["--adam-eps", "0"], "--adam-eps must be > 0, got 0.0."),
+    (["--rotary-percent", "0"], "--rotary-percent must be in (0, 1], got 0.0"),
+    (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1], got 1.5"),
+    (["--seed", "0"], "--seed must be >= 1, got 0 (Megatron's rule)."),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1."),
+    (["--init-method-std", "inf"], "--init-method-std must be > 0, got inf."),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be >= 1, got 0 (elements per bucket)."),
+    (["--num-workers", "-1"], "--num-workers must be >= 0, got -1"),
+])
+def test_ranges_are_checked_before_any_other_rule(extra, message):
+    with pytest.raises(ConfigError) as info:
+        parse_args(small(*extra))
+    assert str(info.value) == message or str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--hidden-dropout", "0", "--attention-dropout", "0.99"], ["--eval-iters", "0"],
+    ["--clip-grad", "0"], ["--num-workers", "0"], ["--lr", "0"], ["--lr-warmup-fraction", "1"],
+    ["--adam-beta1", "0"], ["--lr-warmup-iters", "0"], ["--rotary-percent", "1"]])
+def test_range_boundaries_that_are_valid(extra):
+    parse_args(small(*extra))
+
+
+def test_saved_args_without_a_numeric_flag_still_validate():
+    from megatron.training.arguments import get_parser, validate_args
+
+    args = get_parser().parse_args(small())
+    del args.peak_tflops  # a checkpoint written before the flag existed
+    assert validate_args(args).hidden_size == 64
+
+
+def test_rope_seq_length_past_max_positions_warns_once_from_rank_0(capsys, monkeypatch):
+    argv = small("--position-embedding-type", "rope", "--max-position-embeddings", "16")
+    assert parse_args(argv).seq_length == 32  # accepted: RoPE has no position table
+    warning = capsys.readouterr().err
+    assert warning == ("warning: --seq-length 32 is longer than --max-position-embeddings 16: "
+                       "RoPE computes every position, so training uses all 32, but the model "
+                       "records a context of 16 (an HF export's max_position_embeddings); pass "
+                       "--max-position-embeddings 32 to record the length trained on.\n")
+    monkeypatch.setenv("RANK", "1")
+    parse_args(argv)
+    assert capsys.readouterr().err == ""
+    parse_args(small("--position-embedding-type", "rope"))  # equal lengths: silent
+    assert capsys.readouterr().err == ""
+
+
+def test_core_configs_reject_bad_sizes_themselves():
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for kwargs, message in (
+            (dict(hidden_size=-8), "hidden_size must be >= 1, got -8"),
+            (dict(ffn_hidden_size=0), "ffn_hidden_size must be >= 1 (or None), got 0"),
+            (dict(hidden_dropout=1.5), "hidden_dropout must be in [0, 1), got 1.5"),
+            (dict(max_position_embeddings=0), "max_position_embeddings must be >= 1, got 0"),
+            (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size must be >= 1")):
+        with pytest.raises(ValueError) as info:
+            TransformerConfig(**kwargs)
+        assert message in str(info.value)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size must be >= 1, got 0"):
+        ModelParallelConfig(pipeline_model_parallel_size=0)
+    for kwargs, message in ((dict(lr=-1.0), "--lr must be >= 0, got -1.0"),
+                            (dict(adam_beta1=1.0), "--adam-beta1 must be in [0, 1), got 1.0"),
+                            (dict(adam_eps=0.0), "--adam-eps must be > 0, got 0.0")):
+        with pytest.raises(ValueError) as info:
+            OptimizerConfig(**kwargs)
+        assert message in str(info.value)

@@ -43,6 +43,15 @@ class OptimizerConfig:
                              "distributed optimizer with its communication overlapped).")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are exclusive; pick one.")
+        for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr),
+                            ("--weight-decay", self.weight_decay)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}.")
+        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0 <= value < 1:
+                raise ValueError(f"{flag} must be in [0, 1), got {value}.")
+        if self.adam_eps <= 0:
+            raise ValueError(f"--adam-eps must be > 0, got {self.adam_eps}.")
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}.")
         if self.clip_grad < 0:

@@ -59,8 +59,18 @@ class TransformerConfig(ModelParallelConfig):
             if not cond:
                 raise ValueError(f"TransformerConfig: {message}")
 
-        need(self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}.")
-        need(self.num_attention_heads >= 1, "num_attention_heads must be >= 1.")
+        super().__post_init__()
+        # Sizes first: the rules below divide by them, and a negative one fails only later,
+        # as a "negative dimension" deep in a layer.
+        for name in ("num_layers", "hidden_size", "num_attention_heads",
+                     "max_position_embeddings"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
+            value = getattr(self, name)
+            need(value is None or value >= 1, f"{name} must be >= 1 (or None), got {value}.")
+        for name in ("attention_dropout", "hidden_dropout"):
+            need(0.0 <= getattr(self, name) < 1.0,
+                 f"{name} must be in [0, 1), got {getattr(self, name)}.")
         try:  # fail here, before any process talks to another, if the layers cannot split
             stage_layer_counts(self.num_layers, self.pipeline_model_parallel_size,
                                self.num_layers_in_first_pipeline_stage,
