@@ -23,6 +23,7 @@ from megatron.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron.training.checkpointing.preflight import check_checkpoint_start
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
 from megatron.training.errors import exit_with_error
 from megatron.training.exit_signal import ExitSignal
@@ -123,6 +124,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     configs.transformer.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
     resumed = _load_or_exit(model, optimizer, scheduler, configs)
+    check_checkpoint_start(args, configs, model, resumed)  # --save writable, same tokenizer
 
     gbs = t.global_batch_size
     # Megatron's rule: whole global batches (a remainder of samples is not trained on).

@@ -5,6 +5,12 @@ import os
 import shutil
 import sys
 
+from megatron.training.checkpointing.disk_space import (
+    disk_full_message,
+    free_bytes,
+    looks_like_disk_full,
+)
+
 
 class ConversionError(Exception):
     """A problem the user can act on; convert.py prints it on one line and exits 1."""
@@ -20,17 +26,22 @@ def check_output_dir(path: str) -> str:
 
 
 @contextlib.contextmanager
-def staged_output_dir(path: str):
+def staged_output_dir(path: str, needed: int = 0):
     """Yield a staging directory next to ``path``, renamed to ``path`` when the block ends
-    without an error and removed when it raises: a failed conversion leaves nothing behind."""
+    without an error and removed when it raises: a failed conversion leaves nothing behind.
+    ``needed``: about how many bytes the output takes (named when the disk is full)."""
     path = check_output_dir(path)
     staging = path + ".partial"
     shutil.rmtree(staging, ignore_errors=True)  # a previous run's leftover
     os.makedirs(staging)
     try:
         yield staging
-    except BaseException:
+    except BaseException as exc:
+        full = not isinstance(exc, ConversionError) and \
+            looks_like_disk_full(exc, free_bytes(staging), needed)
         shutil.rmtree(staging, ignore_errors=True)
+        if full:
+            raise ConversionError(disk_full_message(path, needed, free_bytes(path))) from None
         raise
     if os.path.isdir(path):
         os.rmdir(path)  # empty, checked above

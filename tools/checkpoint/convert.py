@@ -16,6 +16,7 @@ rebuilds config.json from the checkpoint's args and writes sharded safetensors t
 ``NAME.partial`` and renamed when complete: a failed run leaves nothing behind.
 """
 import argparse
+import json
 import os
 import re
 import shutil
@@ -48,7 +49,13 @@ from megatron.training.checkpointing.offline import (  # noqa: E402
     read_model,
     write_model,
 )
+from megatron.training.checkpointing.disk_space import tree_nbytes  # noqa: E402
 from megatron.training.checkpointing.paths import CheckpointError  # noqa: E402
+from megatron.training.tokenizer.fingerprint import (  # noqa: E402
+    FINGERPRINT_ARG,
+    FINGERPRINT_FILE,
+    fingerprint_of_hf_directory,
+)
 
 FLAGS_FILE = "megatron_flags.txt"
 TOKENIZER_DIR = "tokenizer"
@@ -114,6 +121,9 @@ def hf_to_megatron_cmd(a) -> str:
     if has_tokenizer:
         args.update(tokenizer_type="PretrainedFromHF",
                     tokenizer_name_or_path=os.path.join(save, TOKENIZER_DIR))
+        fingerprint = fingerprint_of_hf_directory(tokenizer_src)
+        if fingerprint is not None:  # what training checks its tokenizer against
+            args[FINGERPRINT_ARG] = {**fingerprint, "source": os.path.join(save, TOKENIZER_DIR)}
         size = hf_io.tokenizer_size(tokenizer_src)
         if size is not None and size != vocab:
             say(f"warning: the tokenizer has {size} tokens but the model's vocabulary "
@@ -125,7 +135,7 @@ def hf_to_megatron_cmd(a) -> str:
     args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab,
                                      a.make_vocab_size_divisible_by)
     dtype = full[_EMBEDDING].dtype
-    with staged_output_dir(save) as stage:
+    with staged_output_dir(save, tree_nbytes(full)) as stage:
         hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, gated_mlp=args["swiglu"], tied_output=tied,
                     target=TargetLayout(tp, pp, vpp, a.make_vocab_size_divisible_by),
@@ -210,8 +220,12 @@ def megatron_to_hf_cmd(a) -> str:
     if hf_config.tie_word_embeddings:
         state.pop("lm_head.weight")  # as save_pretrained: the embedding serves both
     _check_against_transformers(state, hf_config)
-    with staged_output_dir(save) as stage:
+    fingerprint = args.get(FINGERPRINT_ARG) or fingerprint_of_hf_directory(tokenizer_dir)
+    with staged_output_dir(save, tree_nbytes(state)) as stage:
         shards = hf_io.write_weights(stage, state, max_shard)
+        if fingerprint:  # the tokenizer the weights were trained with, for a later import
+            with open(os.path.join(stage, FINGERPRINT_FILE), "w") as f:
+                json.dump(fingerprint, f, indent=1)
         hf_config.save_pretrained(stage)
         copied = hf_io.copy_tokenizer_files(tokenizer_dir, stage)
         _copy_megatron_tokenizer_files(args, stage, copied)
@@ -245,7 +259,7 @@ def megatron_to_megatron_cmd(a) -> str:
             os.path.abspath(args["tokenizer_name_or_path"]) == os.path.abspath(tokenizer_src):
         args["tokenizer_name_or_path"] = os.path.join(save, TOKENIZER_DIR)
     args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab, divisible)
-    with staged_output_dir(save) as stage:
+    with staged_output_dir(save, tree_nbytes(full)) as stage:
         if os.path.isdir(tokenizer_src):
             hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, layout["gated_mlp"], layout["tied_output"],

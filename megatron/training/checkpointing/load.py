@@ -28,6 +28,7 @@ from megatron.training.checkpointing.paths import (
 from megatron.training.checkpointing.resharder import Resharder
 from megatron.training.checkpointing.rng_state import restore_rng_state
 from megatron.training.checkpointing.safe_io import safe_load
+from megatron.training.tokenizer.fingerprint import FINGERPRINT_ARG
 
 
 @dataclass
@@ -39,6 +40,7 @@ class LoadedCheckpoint:
     path: Optional[str] = None
     notes: List[str] = field(default_factory=list)
     rng_state: Optional[Dict] = None
+    tokenizer: Optional[Dict] = None  # the fingerprint its args record (None: older ones)
 
     def restore_rng(self, seed: int) -> None:
         """Call right before the first iteration: anything drawn after it (building data
@@ -90,6 +92,19 @@ def saved_rank_dirs(iteration_dir: str) -> Dict:
     return found
 
 
+def check_rank_dirs_complete(iteration_dir: str, rank_dirs: Dict, saved_layout: Dict) -> None:
+    """Every (TP, PP) directory the saved layout says it wrote is there."""
+    tp, pp = (saved_layout["tensor_model_parallel_size"],
+              saved_layout["pipeline_model_parallel_size"])
+    for coords in ((t, p) for p in range(pp) for t in range(tp)):
+        if coords not in rank_dirs:
+            missing = os.path.join(iteration_dir, rank_dir_name(*coords, pp))
+            raise CheckpointError(
+                f"{missing} is missing: the checkpoint was saved with TP={tp} x PP={pp} "
+                f"({tp * pp} mp_rank_* directories) and holds only {len(rank_dirs)}; copy the "
+                f"whole iteration directory, or load another with --ckpt-step.")
+
+
 def _check_architecture(chunks, states: List[Dict[str, torch.Tensor]]) -> None:
     for chunk, state in zip(chunks, states):
         want = unwrap_model(chunk).state_dict()
@@ -130,6 +145,7 @@ def _read(model_chunks, configs) -> Optional[_Read]:
     if saved_layout is None:
         raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "
                               f"(no layout record); convert it with tools/checkpoint.")
+    check_rank_dirs_complete(iteration_dir, rank_dirs, saved_layout)
     load_optim = not (t.finetune or t.no_load_optim or release)
     notes = []
 
@@ -170,7 +186,8 @@ def _read(model_chunks, configs) -> Optional[_Read]:
         iteration=0 if fresh else iteration,
         consumed_train_samples=0 if fresh else int(probe.get("consumed_train_samples", 0)),
         consumed_valid_samples=0 if fresh else int(probe.get("consumed_valid_samples", 0)),
-        path=iteration_dir, notes=notes, rng_state=rng)
+        path=iteration_dir, notes=notes, rng_state=rng,
+        tokenizer=(probe.get("args") or {}).get(FINGERPRINT_ARG))
     return _Read(result, models, optimizer,
                  probe.get("opt_param_scheduler") if load_optim else None)
 

@@ -15,7 +15,7 @@ import torch
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.utils import vocab_size_with_padding
 from megatron.training.checkpointing.layout import model_key
-from megatron.training.checkpointing.load import saved_rank_dirs
+from megatron.training.checkpointing.load import check_rank_dirs_complete, saved_rank_dirs
 from megatron.training.checkpointing.paths import (
     MODEL_FILE,
     RELEASE,
@@ -56,11 +56,7 @@ def read_model(iteration_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict, Dict]
     if layout is None:
         raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "
                               f"(no layout record).")
-    missing = [(tp, pp) for tp in range(layout["tensor_model_parallel_size"])
-               for pp in range(layout["pipeline_model_parallel_size"]) if (tp, pp) not in files]
-    if missing:
-        raise CheckpointError(f"{iteration_dir} lacks the file of TP rank {missing[0][0]}, PP "
-                              f"rank {missing[0][1]}; the checkpoint is incomplete.")
+    check_rank_dirs_complete(iteration_dir, files, layout)
     vpp = layout["virtual_pipeline_model_parallel_size"]
     full = full_from_files(files, layout, lambda rank, c: files[rank][model_key(c, vpp)])
     return full, layout, dict(first.get("args") or {})

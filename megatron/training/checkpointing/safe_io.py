@@ -5,6 +5,12 @@ from typing import Any
 
 import torch
 
+from megatron.training.checkpointing.disk_space import (
+    DiskFullError,
+    disk_full_message,
+    free_bytes,
+    looks_like_disk_full,
+)
 from megatron.training.checkpointing.paths import CheckpointError
 from megatron.training.fault_injection import maybe_crash_while_writing
 
@@ -12,11 +18,34 @@ from megatron.training.fault_injection import maybe_crash_while_writing
 def atomic_save(obj: Any, path: str, iteration: int = -1) -> None:
     """torch.save to ``path.tmp``, fsync, then rename: a reader sees all of it or nothing."""
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    maybe_crash_while_writing(tmp, iteration)  # tests only: see fault_injection.py
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        maybe_crash_while_writing(tmp, iteration)  # tests only: see fault_injection.py
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: leave no partial file filling the disk
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_or_report_disk_full(obj: Any, path: str, directory: str, needed: int,
+                             iteration: int = -1) -> None:
+    """``atomic_save``; a full disk raises DiskFullError naming ``directory`` and the bytes
+    ``needed`` there (the temporary file is already removed)."""
+    try:
+        atomic_save(obj, path, iteration)
+    except Exception as exc:
+        raise as_disk_full(exc, directory, needed) from exc
+
+
+def as_disk_full(exc: BaseException, directory: str, needed: int) -> BaseException:
+    """DiskFullError for a write that failed on a full disk, else ``exc`` itself."""
+    free = free_bytes(directory)
+    if looks_like_disk_full(exc, free, needed):
+        return DiskFullError(disk_full_message(directory, needed, free))
+    return exc
 
 
 def safe_load(path: str) -> Any:

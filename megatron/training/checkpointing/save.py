@@ -25,7 +25,8 @@ from megatron.training.checkpointing.paths import (
     write_tracker,
 )
 from megatron.training.checkpointing.rng_state import capture_rng_state
-from megatron.training.checkpointing.safe_io import atomic_save
+from megatron.training.checkpointing.disk_space import tree_nbytes
+from megatron.training.checkpointing.safe_io import save_or_report_disk_full
 from megatron.training.checkpointing.writer import CheckpointWriter
 
 CHECKPOINT_VERSION = 3.0
@@ -141,13 +142,19 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         if configs.optimizer.sharded and optimizer_state is not None:
             files.append((os.path.join(rank_dir, OPTIMIZER_FILE), optimizer_state))
 
+    needed = sum(tree_nbytes(obj) for _, obj in files)
+
     def write():
         for path, obj in files:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_save(obj, path, iteration)
+            save_or_report_disk_full(obj, path, staging, needed, iteration)
 
     def finalize():
         if dist.get_rank() == 0:
             publish(root, staging, iteration_dir_name(iteration), iteration)
 
-    writer.submit(write, finalize, ready=device.record_event())
+    def abort():  # a rank's write failed: remove what every rank wrote (it is never published)
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    writer.submit(write, finalize, ready=device.record_event(), abort=abort)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron.core import device
 
+from megatron.training.checkpointing.disk_space import DiskFullError
 from megatron.training.checkpointing.paths import CheckpointError
 
 
@@ -93,9 +94,11 @@ class HostBuffers:
 
 class _Pending:
     def __init__(self, write: Callable[[], None], finalize: Callable[[], None], background,
-                 ready=None):
+                 ready=None, abort: Optional[Callable[[], None]] = None):
         self.finalize = finalize
+        self.abort = abort
         self.error: Optional[str] = None
+        self.disk_full = False
         self.thread = None
         if background:
             self.thread = threading.Thread(target=self._run, args=(write, ready), daemon=True,
@@ -108,6 +111,8 @@ class _Pending:
         try:
             device.wait_event(ready)  # the device-to-host copies of the snapshot
             write()
+        except DiskFullError as exc:  # its message is the whole story
+            self.error, self.disk_full = str(exc), True
         except Exception as exc:  # reported on every rank by _complete
             self.error = f"{type(exc).__name__}: {exc}"
 
@@ -126,10 +131,12 @@ class CheckpointWriter:
         return self._pending is not None
 
     def submit(self, write: Callable[[], None], finalize: Callable[[], None],
-               ready=None) -> None:
-        """``ready``: an event (``device.record_event()``) the writes must wait for."""
+               ready=None, abort: Optional[Callable[[], None]] = None) -> None:
+        """``ready``: an event (``device.record_event()``) the writes must wait for.
+        ``abort``: called on every rank when any rank's writes failed (to remove them)."""
         self.wait()
-        self._pending = _Pending(write, finalize, background=self.async_save, ready=ready)
+        self._pending = _Pending(write, finalize, background=self.async_save, ready=ready,
+                                 abort=abort)
         if not self.async_save:
             self._complete()
 
@@ -154,10 +161,15 @@ class CheckpointWriter:
     def _complete(self) -> None:
         pending, self._pending = self._pending, None
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, pending.error)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        dist.all_gather_object(errors, (pending.error, pending.disk_full))
+        failed = [(rank, e, full) for rank, (e, full) in enumerate(errors) if e is not None]
         if failed:
-            rank, error = failed[0]
+            if pending.abort is not None:
+                pending.abort()
+            rank, error, disk_full = failed[0]
+            if disk_full:
+                raise DiskFullError(f"{error} (rank {rank}); the previous checkpoint remains "
+                                    f"the latest.")
             raise CheckpointError(f"saving the checkpoint failed on rank {rank} ({error}); the "
                                   f"previous checkpoint remains the latest.")
         dist.barrier()
