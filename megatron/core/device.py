@@ -51,8 +51,8 @@ def _check_device_type(device_type: str, source: str) -> None:
         raise ValueError(
             f"{source}: unknown device type {device_type!r}; use one of {_SUPPORTED_DEVICES}."
         )
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+    if device_type == "cuda" and not torch.cuda.is_available():  # a launch mistake
+        raise DeviceSetupError(
             f"{source} asks for 'cuda' but torch sees no CUDA device "
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
             f"Unset it to run on CPU, or install a CUDA build of torch."

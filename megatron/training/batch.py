@@ -4,6 +4,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.training.token_guard import get_token_guard
 
 
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int,
@@ -75,7 +76,9 @@ def get_batch(data_iterator: Optional[Iterator[Dict[str, torch.Tensor]]], eod_to
     tensor-parallel rank 0 reads ``data_iterator`` (others may pass None); its
     ``{'text': [b, s + 1]}`` is broadcast over the TP group (not at TP=1). With
     ``micro_batch_size`` and ``seq_length`` given the shape is known and the whole path runs
-    without a host sync. ``tokens`` are text[:, :-1], ``labels`` text[:, 1:].
+    without a host sync. ``tokens`` are text[:, :-1], ``labels`` text[:, 1:]. With a token
+    guard set (token_guard.set_token_guard), ids outside the vocabulary are flagged and
+    replaced by 0, on device.
     """
     if not stage_needs_data(reset_position_ids, reset_attention_mask):
         return None, None, None, None, None
@@ -88,6 +91,9 @@ def get_batch(data_iterator: Optional[Iterator[Dict[str, torch.Tensor]]], eod_to
     if micro_batch_size is not None and seq_length is not None:
         shapes = {"text": (micro_batch_size, seq_length + 1)}
     text = tensor_parallel.broadcast_data(["text"], data, torch.int64, shapes)["text"]
+    guard = get_token_guard()
+    if guard is not None:  # ids outside the vocabulary: flagged on device, made harmless
+        text = guard.sanitize(text)
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
     # No s x s mask: the model is causal, per document with packed_seq_params_from_eod.

@@ -1,31 +1,67 @@
-"""``--exit-signal-handler``: a SIGTERM (what Slurm sends before a job's time limit or a
-preemption) makes every rank finish its iteration, save, and exit 0.
+"""Signals that stop a run.
 
+``--exit-signal-handler``: a SIGTERM (what Slurm sends before a job's time limit or a
+preemption) or a SIGINT (Ctrl-C) makes every rank finish its iteration, save, and exit 0.
 The handler only records the signal; the loop asks all ranks after each iteration (one small
-all-reduce), so every rank stops at the same iteration even if only some got the signal.
+all-reduce), so every rank stops at the same iteration even if only some got the signal. A
+second Ctrl-C while that runs stops at once (``Interrupted``).
+
+Without the flag a Ctrl-C stops at once: ``Interrupted`` is raised in the main thread and
+pretrain reports it in one line (exit 130). ``interrupted()`` says a SIGINT arrived, so that
+what it broke on the way (a peer's closed connection) is not reported as another error.
 """
 import signal
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import device
 
+SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what shells and schedulers expect of a Ctrl-C
+_interrupted = False
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT stopped the run where it was."""
+
+
+def interrupted() -> bool:
+    return _interrupted
+
+
+def _raise_interrupted(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise Interrupted()
+
+
+def install_sigint_handler():
+    """Ctrl-C raises Interrupted (recorded by ``interrupted()``); returns the previous handler
+    (for ``signal.signal`` to restore)."""
+    global _interrupted
+    _interrupted = False
+    return signal.signal(signal.SIGINT, _raise_interrupted)
+
 
 class ExitSignal:
-    def __init__(self, enabled: bool, signum: int = signal.SIGTERM):
+    def __init__(self, enabled: bool, signums=(signal.SIGTERM, signal.SIGINT)):
         self.enabled = enabled
-        self.signum = signum
-        self._received = False
+        self._received = 0  # the signal's number, 0 while none came
         if enabled:
-            signal.signal(signum, self._handler)
+            for signum in signums:
+                signal.signal(signum, self._handler)
 
     def _handler(self, signum, frame) -> None:
-        self._received = True
+        if signum == signal.SIGINT and self._received == signal.SIGINT:
+            _raise_interrupted(signum, frame)  # Ctrl-C twice: do not wait for the save
+        self._received = signum
 
-    def received_on_any_rank(self) -> bool:
+    def received_on_any_rank(self) -> Optional[str]:
+        """The signal's name (e.g. 'SIGTERM') if any rank got one, else None. Collective."""
         if not self.enabled:
-            return False
-        flag = device.tensor([1 if self._received else 0], dtype=torch.int32)  # nccl: on GPU
+            return None
+        flag = device.tensor([int(self._received)], dtype=torch.int32)  # nccl: on GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = int(flag.item())
+        return signal.Signals(signum).name if signum else None

@@ -3,14 +3,17 @@ distributed start -> model, optimizer, LR schedule -> data -> the training loop 
 evaluation and the exit conditions."""
 import inspect
 import os
+import signal
 import sys
 import time
 from functools import partial
 from typing import Callable, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training import fault_injection
@@ -25,14 +28,25 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
-from megatron.training.errors import exit_with_error
-from megatron.training.exit_signal import ExitSignal
+from megatron.training.errors import exit_with_error, report_error
+from megatron.training.exit_signal import (
+    SIGINT_EXIT_CODE,
+    ExitSignal,
+    install_sigint_handler,
+    interrupted,
+)
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import initialize_megatron
 from megatron.training.nan_guard import NanGuard
 from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.timers import Timers, set_timers
+from megatron.training.token_guard import (
+    TokenGuard,
+    TokenIdError,
+    check_datasets_at_start,
+    set_token_guard,
+)
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_log import TrainingLogger
@@ -46,8 +60,9 @@ def _configs_or_exit(argv: Optional[Sequence[str]]):
         build_configs(args, world_size)  # flags and files, before the tokenizer is loaded
         tokenizer = build_tokenizer_from_args(args)
         return args, build_configs(args, world_size, tokenizer), tokenizer
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    except (ConfigError, ValueError, FileNotFoundError, PermissionError, NotADirectoryError,
+            IsADirectoryError) as exc:
+        report_error(exc)  # rank 0 says it; every rank exits alike
         sys.exit(2)
 
 
@@ -97,24 +112,82 @@ def _flops(configs, args) -> int:
         configs.training.global_batch_size, tc.activation == "swiglu", tc.kv_channels)
 
 
+# A user's mistake that can escape before or during training: one error line, no traceback.
+USER_ERRORS = (ConfigError, IndexedDatasetError, TokenIdError, device.DeviceSetupError,
+               CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError,
+               NotADirectoryError)
+
+
+class _Progress:
+    """Where the run is, for the message of an error or an interrupt."""
+
+    def __init__(self):
+        self.training = False  # the loop started: a failure now is a run failure (exit 1)
+        self.iteration = 0
+        self.saved = None  # the last iteration saved (or loaded), None if none
+        self.save_dir = None
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              model_type: ModelType, forward_step_func: Callable,
              argv: Optional[Sequence[str]] = None) -> List[dict]:
     """Train as the flags say (Megatron's signature). Returns the per-iteration reported
-    losses (last stage)."""
+    losses (last stage). A user's mistake exits with one error line (2 when found before
+    training, 1 during it); Ctrl-C with one line and 130 (see exit_signal.py)."""
     if model_type is not ModelType.encoder_or_decoder:
         raise ValueError(f"model_type {model_type} is not supported: only "
                          f"ModelType.encoder_or_decoder (GPT/LLaMA) models are.")
+    progress = _Progress()
+    previous_sigint = install_sigint_handler()
+    try:
+        return _pretrain(train_valid_test_datasets_provider, model_provider,
+                         forward_step_func, argv, progress)
+    except KeyboardInterrupt:
+        _exit_interrupted(progress)
+    except USER_ERRORS as exc:
+        if interrupted():  # what the Ctrl-C broke on its way out
+            _exit_interrupted(progress)
+        exit_with_error(exc, 1 if progress.training else 2)
+    except Exception:
+        if interrupted():  # e.g. a peer that stopped closed the connection of a collective
+            _exit_interrupted(progress)
+        raise
+    finally:
+        set_token_guard(None)
+        signal.signal(signal.SIGINT, previous_sigint)
+
+
+def _exit_interrupted(progress: _Progress) -> None:
+    """One line from rank 0, exit 130; no teardown (peers may be inside a collective)."""
+    where = f"at iteration {progress.iteration}" if progress.training else "before training"
+    if progress.saved is not None:
+        kept = f"the last checkpoint is iteration {progress.saved} in {progress.save_dir}"
+    else:
+        kept = "no checkpoint was saved"
+    report_error(f"interrupted (SIGINT) {where}: {kept}; run with --exit-signal-handler to "
+                 f"save before stopping on SIGINT/SIGTERM, and --load to resume.")
+    sys.exit(SIGINT_EXIT_CODE)
+
+
+def _check_device(t) -> None:
+    """--device cuda on a machine without one: a launch mistake found before any work."""
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise device.DeviceSetupError(
+            f"--device cuda but torch sees no CUDA device (torch {torch.__version__}, CUDA "
+            f"build: {torch.version.cuda}); use --device cpu (or auto), or run on a machine "
+            f"with a GPU and a CUDA build of torch.")
+
+
+def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
+              forward_step_func: Callable, argv: Optional[Sequence[str]],
+              progress: _Progress) -> List[dict]:
     args, configs, _ = _configs_or_exit(argv)
     t = configs.training
     start_time = time.time()
-    try:
-        initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                            args.virtual_pipeline_model_parallel_size, t.seed, t.device,
-                            t.distributed_timeout_minutes)
-    except device.DeviceSetupError as exc:  # a launch mistake: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    _check_device(t)
+    initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                        args.virtual_pipeline_model_parallel_size, t.seed, t.device,
+                        t.distributed_timeout_minutes)
     model = build_model(_with_configs(model_provider, configs), configs.transformer,
                         configs.ddp, t.seed)
     optimizer = get_megatron_optimizer(configs.optimizer, model)
@@ -125,6 +198,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
     resumed = _load_or_exit(model, optimizer, scheduler, configs)
     check_checkpoint_start(args, configs, model, resumed)  # --save writable, same tokenizer
+    progress.iteration = resumed.iteration
+    if resumed.path:
+        progress.saved, progress.save_dir = resumed.iteration, t.load
 
     gbs = t.global_batch_size
     # Megatron's rule: whole global batches (a remainder of samples is not trained on).
@@ -137,6 +213,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     evals = train_iters // t.eval_interval + 1 if t.eval_interval else 0
     datasets = _with_configs(train_valid_test_datasets_provider, configs)(
         [train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs])
+    vocab_size = configs.model_kwargs["vocab_size"]
+    check_datasets_at_start(datasets, vocab_size)  # a bounded read of each .bin
+    token_guard = TokenGuard(vocab_size, datasets)
+    set_token_guard(token_guard)
     chunks = len(model)
     train_iter = _iterators(datasets[0], configs, resumed.consumed_train_samples,
                             t.dataloader_type == "cyclic", chunks)
@@ -148,7 +228,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     timers = Timers(t.timing_log_level, t.timing_log_option)
     set_timers(timers)  # for the script's forward step (batch-generator)
     logger = TrainingLogger(train_iters, gbs, args.seq_length, dist.get_world_size(),
-                            flops_per_iteration=_flops(configs, args), peak_tflops=t.peak_tflops,
+                            flops_per_iteration=_flops(configs, args),
+                            peak_tflops=_known_peak_tflops(t.peak_tflops, argv),
                             log_interval=t.log_interval, tensorboard_dir=t.tensorboard_dir,
                             tensorboard_queue_size=t.tensorboard_queue_size,
                             log_timers_to_tensorboard=t.log_timers_to_tensorboard,
@@ -156,16 +237,20 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                             log_validation_ppl_to_tensorboard=t.log_validation_ppl_to_tensorboard,
                             log_throughput=t.log_throughput, timers=timers)
     logger.start()
-    checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args))
+    checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args), token_guard,
+                               progress)
     consumed_train, consumed_valid = resumed.consumed_train_samples, \
         resumed.consumed_valid_samples
     history, iteration = [], resumed.iteration
+    token_guard.checked_at = iteration
     nan_guard = NanGuard(t.check_for_nan_in_loss_and_grad, t.max_consecutive_nan_iterations)
     exit_signal = ExitSignal(t.exit_signal_handler)
     resumed.restore_rng(t.seed)
+    progress.training = True
     try:
         while iteration < train_iters:
             iteration += 1
+            progress.iteration = iteration
             fault_injection.maybe_kill_at(iteration)  # tests only
             trace = start_trace(iteration, t, num_micro)  # None unless --pipeline-trace-dir
             losses, skipped, grad_norm, num_zeros = train_step(
@@ -180,8 +265,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                                 optimizer.get_loss_scale(), skipped_iter=skipped,
                                 grad_norm=grad_norm, num_zeros=num_zeros,
                                 consumed_samples=consumed_train)
+            if iteration % t.log_interval == 0:  # the logger just synchronized anyway
+                token_guard.check(iteration)
             checkpoints.poll()
-            if nan_guard.check(iteration, grad_norm):
+            if nan_guard.check(iteration, grad_norm, losses):
                 checkpoints.save(iteration, consumed_train, consumed_valid)  # the last good state
                 checkpoints.wait()
                 _exit_with(nan_guard.stop_message(iteration, t.save), code=1)
@@ -199,18 +286,34 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                     t.exit_duration_in_mins and
                     _minutes_elapsed(start_time) > t.exit_duration_in_mins):
                 break
-            if exit_signal.received_on_any_rank():
+            received = exit_signal.received_on_any_rank()
+            if received:
                 if dist.get_rank() == 0:
-                    print(f"received SIGTERM: saving at iteration {iteration} and exiting",
+                    print(f"received {received}: saving at iteration {iteration} and exiting",
                           flush=True)
                 break
+        token_guard.check(iteration)  # a run never ends "successfully" on bad data
         checkpoints.save(iteration, consumed_train, consumed_valid)  # unless just saved
         checkpoints.wait()
-    except CheckpointError as exc:
+    except TokenIdError as exc:  # every rank agreed (TokenGuard.check's all-reduce)
+        checkpoints.wait()  # a save in flight holds a state checked clean
+        _exit_with(exc, code=1)
+    except CheckpointError as exc:  # seen by every rank at the same point
         _exit_with(exc, code=1)
     logger.close()
     set_timers(None)
     return history
+
+
+def _known_peak_tflops(peak_tflops: float, argv: Optional[Sequence[str]]) -> Optional[float]:
+    """The per-device peak MFU is computed against, or None where it is unknown: on CPU
+    unless --peak-tflops is given (the default is an H100's, meaningless on CPU)."""
+    if device.device_type() == "cuda":
+        return peak_tflops
+    given = sys.argv[1:] if argv is None else argv
+    if any(str(a) == "--peak-tflops" or str(a).startswith("--peak-tflops=") for a in given):
+        return peak_tflops
+    return None
 
 
 def _exit_with(exc: Exception, code: int) -> None:
@@ -225,19 +328,26 @@ def _load_or_exit(model, optimizer, scheduler, configs) -> LoadedCheckpoint:
     except CheckpointError as exc:
         _exit_with(exc, code=1)
     if dist.get_rank() == 0 and configs.training.load is not None:
-        where = f" from {resumed.path}" if resumed.path else ""
-        notes = "".join(f"; {n}" for n in resumed.notes)
-        print(f"loaded checkpoint{where} at iteration {resumed.iteration}{notes}", flush=True)
+        if resumed.path is None:  # nothing loaded: say only that
+            print(f"no checkpoint in {configs.training.load} yet: starting from scratch",
+                  flush=True)
+        else:
+            notes = "".join(f"; {n}" for n in resumed.notes)
+            print(f"loaded checkpoint from {resumed.path} at iteration {resumed.iteration}"
+                  f"{notes}", flush=True)
     return resumed
 
 
 class _Checkpoints:
     """The loop's saves: at --save-interval, at the end (once per iteration), in the
-    background with --async-save."""
+    background with --async-save. A save first checks the token guard (collective), so no
+    state trained on ids outside the vocabulary is saved."""
 
-    def __init__(self, model, optimizer, scheduler, configs, args: dict):
+    def __init__(self, model, optimizer, scheduler, configs, args: dict,
+                 token_guard: TokenGuard, progress: _Progress):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.configs, self.args = configs, args
+        self.token_guard, self.progress = token_guard, progress
         self.writer = CheckpointWriter(configs.training.async_save)
         self.last_saved = None
 
@@ -245,12 +355,14 @@ class _Checkpoints:
         root = self.configs.training.save
         if root is None or iteration == self.last_saved or iteration == 0:
             return
+        self.token_guard.check(iteration)
         save_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler,
                         self.configs, {**self.args, "iteration": iteration,
                                        "consumed_train_samples": consumed_train,
                                        "consumed_valid_samples": consumed_valid},
                         consumed_train, consumed_valid, self.writer)
         self.last_saved = iteration
+        self.progress.saved, self.progress.save_dir = iteration, root
         if dist.get_rank() == 0:
             mode = "started (async)" if self.writer.async_save else "saved"
             print(f"checkpoint of iteration {iteration} {mode} in {root}", flush=True)

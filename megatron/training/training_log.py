@@ -6,6 +6,9 @@ memory, ETA) come after Megatron's last field. Semantics follow Megatron where t
 the log: losses are averaged over the advanced (not skipped) iterations of the interval, a
 loss whose average is not > 0 is not printed, NaN/inf losses are counted only on skipped
 iterations, the line is printed by the last rank, validation PPL is ``exp(min(20, loss))``.
+Two departures: an advanced iteration with a non-finite loss counts as a NaN iteration too
+(Megatron's --check-for-nan-in-loss-and-grad would have stopped there), and MFU is printed
+only when the devices' peak is known (``peak_tflops`` not None).
 """
 import math
 import resource
@@ -116,7 +119,7 @@ class TrainingLogger:
 
     def __init__(self, train_iters: int, global_batch_size: int, seq_length: int,
                  num_devices: int, flops_per_iteration: Optional[float] = None,
-                 peak_tflops: float = 989.0, log_interval: int = 100,
+                 peak_tflops: Optional[float] = 989.0, log_interval: int = 100,
                  tensorboard_dir: Optional[str] = None, tensorboard_queue_size: int = 1000,
                  tensorboard_log_interval: int = 1, log_timers_to_tensorboard: bool = False,
                  log_batch_size_to_tensorboard: bool = False,
@@ -165,11 +168,12 @@ class TrainingLogger:
             self.writer.add_scalar(tag + " vs samples", value, consumed_samples)
 
     def _accumulate(self, losses: Mapping[str, float], skipped: bool) -> None:
-        """Megatron's total_loss_dict bookkeeping: skipped steps only count NaNs."""
+        """Megatron's total_loss_dict bookkeeping: skipped steps only count NaNs; a
+        non-finite loss is a NaN iteration whether or not the step was skipped."""
+        values = [_as_float(v) for v in losses.values()]
+        self._nan += int(any(math.isnan(v) or math.isinf(v) for v in values))
         if skipped:
             self._skipped += 1
-            values = [_as_float(v) for v in losses.values()]
-            self._nan += int(any(math.isnan(v) or math.isinf(v) for v in values))
             return
         self._advanced += 1
         for key, value in losses.items():
@@ -218,7 +222,8 @@ class TrainingLogger:
             self.writer.add_scalar("iteration-time", seconds, iteration)
             if self.log_throughput and throughput is not None:
                 self.writer.add_scalar("throughput", throughput, iteration)
-                self.writer.add_scalar("mfu", self._mfu(seconds), iteration)
+                if self.peak_tflops is not None:
+                    self.writer.add_scalar("mfu", self._mfu(seconds), iteration)
         line = format_log_line(
             iteration, self.train_iters,
             consumed_samples if consumed_samples is not None
@@ -258,7 +263,7 @@ class TrainingLogger:
         if seconds > 0:
             tokens = self.global_batch_size * self.seq_length / (seconds * self.num_devices)
             extras.append(("tokens per second per device", f"{tokens:.1f}"))
-            if self.flops_per_iteration is not None:
+            if self.flops_per_iteration is not None and self.peak_tflops is not None:
                 extras.append(("MFU (%)", f"{100.0 * self._mfu(seconds):.2f}"))
         if self.memory_fn is not None:
             label, gib = self.memory_fn()

@@ -42,7 +42,7 @@ def test_stop_and_resume_equals_the_straight_run(tmp_path, straight, mode):
 def test_first_start_of_an_auto_resuming_job_starts_fresh(tmp_path, straight):
     root = tmp_path / "ckpt"
     proc = run_script("pretrain_llama.py", FLAGS + ["--save", root, "--load", root])
-    assert "no checkpoint yet: starting from scratch" in proc.stdout
+    assert f"no checkpoint in {root} yet: starting from scratch" in proc.stdout
     assert _losses_by_iteration(proc) == straight
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "6"  # final save
 
