@@ -19,12 +19,18 @@ in input order, so the output does not depend on the number of workers. With `--
 batches are tokenized in this process, where a Rust tokenizer may itself use several threads
 (set TOKENIZERS_PARALLELISM=false to prevent it); each of several workers uses one thread.
 
+Zero documents is an error, not an empty dataset: an empty input file exits 2 at start; a
+run whose every line was skipped (malformed, or without a `--json-keys` key: the keys the lines
+did have are listed) exits 1 with no output, as `--strict` does. So does a full disk ("no
+space left on device"): every file the run wrote is removed.
+
 `--partitions N` splits the input into N byte ranges processed one after another and merged at
 the end (parallelism comes from --workers); the result is identical to one partition. Outputs
 are written under temporary names and renamed into place when complete.
 """
 import argparse
 import collections
+import errno
 import itertools
 import json
 import os
@@ -48,6 +54,7 @@ from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer_from
 
 BATCH_LINES = 1024  # lines per worker task: big enough to amortize IPC, small enough to stream
 MAX_REPORTED = 100  # bad lines reported one by one; the summary still counts all of them
+MAX_SEEN_KEYS = 50  # keys of skipped lines remembered, to suggest --json-keys
 
 
 def get_args(argv=None):
@@ -82,10 +89,16 @@ def get_args(argv=None):
 
     if not os.path.isfile(args.input):
         fail(f"--input {args.input}: no such file")
+    if os.path.getsize(args.input) == 0:
+        fail(f"--input {args.input} is empty (0 bytes): nothing to tokenize; give a JSONL file "
+             f"with one JSON object per line")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         fail(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist; "
                      f"create it first")
+    if not os.access(out_dir, os.W_OK):
+        fail(f"--output-prefix {args.output_prefix}: directory {out_dir} is not writable; "
+             f"choose another --output-prefix or fix its permissions")
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
@@ -114,10 +127,11 @@ class Encoder:
         self.dtype = np.dtype(best_fitting_dtype(tokenizer.vocab_size))
 
     def encode(self, batch):
-        """(first line number, lines) -> ({key: (tokens, lengths)}, problems, blank lines).
-        Problems are (line number, category, detail), in line order."""
+        """(first line number, lines) -> ({key: (tokens, lengths)}, problems, blank lines,
+        keys of the skipped JSON objects). Problems are (line number, category, detail), in
+        line order. The keys say what --json-keys could have been when nothing matched."""
         first_lineno, lines = batch
-        problems, linenos, blank = [], [], 0
+        problems, linenos, blank, seen_keys = [], [], 0, set()
         texts = {key: [] for key in self.keys}
         for lineno, line in enumerate(lines, first_lineno):
             if not line.strip():
@@ -126,6 +140,8 @@ class Encoder:
             problem, doc = self._parse(line)
             if problem:
                 problems.append((lineno,) + problem)
+                if isinstance(doc, dict) and len(seen_keys) < MAX_SEEN_KEYS:
+                    seen_keys.update(doc)
                 continue
             linenos.append(lineno)
             for key in self.keys:
@@ -139,7 +155,8 @@ class Encoder:
             else:
                 keep.append(i)
         problems.sort(key=lambda p: p[0])
-        return {key: self._pack([ids[key][i] for i in keep]) for key in self.keys}, problems, blank
+        arrays = {key: self._pack([ids[key][i] for i in keep]) for key in self.keys}
+        return arrays, problems, blank, seen_keys
 
     def _parse(self, line):
         try:
@@ -150,9 +167,9 @@ class Encoder:
             return ("malformed JSON", f"a JSON {type(doc).__name__}, not an object"), None
         for key in self.keys:
             if key not in doc:
-                return (f"missing key '{key}'", f"has keys {sorted(doc)[:10]}"), None
+                return (f"missing key '{key}'", f"has keys {sorted(doc)[:10]}"), doc
             if not isinstance(doc[key], str):
-                return (f"non-string '{key}'", f"a JSON {type(doc[key]).__name__}"), None
+                return (f"non-string '{key}'", f"a JSON {type(doc[key]).__name__}"), doc
         return None, doc
 
     def _tokenize(self, texts):
@@ -245,10 +262,13 @@ class Progress:
         self.args = args
         self.start = time.time()
         self.docs = self.lines = self.bytes = self.blank = 0
+        self.tokens_bytes = 0  # bytes of tokens given to the outputs (all keys)
         self.problems = collections.Counter()
+        self.seen_keys = set()
         self.next_log = args.log_interval
 
-    def add(self, lines, docs, problems, blank):
+    def add(self, lines, docs, problems, blank, seen_keys=()):
+        self.seen_keys.update(seen_keys)
         self.lines += len(lines)
         self.bytes += sum(map(len, lines))
         self.docs += docs
@@ -304,26 +324,78 @@ class BadLine(Exception):
     pass
 
 
-def process(args, encoder, pool, prefixes, progress, start, end, first_lineno):
-    """Tokenize bytes [start, end) of the input into datasets at `prefixes` (key -> prefix).
-    Returns the line number after the last line read."""
+class NoDocuments(Exception):
+    pass
+
+
+def check_documents(args, progress):
+    """Zero documents is a mistake (a wrong --json-keys, a wrong file): say which, with the
+    keys the lines did have, before any output is written."""
+    if progress.docs:
+        return
+    where = f"--input {args.input}"
+    if progress.lines == progress.blank:
+        raise NoDocuments(f"no documents in {where}: its {progress.lines} lines are blank; "
+                          f"give a JSONL file with one JSON object per line")
+    counts = ", ".join(f"{n} {category}" for category, n in progress.problems.items())
+    message = f"no documents in {where}: all {progress.lines - progress.blank} lines were " \
+              f"skipped ({counts})"
+    other_keys = sorted(progress.seen_keys - set(args.json_keys))
+    if other_keys:
+        shown = " ".join(other_keys[:10]) + (" ..." if len(other_keys) > 10 else "")
+        fix = (f"pass --json-keys {other_keys[0]}" if len(other_keys) == 1
+               else "pass --json-keys with the key(s) holding the text")
+        message += (f"; --json-keys is {' '.join(args.json_keys)} but the lines have keys: "
+                    f"{shown}; {fix}")
+    else:
+        message += f"; each line must be a JSON object with a string under " \
+                   f"{' and '.join(repr(k) for k in args.json_keys)} (see the warnings above)"
+    raise NoDocuments(message)
+
+
+def disk_full_message(args, progress):
+    """One line for ENOSPC: where, how much input was done, what is free, what is needed."""
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    free = shutil.disk_usage(out_dir).free
+    size = os.path.getsize(args.input)
+    need = ""
+    if progress.tokens_bytes and progress.bytes:  # extrapolate from the input read so far
+        docs = progress.docs * size // progress.bytes
+        index = len(args.json_keys) * (34 + 12 * docs + 8 * (docs + 1))  # see indexed_dataset
+        estimate = progress.tokens_bytes * size // progress.bytes + index
+        need = f"about {estimate} bytes needed, "
+    return (f"no space left on device: writing {args.output_prefix}_*.bin/.idx in {out_dir} "
+            f"({need}{free} bytes free); free some space or choose another --output-prefix "
+            f"(the partial output was removed)")
+
+
+def process(args, encoder, pool, prefixes, progress, start, end, first_lineno, written,
+            final=True):
+    """Tokenize bytes [start, end) of the input into datasets at `prefixes` (key -> prefix),
+    appending each finalized prefix to `written`. `final`: these are the outputs (not parts
+    to merge), which must hold documents. Returns the line number after the last line read."""
     builders = {key: IndexedDatasetBuilder(data_file_path(prefix), dtype=encoder.dtype)
                 for key, prefix in prefixes.items()}
     next_lineno = first_lineno
     try:
         batches = read_batches(args.input, start, end, first_lineno)
-        for (batch_lineno, lines), (arrays, problems, blank) in ordered_results(
+        for (batch_lineno, lines), (arrays, problems, blank, seen_keys) in ordered_results(
                 pool, encoder, batches, 4 * args.workers):
             if problems and args.strict:
                 raise BadLine("line {}: {} ({})".format(*problems[0]))
-            for key, (tokens, lengths) in arrays.items():
-                builders[key].add_documents(tokens, lengths)
             docs = len(arrays[args.json_keys[0]][1])  # the same for every key
-            progress.add(lines, docs, problems, blank)
+            # Counted before writing, so a full disk's message can extrapolate what is needed.
+            progress.add(lines, docs, problems, blank, seen_keys)
+            for key, (tokens, lengths) in arrays.items():
+                progress.tokens_bytes += tokens.nbytes
+                builders[key].add_documents(tokens, lengths)
             next_lineno = batch_lineno + len(lines)
+        if final:
+            check_documents(args, progress)
         for key, prefix in prefixes.items():
             builders[key].finalize(index_file_path(prefix))
             del builders[key]
+            written.append(prefix)
     finally:
         for builder in builders.values():  # only those not finalized: an error stopped us
             builder.abort()
@@ -335,6 +407,32 @@ def main(argv=None):
     encoder = Encoder(args, tokenizer)
     outputs = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     progress = Progress(args)
+    written = []  # output prefixes finalized by this run: removed if a later step fails
+    try:
+        run(args, encoder, outputs, progress, written)
+    except (BadLine, NoDocuments, OSError) as e:
+        for prefix in written:
+            for path in (data_file_path(prefix), index_file_path(prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
+        if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        if isinstance(e, BadLine):
+            message = f"{e}; stopping (--strict), no output written"
+        elif isinstance(e, NoDocuments):
+            message = f"{e}; no output written"
+        else:
+            message = disk_full_message(args, progress)
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+        return 1
+    print(progress.summary(), file=sys.stderr)
+    for key, prefix in outputs.items():
+        print(f"wrote {prefix}.bin/.idx (dtype {encoder.dtype.name})", file=sys.stderr)
+    return 0
+
+
+def run(args, encoder, outputs, progress, written):
+    """Tokenize the input into `outputs` (key -> prefix), via partitions if asked."""
     pool = None
     part_dir = None
     try:
@@ -343,37 +441,32 @@ def main(argv=None):
             pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args,))
         bounds = partition_bounds(args.input, args.partitions)
         if args.partitions == 1:
-            process(args, encoder, pool, outputs, progress, 0, bounds[-1], 1)
-        else:
-            part_dir = tempfile.mkdtemp(prefix=".preprocess_data-",
-                                        dir=os.path.dirname(os.path.abspath(args.output_prefix)))
-            parts = [{key: os.path.join(part_dir, f"part{i}_{key}") for key in args.json_keys}
-                     for i in range(args.partitions)]
-            lineno = 1
-            for i, prefixes in enumerate(parts):
-                lineno = process(args, encoder, pool, prefixes, progress, bounds[i],
-                                 bounds[i + 1], lineno)
-            for key, prefix in outputs.items():
-                merged = IndexedDatasetBuilder(data_file_path(prefix), dtype=encoder.dtype)
-                try:
-                    for part in parts:
-                        merged.add_index(part[key])
-                    merged.finalize(index_file_path(prefix))
-                except BaseException:
-                    merged.abort()
-                    raise
-    except BadLine as e:
-        print(f"error: {e}; stopping (--strict), no output written", file=sys.stderr)
-        return 1
+            process(args, encoder, pool, outputs, progress, 0, bounds[-1], 1, written)
+            return
+        part_dir = tempfile.mkdtemp(prefix=".preprocess_data-",
+                                    dir=os.path.dirname(os.path.abspath(args.output_prefix)))
+        parts = [{key: os.path.join(part_dir, f"part{i}_{key}") for key in args.json_keys}
+                 for i in range(args.partitions)]
+        lineno = 1
+        for i, prefixes in enumerate(parts):
+            lineno = process(args, encoder, pool, prefixes, progress, bounds[i],
+                             bounds[i + 1], lineno, [], final=False)
+        check_documents(args, progress)
+        for key, prefix in outputs.items():
+            merged = IndexedDatasetBuilder(data_file_path(prefix), dtype=encoder.dtype)
+            try:
+                for part in parts:
+                    merged.add_index(part[key])
+                merged.finalize(index_file_path(prefix))
+                written.append(prefix)
+            except BaseException:
+                merged.abort()
+                raise
     finally:
         if pool is not None:
             pool.terminate()
         if part_dir is not None:
             shutil.rmtree(part_dir, ignore_errors=True)
-    print(progress.summary(), file=sys.stderr)
-    for key, prefix in outputs.items():
-        print(f"wrote {prefix}.bin/.idx (dtype {encoder.dtype.name})", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -384,16 +384,21 @@ class IndexedDatasetBuilder:
         np.cumsum(lengths[:-1] * self._dtype.itemsize, out=pointers[1:])
         doc_indices = self._doc_indices.array()
         idx_tmp = idx_path + ".tmp"
-        with open(idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, len(lengths), len(doc_indices)))
-            f.write(lengths.astype(np.int32).tobytes())
-            f.write(pointers.tobytes())
-            f.write(doc_indices.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
+        try:
+            with open(idx_tmp, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, len(lengths),
+                                     len(doc_indices)))
+                f.write(lengths.astype(np.int32).tobytes())
+                f.write(pointers.tobytes())
+                f.write(doc_indices.tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+        except BaseException:  # e.g. a full disk: the half-written index must not stay
+            _remove_quietly(idx_tmp)
+            raise
         # Drop a previous index first: a new .bin beside an old .idx must never look complete.
         if os.path.exists(idx_path):
             os.remove(idx_path)
@@ -402,6 +407,15 @@ class IndexedDatasetBuilder:
 
     def abort(self):
         """Close and delete the temporary files; nothing is left behind."""
-        self._bin.close()
-        if os.path.exists(self._bin_tmp):
-            os.remove(self._bin_tmp)
+        try:
+            self._bin.close()  # flushes its buffer: fails again on a full disk
+        except OSError:
+            pass
+        _remove_quietly(self._bin_tmp)
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
