@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Regenerate docs/pipeline_1f1b.png and docs/pipeline_interleaved.png from real CPU runs:
-# torchrun on $PP processes (default 2), one pipeline stage each, of a small GPT (8 layers,
-# hidden 512, sequence 256, mock data, 8 microbatches), traced at iteration 2 (--pipeline-trace-dir) and drawn by
-# tools/plot_pipeline.py; once with 1F1B, once interleaved (2 model chunks per rank).
+# Draw pipeline_1f1b.png and pipeline_interleaved.png from real CPU runs: torchrun on $PP
+# processes (default 2), one pipeline stage each, of a small GPT (8 layers, hidden 512,
+# sequence 256, mock data, 8 microbatches), traced at iteration 2 (--pipeline-trace-dir) and
+# drawn by tools/plot_pipeline.py; once with 1F1B, once interleaved (2 model chunks per rank).
 #   bash shtools/plot_pipeline_examples.sh          # under a minute on 2 CPU cores
-#   OUT_DIR=/tmp/plots bash shtools/plot_pipeline_examples.sh
-# The traces are kept under $TRACE_DIR (default: a temporary directory, removed at the end).
+#   OUT_DIR=docs bash shtools/plot_pipeline_examples.sh   # refresh the tracked docs/ images
+# The images go to $OUT_DIR, default ./pipeline_examples (not the tracked docs/: only when
+# asked). The traces are kept under $TRACE_DIR (default: a temporary directory, removed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
-OUT_DIR=${OUT_DIR:-docs}
+OUT_DIR=${OUT_DIR:-pipeline_examples}
+mkdir -p "$OUT_DIR"
 PP=${PP:-2}  # pipeline stages = processes: 2 keeps one per core here; PP=4 shares them
 if [[ -z "${TRACE_DIR:-}" ]]; then
     TRACE_DIR=$(mktemp -d)
@@ -34,3 +36,4 @@ trace_and_plot() {  # NAME [extra flags]
 
 trace_and_plot 1f1b
 trace_and_plot interleaved --num-layers-per-virtual-pipeline-stage $((8 / PP / 2))
+echo "wrote $OUT_DIR/pipeline_1f1b.png and $OUT_DIR/pipeline_interleaved.png"

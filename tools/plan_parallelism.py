@@ -17,7 +17,9 @@ parallelism, batch, recomputation, optimizer-sharding and precision flags are ig
 are what the planner chooses. Memory per GPU is ``megatron.training.theoretical_memory``'s
 estimate; the step-time model and its assumptions are in
 ``megatron/training/planner/step_time.py``. Prints a ranked table with the flags of each row,
-or the same rows as JSON with --json. Bad input: one message on stderr, exit 1.
+or the same rows as JSON with --json. Bad input: one message on stderr, exit 1. A Hugging
+Face config's context longer than 4096 (the conversion's default --seq-length cap) is planned
+at 4096 unless --seq-length says otherwise, with a warning on stderr naming both.
 """
 import argparse
 import json
@@ -30,6 +32,8 @@ from typing import List
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "checkpoint"))  # hf_io, megatron_args
 sys.path.insert(1, os.path.join(_HERE, os.pardir))
+
+from megatron_args import DEFAULT_MAX_SEQ_LENGTH  # noqa: E402
 
 from megatron.training.planner import Cluster, plan, workload_from_flags  # noqa: E402
 from megatron.training.planner.report import format_table, plan_dict  # noqa: E402
@@ -52,7 +56,10 @@ def get_parser() -> argparse.ArgumentParser:
     model.add_argument("--config-file", help="a shtools/configs/*.sh defining CONFIG_FLAGS")
     run = p.add_argument_group("the run (default: the model flags' own)")
     run.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
-    run.add_argument("--seq-length", type=int)
+    run.add_argument("--seq-length", type=int,
+                     help="default: the model flags' own; for --hf-config its "
+                          f"max_position_embeddings, at most {DEFAULT_MAX_SEQ_LENGTH} (a "
+                          "warning says so)")
     run.add_argument("--vocab-size", type=int, help="the tokenizer's (LLaMA: 32000)")
     run.add_argument("--bf16-grads", action="store_true",
                      help="reduce gradients in bf16 (--grad-reduce-in-bf16; default fp32, "
@@ -109,9 +116,20 @@ def flags_of_hf_config(path: str, seq_length) -> List[str]:
         args = megatron_args.args_from_hf(config, None, seq_length)
     except ConversionError as exc:
         raise ConfigError(f"--hf-config: {exc}") from None
+    if seq_length is None and args["seq_length"] < args["max_position_embeddings"]:
+        _warn(f"--hf-config {path}: the model's context is {args['max_position_embeddings']} "
+              f"positions (max_position_embeddings), but the plan is for sequences of "
+              f"{args['seq_length']}, the default cap (memory and step time grow with the "
+              f"sequence, and long-context models are mostly pretrained shorter); pass "
+              f"--seq-length {args['max_position_embeddings']} to plan for the full context.")
     flags = [word for group in megatron_args.architecture_flags(args)
              for word in shlex.split(group)]
     return flags + ["--vocab-size", str(args["vocab_size"])]
+
+
+def _warn(message: str) -> None:
+    """One line on stderr (stdout stays the table or the JSON)."""
+    print(f"plan_parallelism.py: warning: {message}", file=sys.stderr, flush=True)
 
 
 def model_flags(a, extra: List[str]) -> List[str]:

@@ -333,3 +333,23 @@ def test_selective_recomputation_is_planned_only_where_attention_keeps_scores(ll
     flags[flags.index("--num-attention-heads") + 1] = "2"
     math = plan(workload_from_flags(flags, global_batch_size=16), Cluster(num_gpus=2))
     assert "selective" in {r.layout.recompute for r in math.rows}
+
+
+def test_hf_context_past_the_cap_is_planned_at_the_cap_with_a_warning(tmp_path, capsys):
+    import transformers
+
+    transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=1000, max_position_embeddings=8192,
+        tie_word_embeddings=False).save_pretrained(tmp_path)
+    argv = ["--num-gpus", "8", "--global-batch-size", "16", "--top", "1", "--json",
+            "--hf-config", str(tmp_path)]
+    assert json.loads(plan_parallelism.run(argv))["seq_length"] == 4096
+    assert capsys.readouterr().err == (
+        f"plan_parallelism.py: warning: --hf-config {tmp_path}: the model's context is 8192 "
+        "positions (max_position_embeddings), but the plan is for sequences of 4096, the "
+        "default cap (memory and step time grow with the sequence, and long-context models "
+        "are mostly pretrained shorter); pass --seq-length 8192 to plan for the full "
+        "context.\n")
+    full = json.loads(plan_parallelism.run(argv + ["--seq-length", "8192"]))
+    assert full["seq_length"] == 8192 and capsys.readouterr().err == ""
