@@ -40,7 +40,7 @@ def create_save_directory(path: str) -> Optional[str]:
         if blocker is not None:
             return (f"--save {path} cannot be created: {blocker} is a file, not a directory; "
                     f"choose a --save path whose parents are directories.")
-        return (f"--save {path} cannot be created ({exc.strerror}); choose a --save directory "
+        return (f"--save {path} cannot be created ({_reason(exc)}); choose a --save directory "
                 f"you can write to, or create it first.")
     return None
 
@@ -53,6 +53,10 @@ def _parents(path: str) -> List[str]:
     return out
 
 
+def _reason(exc: OSError) -> str:
+    return "read-only file system" if exc.errno == errno.EROFS else str(exc.strerror).lower()
+
+
 def probe_writable(path: str) -> Optional[str]:
     """Create and remove a file in ``path`` (permission bits do not stop root, a read-only
     mount does: only a real write tells); the problem as one line, or None."""
@@ -61,9 +65,8 @@ def probe_writable(path: str) -> Optional[str]:
         with open(probe, "wb") as f:
             f.write(b"x")
     except OSError as exc:
-        reason = "read-only file system" if exc.errno == errno.EROFS else exc.strerror
-        return (f"--save {path} is not writable ({reason}); make it writable or choose another "
-                f"--save directory.")
+        return (f"--save {path} is not writable ({_reason(exc)}); make it writable or choose "
+                f"another --save directory.")
     finally:
         if os.path.exists(probe):
             os.remove(probe)

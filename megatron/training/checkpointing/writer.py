@@ -168,8 +168,7 @@ class CheckpointWriter:
                 pending.abort()
             rank, error, disk_full = failed[0]
             if disk_full:
-                raise DiskFullError(f"{error} (rank {rank}); the previous checkpoint remains "
-                                    f"the latest.")
+                raise DiskFullError(f"{error}; the previous checkpoint remains the latest.")
             raise CheckpointError(f"saving the checkpoint failed on rank {rank} ({error}); the "
                                   f"previous checkpoint remains the latest.")
         dist.barrier()

@@ -84,7 +84,8 @@ def run_torchrun(script: str, argv: Sequence, nproc: int = 2,
 
 
 def error_lines(text: str) -> List[str]:
-    return [line for line in text.splitlines() if re.match(r"^(\S+: )?error: ", line)]
+    # "prog: error:", or argparse's sub-command form "convert.py hf-to-megatron: error:"
+    return [line for line in text.splitlines() if re.match(r"^(\S+( [\w-]+)?: )?error: ", line)]
 
 
 ITERATION = re.compile(r" iteration +\d+/ *\d+ \|")

@@ -1,0 +1,255 @@
+"""Bad inputs around checkpoints and conversion: an unusable --save found before iteration 1,
+a full disk during a save or a conversion (a real tiny tmpfs), damaged or incomplete
+checkpoints, and a checkpoint loaded with another tokenizer. Each case: the exit code, one
+``error:`` line saying what and the fix, no traceback, and nothing half-written left."""
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run
+from tests.e2e.conftest import load_tool
+from tests.e2e.runner import LLAMA, TINY, without
+
+FLAGS = without(TINY, "--train-iters", "--eval-interval") + LLAMA + [
+    "--train-iters", "2", "--eval-interval", "100"]
+CONVERT = "tools/checkpoint/convert.py"
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str, read_only: bool = False):
+    """A real tmpfs of ``size`` at ``path`` (skipped where mounting is not allowed)."""
+    os.makedirs(path, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny LLaMA checkpoint of iteration 2 (weights only) and its TP=2 copy."""
+    root = tmp_path_factory.mktemp("ckpt")
+    proc = run("pretrain_llama.py", FLAGS + ["--save", root / "tp1", "--no-save-optim"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run(CONVERT, ["megatron-to-megatron", "--load", root / "tp1", "--save", root / "tp2",
+                         "--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "1"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root
+
+
+def _copy(saved, name, tmp_path):
+    shutil.copytree(saved / name, tmp_path / name)
+    return tmp_path / name
+
+
+# --------------------------------------------------------------------------------------------
+# --save that cannot be written: found before iteration 1, exit 2, nothing created.
+def _save_is_file(tmp_path):
+    (tmp_path / "ckpt").write_text("not a directory")
+    return tmp_path / "ckpt", ("is a file, not a directory", "give a directory path")
+
+
+def _save_under_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return tmp_path / "afile" / "run" / "ckpt", (f"{tmp_path / 'afile'} is a file",
+                                                 "whose parents are directories")
+
+
+@pytest.mark.parametrize("make", [_save_is_file, _save_under_file],
+                         ids=["save-is-a-file", "save-under-a-file"])
+def test_unusable_save_dir_is_an_error_before_training(tmp_path, make):
+    save, fragments = make(tmp_path)
+    before = listing(tmp_path)
+    proc = run("pretrain_llama.py", FLAGS + ["--save", save])
+    assert_clean_error(proc, 2, f"--save {save}", *fragments)
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("below,what", [("", "is not writable"),
+                                        ("ckpt", "cannot be created")],
+                         ids=["save-read-only", "save-in-read-only-dir"])
+def test_read_only_save_dir_is_an_error_before_training(tmp_path, below, what):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mount:
+        save = mount / below if below else mount
+        proc = run("pretrain_llama.py", FLAGS + ["--save", save])
+        assert_clean_error(proc, 2, f"--save {save} {what} (read-only file system)",
+                           "--save directory")
+        assert listing(mount) == {}
+
+
+def test_new_save_dir_is_not_left_behind_by_the_probe(tmp_path, saved):
+    """The probe creates a missing --save to test it and removes it again: a run that stops
+    before its first save (here: nothing to do) leaves no empty directories."""
+    save = tmp_path / "new" / "ckpt"
+    proc = run("pretrain_llama.py", FLAGS + ["--save", save, "--load", saved / "tp1",
+                                             "--no-load-optim"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "nothing to do" in proc.stdout
+    assert not (tmp_path / "new").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# A full disk (a real tmpfs too small): one line with the bytes needed, nothing partial left.
+def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path):
+    """Room for the iteration-1 checkpoint (weights only, ~190 KB) but not for iteration 2:
+    the tracker still names 1, and neither the temporary file nor iter_0000002.partial is
+    left filling the disk."""
+    with tmpfs(tmp_path / "small", "400k") as mount:
+        save = mount / "ckpt"
+        proc = run("pretrain_llama.py", FLAGS + ["--save", save, "--save-interval", "1",
+                                                 "--no-save-optim"])
+        line = assert_clean_error(proc, 1, "no space left on device: writing",
+                                  "iter_0000002", "bytes,", "free",
+                                  "previous checkpoint remains the latest", trained=True)
+        needed = int(line.split(" needs about ")[1].split()[0])
+        assert 150_000 < needed < 300_000, line  # 43k fp32 params and the RNG states
+        assert "checkpoint of iteration 1 saved" in proc.stdout
+        assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
+        assert sorted(listing(save)) == ["iter_0000001/mp_rank_00/model_optim_rng.pt",
+                                         "latest_checkpointed_iteration.txt"]
+
+
+def test_free_space_warning_at_start(tmp_path):
+    """A disk smaller than one checkpoint (weights + Adam state) is said before training
+    (a warning: the estimate is rough), and the save then fails cleanly."""
+    with tmpfs(tmp_path / "tiny", "64k") as mount:
+        proc = run("pretrain_llama.py", FLAGS + ["--save", mount / "ckpt"])
+        assert_clean_error(proc, 1, "no space left on device", trained=True)
+        warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: --save")]
+        assert len(warning) == 1, proc.stderr[-2000:]
+        assert f"{mount / 'ckpt'} has" in warning[0] and \
+            "bytes free but one checkpoint needs about" in warning[0]
+        needed = int(warning[0].split(" needs about ")[1].split()[0])
+        assert 400_000 < needed < 700_000, warning[0]  # 43k params: 4 B weights + 8 B Adam
+        assert listing(mount) == {}
+
+
+def test_disk_full_at_conversion_removes_the_partial_output(tmp_path, saved):
+    with tmpfs(tmp_path / "small", "64k") as mount:
+        out = mount / "hf"
+        proc = run(CONVERT, ["megatron-to-hf", "--load", saved / "tp1", "--save", out])
+        assert_clean_error(proc, 1, f"no space left on device: writing {out} needs about",
+                           "free some space")
+        assert listing(mount) == {}
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged or incomplete checkpoints: exit 1 (the existing code of load errors), one line.
+def _missing_rank_dir(ckpt):
+    shutil.rmtree(ckpt / "iter_0000002" / "mp_rank_01")
+    return ("mp_rank_01 is missing", "saved with TP=2 x PP=1", "--ckpt-step")
+
+
+def _truncated_file(ckpt):
+    path = ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 3)
+    return (str(path), "corrupt or truncated", "--ckpt-step")
+
+
+def _tracker_points_nowhere(ckpt):
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("40")
+    return ("names", "iter_0000040, which does not exist", "--ckpt-step")
+
+
+def _tracker_garbage(ckpt):
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("latest\n")
+    return ("should hold an iteration number", "fix or delete it")
+
+
+def _no_rank_dirs(ckpt):
+    for name in ("mp_rank_00", "mp_rank_01"):
+        shutil.rmtree(ckpt / "iter_0000002" / name)
+    return ("holds no mp_rank_* directories", "--ckpt-step")
+
+
+DAMAGE = {"missing-mp-rank-dir": _missing_rank_dir, "truncated-checkpoint-file": _truncated_file,
+          "tracker-names-a-missing-iteration": _tracker_points_nowhere,
+          "tracker-not-a-number": _tracker_garbage, "no-mp-rank-dirs": _no_rank_dirs}
+
+
+@pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
+def test_damaged_checkpoint_is_one_line(tmp_path, saved, damage):
+    ckpt = _copy(saved, "tp2", tmp_path)
+    fragments = damage(ckpt)
+    before = listing(ckpt)
+    proc = run("pretrain_llama.py", FLAGS + ["--load", ckpt])
+    assert_clean_error(proc, 1, *fragments)
+    assert listing(ckpt) == before
+
+
+def test_ckpt_step_that_does_not_exist(saved):
+    proc = run("pretrain_llama.py", FLAGS + ["--load", saved / "tp1", "--ckpt-step", "7",
+                                             "--no-load-optim"])
+    assert_clean_error(proc, 1, "--ckpt-step 7", "no complete checkpoint of that iteration",
+                       "it has: [2]")
+
+
+def test_conversion_of_an_incomplete_checkpoint_names_the_missing_dir(tmp_path, saved):
+    ckpt = _copy(saved, "tp2", tmp_path)
+    shutil.rmtree(ckpt / "iter_0000002" / "mp_rank_01")
+    proc = run(CONVERT, ["megatron-to-hf", "--load", ckpt, "--save", tmp_path / "hf"])
+    assert_clean_error(proc, 1, "mp_rank_01 is missing", "TP=2 x PP=1")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+@pytest.mark.parametrize("command,fragment", [
+    ("megatron-to-hf", "checkpoint directory {load} does not exist"),
+    ("hf-to-megatron", "Hugging Face model directory {load} does not exist"),
+], ids=["convert-missing-megatron-dir", "convert-missing-hf-dir"])
+def test_conversion_of_a_missing_directory(tmp_path, command, fragment):
+    load = tmp_path / "nowhere"
+    proc = run(CONVERT, [command, "--load", load, "--save", tmp_path / "out"])
+    assert_clean_error(proc, 1, fragment.format(load=load))
+    assert listing(tmp_path) == {}
+
+
+# --------------------------------------------------------------------------------------------
+# The tokenizer a checkpoint was trained with.
+@pytest.fixture(scope="module")
+def two_tokenizers(tmp_path_factory):
+    """Two byte-level BPE tokenizers of the same size trained on different text."""
+    corpus = load_tool("make_quickstart_corpus")
+    root = tmp_path_factory.mktemp("tokenizers")
+    docs = corpus.generate_documents(150, seed=3)
+    corpus.train_tokenizer(docs, str(root / "a"), 300)
+    corpus.train_tokenizer([d[::-1].upper() for d in docs], str(root / "b"), 300)
+    return root / "a", root / "b"
+
+
+def _hf_flags(tokenizer):
+    return without(FLAGS, "--tokenizer-type", "--vocab-size") + [
+        "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tokenizer]
+
+
+def test_tokenizer_mismatch_warns_and_same_tokenizer_does_not(tmp_path, two_tokenizers):
+    a, b = two_tokenizers
+    save = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
+    proc = run("pretrain_llama.py", _hf_flags(a) + ["--save", save, "--no-save-optim"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resume = ["--load", save, "--finetune", "--train-iters", "1"]
+
+    same = run("pretrain_llama.py", _hf_flags(a) + resume)
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert "trained with the tokenizer" not in same.stderr
+
+    other = run("pretrain_llama.py", _hf_flags(b) + resume)
+    assert other.returncode == 0, other.stderr[-2000:]
+    warnings = [ln for ln in other.stderr.splitlines() if "trained with the tokenizer" in ln]
+    assert len(warnings) == 1, other.stderr[-2000:]
+    assert warnings[0].startswith("warning: the checkpoint ")
+    assert f"PretrainedFromHF" not in warnings[0]  # the class, with each tokenizer's path
+    assert f"HuggingFaceTokenizer {a} (300 tokens" in warnings[0]
+    assert f"HuggingFaceTokenizer {b} (300 tokens" in warnings[0]
+    assert "With --finetune a new tokenizer is legitimate only if the embedding rows" in \
+        warnings[0]
