@@ -138,7 +138,8 @@ def test_empty_split_of_a_blend_part_is_a_clear_error(tmp_path):
     write_dataset(small, [5, 6, 7])
     config = GPTDatasetConfig(seq_length=4, data_path=f"0.5 {a} 0.5 {small}", split="90,10,0",
                               data_cache_path=str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="small has no documents in the valid split"):
+    with pytest.raises(ValueError, match="leaves the valid split of .*small without documents: "
+                                         "it has 3 document"):
         build_train_valid_test_datasets(config, [10, 10, 0])
 
 

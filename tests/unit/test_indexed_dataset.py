@@ -242,7 +242,19 @@ def test_index_with_extra_bytes(tmp_path):
 
 def test_data_file_truncated(tmp_path):
     prefix = write_raw(str(tmp_path / "ds"), bin_cut=2)
-    expect_error(prefix, ".bin", "data file truncated: 18 bytes, but .* describes 20")
+    expect_error(prefix, ".bin", "data file truncated: 18 bytes, but .* describes 20 .*; re-run "
+                 r"tools/preprocess_data.py to rewrite the .bin/.idx pair$")
+
+
+def test_data_file_of_another_dtype_than_its_index(tmp_path):
+    # The .idx says uint16 (code 8) but the .bin holds the same 10 tokens as int32: the pair
+    # comes from two runs. Named as such, not as a mere truncation.
+    prefix = write_raw(str(tmp_path / "ds"), code=8, fmt="H")
+    tokens = np.fromfile(prefix + ".bin", dtype=np.uint16)
+    tokens.astype(np.int32).tofile(prefix + ".bin")
+    expect_error(prefix, ".bin", r"holds 40 bytes, exactly 10 tokens of int32, but .*ds\.idx says "
+                 r"its tokens are uint16 \(20 bytes\): the .bin and .idx come from different runs; "
+                 r"re-run tools/preprocess_data.py")
 
 
 def test_data_file_longer_than_index(tmp_path):
@@ -253,7 +265,7 @@ def test_data_file_longer_than_index(tmp_path):
 def test_pointer_inconsistent_with_lengths(tmp_path):
     prefix = write_raw(str(tmp_path / "ds"), pointers=[0, 6, 10, 12])  # 3rd should be 8
     expect_error(prefix, ".idx", "sequence 2 starts at byte 10, but the lengths before it put "
-                 "it at byte 8$")
+                 "it at byte 8; the index is corrupt: re-run tools/preprocess_data.py")
 
 
 def test_pointer_past_the_end(tmp_path):

@@ -41,6 +41,9 @@ DTYPE_CODES = {
 }
 _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 
+# The fix for a damaged or mismatched pair, in every message about one.
+REWRITE = "re-run tools/preprocess_data.py to rewrite the .bin/.idx pair"
+
 # Vectorized checks walk the data in blocks of this many elements to bound temporary memory.
 _BLOCK = 1 << 24
 
@@ -176,13 +179,25 @@ class IndexedDataset:
                          if self._pointers[i] + self._lengths[i] * itemsize > size else "")
                 raise IndexedDatasetError(
                     f"{idx_path}: sequence {i} starts at byte {self._pointers[i]}, but the "
-                    f"lengths before it put it at byte {expected[bad[0]]}{where}")
+                    f"lengths before it put it at byte {expected[bad[0]]}{where}; the index "
+                    f"is corrupt: {REWRITE}")
             expected_start = int(ends[-1])
         if size != expected_start:
-            kind = "truncated" if size < expected_start else "longer than its index"
-            raise IndexedDatasetError(
-                f"{bin_path}: data file {kind}: {size} bytes, but {idx_path} describes "
-                f"{expected_start} ({len(self)} sequences of {self._dtype})")
+            raise IndexedDatasetError(self._size_mismatch(bin_path, idx_path, size,
+                                                          expected_start))
+
+    def _size_mismatch(self, bin_path, idx_path, size, expected):
+        """Why the .bin is not the size its index says: another dtype's tokens (the pair comes
+        from different runs), or a damaged file (an interrupted write or copy)."""
+        tokens = expected // self._dtype.itemsize
+        for other in (np.dtype(np.uint16), np.dtype(np.int32), np.dtype(np.int64)):
+            if tokens and other != self._dtype and size == tokens * other.itemsize:
+                return (f"{bin_path}: holds {size} bytes, exactly {tokens} tokens of {other}, "
+                        f"but {idx_path} says its tokens are {self._dtype} ({expected} bytes): "
+                        f"the .bin and .idx come from different runs; {REWRITE}")
+        kind = "truncated" if size < expected else "longer than its index"
+        return (f"{bin_path}: data file {kind}: {size} bytes, but {idx_path} describes "
+                f"{expected} ({len(self)} sequences of {self._dtype}); {REWRITE}")
 
     def _check_token_ids(self, bin_path, vocab_size):
         tokens = np.frombuffer(self._bin, self._dtype) if len(self._bin) else np.empty(0)
