@@ -79,7 +79,8 @@ def dist_backend() -> str:
                 f"{BACKEND_ENV}={env}: unknown backend; use one of {_SUPPORTED_BACKENDS}."
             )
         if env == "nccl" and device_type() != "cuda":
-            raise RuntimeError(f"{BACKEND_ENV}=nccl needs CUDA tensors, but the device is cpu.")
+            raise DeviceSetupError(f"{BACKEND_ENV}=nccl needs CUDA tensors, but the device is "
+                                   f"cpu; unset {BACKEND_ENV} (gloo serves CPU runs).")
         return env
     return "nccl" if device_type() == "cuda" else "gloo"
 

@@ -28,7 +28,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
-from megatron.training.errors import exit_with_error, report_error
+from megatron.training.errors import exit_with_error, is_reporting_rank, report_error
 from megatron.training.exit_signal import (
     SIGINT_EXIT_CODE,
     ExitSignal,
@@ -52,6 +52,9 @@ from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_log import TrainingLogger
 
 
+_SILENT_RANK_GRACE_S = 1.0
+
+
 def _configs_or_exit(argv: Optional[Sequence[str]]):
     """Parse and validate everything; on a problem print one message and exit non-zero."""
     try:
@@ -63,6 +66,10 @@ def _configs_or_exit(argv: Optional[Sequence[str]]):
     except (ConfigError, ValueError, FileNotFoundError, PermissionError, NotADirectoryError,
             IsADirectoryError) as exc:
         report_error(exc)  # rank 0 says it; every rank exits alike
+        if not is_reporting_rank():
+            # The first worker to exit makes torchrun SIGTERM the others: leave rank 0 the
+            # moment it needs to print the line everyone is here to read.
+            time.sleep(_SILENT_RANK_GRACE_S)
         sys.exit(2)
 
 
@@ -217,6 +224,10 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     check_datasets_at_start(datasets, vocab_size)  # a bounded read of each .bin
     token_guard = TokenGuard(vocab_size, datasets)
     set_token_guard(token_guard)
+    # Before the loaders fork their workers: a Ctrl-C reaches them too (the terminal signals
+    # the whole process group), and with the handler inherited they keep serving batches to
+    # the iteration that finishes before the save.
+    exit_signal = ExitSignal(t.exit_signal_handler)
     chunks = len(model)
     train_iter = _iterators(datasets[0], configs, resumed.consumed_train_samples,
                             t.dataloader_type == "cyclic", chunks)
@@ -244,7 +255,6 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     history, iteration = [], resumed.iteration
     token_guard.checked_at = iteration
     nan_guard = NanGuard(t.check_for_nan_in_loss_and_grad, t.max_consecutive_nan_iterations)
-    exit_signal = ExitSignal(t.exit_signal_handler)
     resumed.restore_rng(t.seed)
     progress.training = True
     try:
