@@ -12,6 +12,7 @@ non-zero before any process group or file is touched.
 import argparse
 import difflib
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -51,6 +52,12 @@ NOOP_FLAGS = {
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and calling sys.exit(2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A value like -1e-3 is a number, not a flag (Python 3.11's argparse knows only -1 and
+        # -.5 forms, and says "--lr: expected one argument").
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message):
         raise ConfigError(message)

@@ -380,6 +380,7 @@ def test_every_numeric_flag_has_a_range():
     (["--pipeline-model-parallel-size", "-2"], "--pipeline-model-parallel-size must be >= 1"),
     (["--lr", "-0.001"], "--lr must be >= 0, got -0.001 (the peak learning rate, e.g. 3e-4)."),
     (["--lr", "nan"], "--lr must be >= 0, got nan"),
+    (["--lr", "-1e-3"], "--lr must be >= 0, got -0.001"),  # a number, not a flag
     (["--eval-iters", "-1"], "--eval-iters must be >= 0, got -1 (0 = no evaluation)."),
     (["--hidden-dropout", "1.5"],
      "--hidden-dropout must be in [0, 1), got 1.5 (a dropout probability; 0 = no dropout)."),

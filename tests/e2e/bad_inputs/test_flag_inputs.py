@@ -1,0 +1,136 @@
+"""Bad flags, as a user types them: each is one ``error:`` line naming the flag, the value and
+the valid range or the fix, exit 2, no traceback, no iteration. Sizes and probabilities are
+checked before any rule that divides by them (no "negative dimension" from deep in a layer, no
+"make it a multiple of 0"). Also the position-table rule (an error for learned positions, a
+warning for RoPE) and the planner: a bad flag, and its capped context said out loud."""
+import json
+import os
+
+import pytest
+
+from tests.e2e.bad_inputs.harness import assert_clean_error, error_lines, run
+from tests.e2e.runner import LLAMA, TINY
+
+LLAMA_FLAGS = TINY + LLAMA  # RoPE, SwiGLU, RMSNorm: pretrain_llama.py
+GPT_FLAGS = TINY  # learned absolute positions: pretrain_gpt.py
+
+# (id, script, extra flags appended (argparse: the last value wins), env, fragments of the
+# one error line). Each row is a different flag or rule.
+CASES = [
+    ("negative-hidden-size", "pretrain_llama.py", ["--hidden-size", "-8"], None,
+     ["--hidden-size must be >= 1, got -8."]),
+    ("zero-attention-heads", "pretrain_llama.py", ["--num-attention-heads", "0"], None,
+     ["--num-attention-heads must be >= 1, got 0."]),
+    ("negative-num-layers", "pretrain_llama.py", ["--num-layers", "-2"], None,
+     ["--num-layers must be >= 1, got -2."]),
+    ("zero-seq-length", "pretrain_llama.py", ["--seq-length", "0"], None,
+     ["--seq-length must be >= 1, got 0."]),
+    ("negative-ffn-hidden-size", "pretrain_llama.py", ["--ffn-hidden-size", "-48"], None,
+     ["--ffn-hidden-size must be >= 1, got -48."]),
+    ("zero-vocab-size", "pretrain_llama.py", ["--vocab-size", "0"], None,
+     ["--vocab-size must be >= 1, got 0."]),
+    ("hidden-dropout-above-one", "pretrain_llama.py", ["--hidden-dropout", "1.5"], None,
+     ["--hidden-dropout must be in [0, 1), got 1.5", "0 = no dropout"]),
+    ("negative-attention-dropout", "pretrain_llama.py", ["--attention-dropout", "-0.1"], None,
+     ["--attention-dropout must be in [0, 1), got -0.1"]),
+    ("zero-micro-batch", "pretrain_llama.py", ["--micro-batch-size", "0"], None,
+     ["--micro-batch-size must be >= 1, got 0."]),
+    ("global-batch-not-a-multiple", "pretrain_llama.py", ["--global-batch-size", "7"], None,
+     ["--global-batch-size 7 is not divisible by --micro-batch-size 2",
+      "make it a multiple of 2."]),
+    ("negative-train-iters", "pretrain_llama.py", ["--train-iters", "-6"], None,
+     ["--train-iters must be >= 1, got -6."]),
+    ("negative-lr", "pretrain_llama.py", ["--lr", "-1e-3"], None,
+     ["--lr must be >= 0, got -0.001", "the peak learning rate, e.g. 3e-4"]),
+    ("nan-lr", "pretrain_llama.py", ["--lr", "nan"], None, ["--lr must be >= 0, got nan"]),
+    ("negative-eval-iters", "pretrain_llama.py", ["--eval-iters", "-1"], None,
+     ["--eval-iters must be >= 0, got -1 (0 = no evaluation)."]),
+    ("adam-beta2-one", "pretrain_llama.py", ["--adam-beta2", "1"], None,
+     ["--adam-beta2 must be in [0, 1), got 1.0"]),
+    ("zero-seed", "pretrain_llama.py", ["--seed", "0"], None,
+     ["--seed must be >= 1, got 0"]),
+    ("zero-tensor-parallel-size", "pretrain_llama.py", ["--tensor-model-parallel-size", "0"],
+     None, ["--tensor-model-parallel-size must be >= 1, got 0 (1 = no tensor parallelism)."]),
+    ("negative-pipeline-parallel-size", "pretrain_llama.py",
+     ["--pipeline-model-parallel-size", "-2"], None,
+     ["--pipeline-model-parallel-size must be >= 1, got -2"]),
+    ("world-size-not-a-multiple-of-tp", "pretrain_llama.py",
+     ["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"},
+     ["world size 3 is not divisible by --tensor-model-parallel-size 2",
+      "launch a multiple of 2 processes."]),
+    ("learned-positions-shorter-than-seq", "pretrain_gpt.py",
+     ["--max-position-embeddings", "8"], None,
+     ["--seq-length 16 is longer than --max-position-embeddings 8",
+      "raise --max-position-embeddings to 16 or shorten --seq-length."]),
+    ("unknown-flag-with-suggestion", "pretrain_llama.py", ["--hiden-size", "32"], None,
+     ["unknown flag --hiden-size; did you mean --hidden-size"]),
+    ("swiglu-ffn-of-zero", "pretrain_gpt.py",  # no --ffn-hidden-size: the default is 0
+     ["--swiglu", "--hidden-size", "8", "--num-attention-heads", "2"], None,
+     ["--swiglu with --hidden-size 8 gives an FFN size of 0; pass --ffn-hidden-size."]),
+]
+
+
+def _argv(script, extra):
+    return (LLAMA_FLAGS if script == "pretrain_llama.py" else GPT_FLAGS) + extra
+
+
+@pytest.mark.parametrize("script, extra, env, fragments",
+                         [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_flag_is_one_line_before_any_work(script, extra, env, fragments, tmp_path):
+    proc = run(script, _argv(script, extra), env=env, cwd=str(tmp_path))
+    assert_clean_error(proc, 2, *fragments)
+    assert os.listdir(tmp_path) == []  # nothing written where it ran
+
+
+def test_cases_are_distinct():
+    assert len({tuple(case[2]) for case in CASES}) == len(CASES) >= 14
+
+
+def test_rope_past_max_positions_trains_with_one_warning():
+    flags = LLAMA_FLAGS + ["--max-position-embeddings", "8", "--train-iters", "1",
+                           "--eval-iters", "0"]
+    proc = run("pretrain_llama.py", flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "--max-position-embeddings" in line]
+    assert warnings == [
+        "warning: --seq-length 16 is longer than --max-position-embeddings 8: RoPE computes "
+        "every position, so training uses all 16, but the model records a context of 8 (an HF "
+        "export's max_position_embeddings); pass --max-position-embeddings 16 to record the "
+        "length trained on."]
+    assert " iteration        1/       1 |" in proc.stdout
+    assert not error_lines(proc.stderr) and "Traceback" not in proc.stderr
+
+
+PLANNER = "tools/plan_parallelism.py"
+PLAN_RUN = ["--num-gpus", "8", "--global-batch-size", "16", "--top", "1"]
+PLAN_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+              "--seq-length", "512", "--vocab-size", "1000"]
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (PLAN_RUN + ["--"] + PLAN_MODEL + ["--hidden-size", "-8"],
+     ["the model flags do not parse: --hidden-size must be >= 1, got -8."]),
+    (PLAN_RUN + ["--num-gpus", "0", "--"] + PLAN_MODEL,
+     ["--num-gpus (0) and --gpus-per-node (8) must be >= 1."]),
+], ids=["planner-negative-hidden-size", "planner-zero-gpus"])
+def test_planner_bad_flag(argv, fragments):
+    proc = run(PLANNER, argv)
+    line = assert_clean_error(proc, 1, *fragments)  # the planner's bad-input code is 1
+    assert line.startswith("plan_parallelism.py: error: ") and proc.stdout == ""
+
+
+def test_planner_says_when_it_caps_a_configs_context(tmp_path):
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256,
+                  intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=1000, max_position_embeddings=8192,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = run(PLANNER, PLAN_RUN + ["--json", "--hf-config", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"plan_parallelism.py: warning: --hf-config {tmp_path}: the model's context is 8192 "
+        "positions (max_position_embeddings), but the plan is for sequences of 4096, the "
+        "default cap (memory and step time grow with the sequence, and long-context models "
+        "are mostly pretrained shorter); pass --seq-length 8192 to plan for the full "
+        "context."]
+    assert json.loads(proc.stdout)["seq_length"] == 4096
