@@ -100,20 +100,21 @@ def test_new_save_dir_is_not_left_behind_by_the_probe(tmp_path, saved):
 
 # --------------------------------------------------------------------------------------------
 # A full disk (a real tmpfs too small): one line with the bytes needed, nothing partial left.
-def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync-save", "async-save"])
+def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path, mode):
     """Room for the iteration-1 checkpoint (weights only, ~190 KB) but not for iteration 2:
     the tracker still names 1, and neither the temporary file nor iter_0000002.partial is
     left filling the disk."""
     with tmpfs(tmp_path / "small", "400k") as mount:
         save = mount / "ckpt"
-        proc = run("pretrain_llama.py", FLAGS + ["--save", save, "--save-interval", "1",
-                                                 "--no-save-optim"])
+        proc = run("pretrain_llama.py", FLAGS + mode + ["--save", save, "--save-interval", "1",
+                                                        "--no-save-optim"])
         line = assert_clean_error(proc, 1, "no space left on device: writing",
                                   "iter_0000002", "bytes,", "free",
                                   "previous checkpoint remains the latest", trained=True)
         needed = int(line.split(" needs about ")[1].split()[0])
         assert 150_000 < needed < 300_000, line  # 43k fp32 params and the RNG states
-        assert "checkpoint of iteration 1 saved" in proc.stdout
+        assert "checkpoint of iteration 1 " in proc.stdout
         assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
         assert sorted(listing(save)) == ["iter_0000001/mp_rank_00/model_optim_rng.pt",
                                          "latest_checkpointed_iteration.txt"]
@@ -252,3 +253,34 @@ def test_tokenizer_mismatch_warns_and_same_tokenizer_does_not(tmp_path, two_toke
     assert f"HuggingFaceTokenizer {b} (300 tokens" in warnings[0]
     assert "With --finetune a new tokenizer is legitimate only if the embedding rows" in \
         warnings[0]
+
+
+def test_converted_checkpoints_carry_the_tokenizer_fingerprint(tmp_path, two_tokenizers):
+    """Megatron -> HF writes the fingerprint beside the weights; HF -> Megatron records it in
+    the args, so a later load with another tokenizer is noticed there too."""
+    import json
+
+    import torch
+
+    from megatron.training.tokenizer.fingerprint import FINGERPRINT_FILE
+
+    a, b = two_tokenizers
+    save = tmp_path / "ckpt"
+    assert run("pretrain_llama.py", _hf_flags(a) + ["--save", save, "--no-save-optim",
+                                                    "--train-iters", "1"]).returncode == 0
+    saved = torch.load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=True)["args"]["tokenizer_fingerprint"]
+    proc = run(CONVERT, ["megatron-to-hf", "--load", save, "--save", tmp_path / "hf",
+                         "--tokenizer-dir", a])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = json.loads((tmp_path / "hf" / FINGERPRINT_FILE).read_text())
+    assert exported["sha256"] == saved["sha256"] and exported["vocab_size"] == 300
+    proc = run(CONVERT, ["hf-to-megatron", "--load", tmp_path / "hf", "--save", tmp_path / "back"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    back = torch.load(tmp_path / "back" / "release" / "mp_rank_00" / "model_optim_rng.pt",
+                      weights_only=True)["args"]["tokenizer_fingerprint"]
+    assert back["sha256"] == saved["sha256"]
+    other = run("pretrain_llama.py", _hf_flags(b) + ["--load", tmp_path / "back",
+                                                     "--train-iters", "1"])
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert sum("trained with the tokenizer" in ln for ln in other.stderr.splitlines()) == 1
