@@ -414,8 +414,27 @@ def test_error_huggingface_file_not_directory(gpt2_files):
 
 
 def test_error_huggingface_directory_without_tokenizer(tmp_path):
-    with pytest.raises(ValueError, match=f"{tmp_path} holds no loadable Hugging Face tokenizer"):
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no tokenizer files \\(it has: "
+                                         f"nothing\\); expected one of: tokenizer.json, "):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_name_or_path=str(tmp_path))
+
+
+def test_error_huggingface_model_directory_without_tokenizer_files(tmp_path):
+    # transformers "loads" a one-token tokenizer from a config.json alone (the embedding then
+    # fails on the data's ids): refused when built, naming what the directory has.
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    with pytest.raises(ValueError, match=r"holds no tokenizer files \(it has: config.json, "
+                                         r"tokenizer_config.json\); expected one of: "
+                                         r"tokenizer.json, vocab.json \+ merges.txt, vocab.txt"):
+        build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path))
+
+
+def test_error_huggingface_unloadable_files_one_line(tmp_path):
+    (tmp_path / "vocab.txt").write_text("")  # present, but not a tokenizer transformers loads
+    with pytest.raises(ValueError, match="holds no loadable Hugging Face tokenizer") as info:
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_name_or_path=str(tmp_path))
+    assert "\n" not in str(info.value)  # transformers' reason spans lines; ours is one
 
 
 def test_error_null_bad_vocab_size():
