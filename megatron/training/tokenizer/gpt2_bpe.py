@@ -33,9 +33,10 @@ class GPT2BPETokenizer(MegatronTokenizer):
         try:
             model = BPE.from_file(vocab_file, merge_file)
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
+            reason = " ".join(str(e).split())
             raise ValueError(
                 f"could not read GPT-2 BPE files --vocab-file {vocab_file} and --merge-file "
-                f"{merge_file} ({e}); they must be GPT-2's vocab.json and merges.txt.") from e
+                f"{merge_file} ({reason}); they must be GPT-2's vocab.json and merges.txt.") from e
         tokenizer = Tokenizer(model)
         # GPT-2 splits words itself with the byte-level regex; no leading space is invented.
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

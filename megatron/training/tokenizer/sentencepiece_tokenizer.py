@@ -18,7 +18,8 @@ def load_sentencepiece(model_file: str) -> sentencepiece.SentencePieceProcessor:
     try:
         return sentencepiece.SentencePieceProcessor(model_file=model_file)
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"--tokenizer-model {model_file} is not a sentencepiece model ({e}); "
+        reason = " ".join(str(e).split())  # one line, whatever the library said
+        raise ValueError(f"--tokenizer-model {model_file} is not a sentencepiece model ({reason}); "
                          f"pass a .model file written by sentencepiece's trainer.") from e
 
 
