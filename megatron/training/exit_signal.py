@@ -3,8 +3,7 @@
 ``--exit-signal-handler``: a SIGTERM (what Slurm sends before a job's time limit or a
 preemption) or a SIGINT (Ctrl-C) makes every rank finish its iteration, save, and exit 0.
 The handler only records the signal; the loop asks all ranks after each iteration (one small
-all-reduce), so every rank stops at the same iteration even if only some got the signal. A
-second Ctrl-C while that runs stops at once (``Interrupted``).
+all-reduce), so every rank stops at the same iteration even if only some got the signal.
 
 Without the flag a Ctrl-C stops at once: ``Interrupted`` is raised in the main thread and
 pretrain reports it in one line (exit 130). ``interrupted()`` says a SIGINT arrived, so that
@@ -32,6 +31,8 @@ def interrupted() -> bool:
 
 def _raise_interrupted(signum, frame) -> None:
     global _interrupted
+    if _interrupted:  # torchrun forwards the terminal's SIGINT: a second one while stopping
+        return
     _interrupted = True
     raise Interrupted()
 
@@ -53,8 +54,8 @@ class ExitSignal:
                 signal.signal(signum, self._handler)
 
     def _handler(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self._received == signal.SIGINT:
-            _raise_interrupted(signum, frame)  # Ctrl-C twice: do not wait for the save
+        # A repeated signal changes nothing: under torchrun each rank gets the terminal's
+        # SIGINT and torchrun's forwarded copy, and both mean "save and stop".
         self._received = signum
 
     def received_on_any_rank(self) -> Optional[str]:
