@@ -242,6 +242,45 @@ def test_bad_inputs_fail_clearly(tmp_path):
         GPTDatasetConfig(seq_length=8)
 
 
+def test_empty_split_is_found_before_any_index_is_built(tmp_path):
+    from megatron.core.datasets.builder import EmptySplitError, build_train_valid_test_datasets
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetError
+
+    prefix = str(tmp_path / "d")
+    write_dataset(prefix, [20] * 20)
+    data = GPTDatasetConfig(seq_length=SEQ, data_path=prefix, split="969, 30, 1",
+                            data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(EmptySplitError) as info:
+        build_train_valid_test_datasets(data, [8, 8, 8])
+    assert str(info.value) == (
+        f"--split 969,30,1 leaves the test split of {prefix} without documents: it has 20 "
+        f"document(s), split as train 19, valid 1, test 0; pass --split 18,2,0 for this "
+        f"corpus, or give it at least 501 documents.")
+    assert isinstance(info.value, IndexedDatasetError)  # entry points catch it with those
+    assert not (tmp_path / "cache").exists()  # checked before the train split was built
+    # No test samples asked: the empty test split is no problem, and the suggested split works.
+    assert build_train_valid_test_datasets(data, [8, 8, 0])[2] is None
+    suggested = GPTDatasetConfig(seq_length=SEQ, data_path=prefix, split="18,2,0",
+                                 data_cache_path=str(tmp_path / "cache"))
+    train, valid, test = build_train_valid_test_datasets(suggested, [8, 8, 8])
+    assert (train.document_range, valid.document_range, test) == ((0, 18), (18, 20), None)
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "98,2,0", "1,1,1", "90,9,1", "99999,1,0"])
+def test_documents_needed_is_the_fewest(split):
+    from megatron.core.datasets.builder import _documents_needed
+
+    weights = parse_split(split)
+    for i, weight in enumerate(weights):
+        if weight == 0:
+            continue
+        n = _documents_needed(weights, i)
+        bounds = get_split_indices(weights, n)
+        assert bounds[i + 1] > bounds[i]  # enough
+        fewer = get_split_indices(weights, n - 1) if n > 1 else [0, 0, 0, 0]
+        assert fewer[i + 1] == fewer[i]  # and one fewer is not
+
+
 def _build_on_every_rank(prefix, cache_dir):
     import torch.distributed as dist
 

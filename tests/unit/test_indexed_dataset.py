@@ -176,6 +176,25 @@ def test_builder_refuses_ids_the_dtype_would_wrap(tmp_path):
     builder.abort()
 
 
+def test_failed_finalize_leaves_no_files(tmp_path, monkeypatch):
+    # A full disk while the index is written: neither temporary stays, nothing looks complete.
+    import errno
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "ds.bin"), dtype=np.uint16)
+    builder.add_item(np.arange(10))
+    builder.end_document()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        builder.finalize(str(tmp_path / "ds.idx"))
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin.tmp"]  # the index's temporary is gone
+    builder.abort()
+    assert os.listdir(tmp_path) == []
+
+
 def test_best_fitting_dtype():
     assert best_fitting_dtype(50257) == np.uint16
     assert best_fitting_dtype(65500) == np.int32

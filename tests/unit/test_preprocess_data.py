@@ -228,6 +228,30 @@ def test_tokenizer_that_cannot_be_built(tool, capsys, tmp_path):
     assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
+@pytest.mark.parametrize("lines,keys,fragment", [
+    (['{"body": "1 2", "id": 3}'] * 2, ["text"],
+     "all 2 lines were skipped (2 missing key 'text'); --json-keys is text but the lines have "
+     "keys: body id; pass --json-keys with the key(s) holding the text"),
+    (['{"body": "1 2"}', "oops"], ["text"],
+     "all 2 lines were skipped (1 missing key 'text', 1 malformed JSON); --json-keys is text "
+     "but the lines have keys: body; pass --json-keys body"),
+    (['{"text": 5}'], ["text"],
+     "all 1 lines were skipped (1 non-string 'text'); each line must be a JSON object with a "
+     "string under 'text' (see the warnings above)"),
+], ids=["other-keys", "one-other-key", "non-string"])
+def test_zero_documents_is_an_error_naming_the_keys_seen(tool, capsys, tmp_path, lines, keys,
+                                                         fragment):
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    assert tool.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                      str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", "10", "--json-keys", *keys]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].endswith(f"error: no documents in --input "
+                                                   f"{tmp_path / 'in.jsonl'}: {fragment}; "
+                                                   f"no output written")
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
 def test_zero_workers(tool, capsys, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "1"}\n')
     err = flag_error(tool, capsys, ["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
