@@ -252,6 +252,31 @@ def test_zero_documents_is_an_error_naming_the_keys_seen(tool, capsys, tmp_path,
     assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
+def test_disk_full_at_the_second_key_removes_the_first_keys_output(tool, capsys, tmp_path,
+                                                                   monkeypatch):
+    import errno
+
+    (tmp_path / "in.jsonl").write_text('{"text": "1 2", "title": "3"}\n' * 5)
+    finalize = tool.IndexedDatasetBuilder.finalize
+    calls = []
+
+    def fill_the_disk_second(builder, idx_path):
+        calls.append(idx_path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        finalize(builder, idx_path)
+
+    monkeypatch.setattr(tool.IndexedDatasetBuilder, "finalize", fill_the_disk_second)
+    assert tool.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                      str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", "10", "--json-keys", "text", "title"]) == 1
+    assert calls == [str(tmp_path / "out_text_document.idx"),
+                     str(tmp_path / "out_title_document.idx")]
+    err = capsys.readouterr().err
+    assert f"error: no space left on device: writing {tmp_path / 'out'}_*.bin/.idx" in err
+    assert os.listdir(tmp_path) == ["in.jsonl"]  # the finished text dataset was removed too
+
+
 def test_zero_workers(tool, capsys, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "1"}\n')
     err = flag_error(tool, capsys, ["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
