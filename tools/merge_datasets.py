@@ -10,7 +10,9 @@ Megatron's merge_datasets does) or a list of dataset prefixes (merged in the ord
 one dtype. The output appears under its real name only when complete.
 """
 import argparse
+import errno
 import os
+import shutil
 import sys
 
 # Run from a clone without installing, as Megatron's tools allow.
@@ -68,6 +70,17 @@ def merge(prefixes, output_prefix):
     return IndexedDataset(output_prefix)
 
 
+def disk_full_message(prefixes, output_prefix):
+    """The merged files are the inputs' sizes, less the index header (34 bytes) and leading
+    document index (8 bytes) of every input after the first."""
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    needed = sum(os.path.getsize(data_file_path(p)) + os.path.getsize(index_file_path(p))
+                 for p in prefixes) - (len(prefixes) - 1) * (34 + 8)
+    return (f"no space left on device: writing {output_prefix}.bin/.idx in {out_dir} ("
+            f"{needed} bytes needed, {shutil.disk_usage(out_dir).free} bytes free); free some "
+            f"space or choose another --output-prefix (the partial output was removed)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", required=True,
@@ -86,6 +99,12 @@ def main(argv=None):
         merged = merge(prefixes, args.output_prefix)
     except IndexedDatasetError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"{parser.prog}: error: {disk_full_message(prefixes, args.output_prefix)}",
+              file=sys.stderr)
         return 1
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: {len(merged)} "
           f"sequences, {len(merged.document_indices) - 1} documents, {merged.dtype}",

@@ -121,6 +121,22 @@ def test_preprocessing_disk_full(tmp_path, tokenizer, partitions):
     assert needed == real if partitions == 1 else abs(needed - real) < 0.1 * real
 
 
+def test_merge_disk_full(tmp_path):
+    parts = [write_dataset(tmp_path / f"part{i}", 100 + i) for i in range(2)]
+    with tmpfs(tmp_path / "small", "16k") as mount:
+        proc = run("tools/merge_datasets.py", ["--input", *parts, "--output-prefix",
+                                               mount / "all"])
+        line = assert_clean_error(proc, 1, f"no space left on device: writing {mount / 'all'}"
+                                  ".bin/.idx", "bytes needed", "choose another --output-prefix")
+        assert listing(mount) == {}
+    proc = run("tools/merge_datasets.py", ["--input", *parts, "--output-prefix",
+                                           tmp_path / "all"])
+    assert proc.returncode == 0, proc.stderr
+    needed = int(line.split(" bytes needed")[0].rsplit("(", 1)[1])
+    assert needed == sum(size for name, size in listing(tmp_path).items()
+                         if name.startswith("all."))  # exactly what the merge wrote
+
+
 def _missing_input(tmp_path):
     return ["--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "out"], \
         "--input", "no such file"
