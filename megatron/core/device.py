@@ -55,8 +55,16 @@ def _check_device_type(device_type: str, source: str) -> None:
         raise DeviceSetupError(
             f"{source} asks for 'cuda' but torch sees no CUDA device "
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
-            f"Unset it to run on CPU, or install a CUDA build of torch."
+            f"Run on CPU instead (--device cpu, or unset {DEVICE_ENV}), or install a CUDA "
+            f"build of torch."
         )
+
+
+def check_requested_device(device_type: Optional[str], source: str) -> None:
+    """A device the user asked for (``source``: the flag, e.g. '--device cuda') must exist
+    here: a DeviceSetupError saying so, before any work, rather than a failure later."""
+    if device_type not in (None, "auto"):
+        _check_device_type(device_type, source)
 
 
 def device_type() -> str:

@@ -9,7 +9,6 @@ import time
 from functools import partial
 from typing import Callable, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
@@ -176,22 +175,14 @@ def _exit_interrupted(progress: _Progress) -> None:
     sys.exit(SIGINT_EXIT_CODE)
 
 
-def _check_device(t) -> None:
-    """--device cuda on a machine without one: a launch mistake found before any work."""
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise device.DeviceSetupError(
-            f"--device cuda but torch sees no CUDA device (torch {torch.__version__}, CUDA "
-            f"build: {torch.version.cuda}); use --device cpu (or auto), or run on a machine "
-            f"with a GPU and a CUDA build of torch.")
-
-
 def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
               forward_step_func: Callable, argv: Optional[Sequence[str]],
               progress: _Progress) -> List[dict]:
     args, configs, _ = _configs_or_exit(argv)
     t = configs.training
     start_time = time.time()
-    _check_device(t)
+    # --device cuda on a machine without one: a launch mistake, found before any work.
+    device.check_requested_device(t.device, source=f"--device {t.device}")
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device,
                         t.distributed_timeout_minutes)
