@@ -93,9 +93,12 @@ def get_args(argv=None):
         fail(f"--input {args.input} is empty (0 bytes): nothing to tokenize; give a JSONL file "
              f"with one JSON object per line")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        fail(f"--output-prefix {args.output_prefix}: {out_dir} is a file, not a directory; "
+             f"choose another --output-prefix")
     if not os.path.isdir(out_dir):
         fail(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist; "
-                     f"create it first")
+             f"create it first")
     if not os.access(out_dir, os.W_OK):
         fail(f"--output-prefix {args.output_prefix}: directory {out_dir} is not writable; "
              f"choose another --output-prefix or fix its permissions")

@@ -148,8 +148,14 @@ def _missing_output_dir(tmp_path):
         f"directory {tmp_path / 'no'} does not exist", "create it first"
 
 
-@pytest.mark.parametrize("make", [_missing_input, _missing_output_dir],
-                         ids=["pp-missing-input", "pp-output-dir-missing"])
+def _output_dir_is_a_file(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "1 2"}\n')
+    return ["--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "in.jsonl" / "out"], \
+        f"{tmp_path / 'in.jsonl'} is a file, not a directory", "choose another --output-prefix"
+
+
+@pytest.mark.parametrize("make", [_missing_input, _missing_output_dir, _output_dir_is_a_file],
+                         ids=["pp-missing-input", "pp-output-dir-missing", "pp-output-dir-a-file"])
 def test_preprocessing_unusable_paths(tmp_path, make):
     argv, *fragments = make(tmp_path)
     before = listing(tmp_path)
