@@ -271,7 +271,8 @@ class Progress:
         self.next_log = args.log_interval
 
     def add(self, lines, docs, problems, blank, seen_keys=()):
-        self.seen_keys.update(seen_keys)
+        if len(self.seen_keys) < MAX_SEEN_KEYS:
+            self.seen_keys.update(seen_keys)
         self.lines += len(lines)
         self.bytes += sum(map(len, lines))
         self.docs += docs
