@@ -4,6 +4,7 @@ A sampler yields, per micro batch, the dataset indices of this data-parallel ran
 resumable: constructed with ``consumed_samples`` (the global samples already trained on, as
 saved in the checkpoint), they continue exactly where an uninterrupted run would be.
 """
+import signal
 from typing import Iterator, List, Optional
 
 import torch
@@ -158,7 +159,18 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, dataloader_typ
     generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=pin_memory, generator=generator,
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       worker_init_fn=ignore_stop_signals)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """In a loader worker: SIGTERM and SIGINT are for the training process to handle. Sent to
+    the whole process group (torchrun's shutdown, Slurm, a terminal's Ctrl-C) they would kill
+    the worker (torch's worker SIGTERM handler exits), and the rank would fail on its next
+    batch instead of finishing the iteration and saving (--exit-signal-handler). A worker
+    still ends with its loader, or when the training process is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def cyclic_iter(iterable):

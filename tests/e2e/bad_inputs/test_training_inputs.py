@@ -184,3 +184,19 @@ def test_nccl_backend_on_cpu_is_one_line():
     proc = run(SCRIPT, TINY + LLAMA, env={"MEGATRON_DIST_BACKEND": "nccl"})
     assert_clean_error(proc, 2, "MEGATRON_DIST_BACKEND=nccl needs CUDA tensors",
                        "unset MEGATRON_DIST_BACKEND")
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_still_saves(tmp_path):
+    """What torchrun's shutdown and Slurm do: SIGTERM to the whole process group, the data
+    loader's worker processes included. They ignore it; the rank finishes its iteration,
+    saves and exits 0 (before, torch's worker handler exited and the rank failed on its next
+    batch: "DataLoader worker ... is killed by signal: Terminated", nothing saved)."""
+    root = tmp_path / "ckpt"
+    flags = without(LONG, "--num-workers") + ["--num-workers", "2", "--save", root,
+                                              "--exit-signal-handler"]
+    proc = _interrupt_at(flags, 2, signum=signal.SIGTERM)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stopped = int((root / "latest_checkpointed_iteration.txt").read_text())
+    assert stopped >= 2
+    assert f"received SIGTERM: saving at iteration {stopped} and exiting" in proc.stdout
+    assert "Traceback" not in proc.stderr and "error:" not in proc.stderr
