@@ -4,6 +4,7 @@ no Python traceback (set MEGATRON_TRACEBACK=1 to see it when debugging).
 Entry points and tools call ``report_error`` / ``exit_with_error``; the caller decides the
 code (2: the input was wrong before any work, as argparse does; 1: a failure during the run).
 """
+import datetime
 import os
 import sys
 import traceback
@@ -21,12 +22,29 @@ def is_reporting_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def _first_to_report() -> bool:
+    """Whether this rank reports the job's error. Before torch.distributed starts every rank
+    sees the same flags and files, so rank 0 speaks. After, an error may be raised on some
+    ranks only (a data-reading rank, one stage): the first rank to get here speaks, decided
+    by an atomic counter in the job's store; if the store cannot answer (its host is gone),
+    this rank speaks rather than nobody."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return is_reporting_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=10))  # never the run's long timeout
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store.add(f"megatron/error_reported/{restart}", 1) == 1
+    except Exception:  # noqa: BLE001 (any store failure: speak)
+        return True
+
+
 def report_error(error: Union[str, BaseException], prog: Optional[str] = None) -> None:
-    """Print ``[prog: ]error: <message>`` on the reporting rank only; with MEGATRON_TRACEBACK
-    set, the traceback of the exception being handled first (on every rank)."""
+    """Print ``[prog: ]error: <message>`` once for the job (see ``_first_to_report``); with
+    MEGATRON_TRACEBACK set, the traceback of the exception being handled first (every rank)."""
     if os.environ.get(TRACEBACK_ENV) and sys.exc_info()[0] is not None:
         traceback.print_exc()
-    if is_reporting_rank():
+    if _first_to_report():
         prefix = f"{prog}: " if prog else ""
         message = " ".join(str(error).split("\n"))  # one line, whatever the exception held
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
