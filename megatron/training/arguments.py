@@ -25,7 +25,6 @@ from megatron.core.optimizer.optimizer_param_scheduler import (
 from megatron.training.errors import is_reporting_rank
 from megatron.training.tokenizer.build import add_tokenizer_args
 from megatron.training.training_config import (
-    H100_BF16_PEAK_TFLOPS,
     ConfigError,
     MegatronConfigs,
     TrainingConfig,
@@ -235,8 +234,9 @@ def _add_training_args(parser):
                    help="How long a collective waits for the other ranks before the job fails "
                         "(also how long ranks wait for rank 0 to build dataset indices).")
     g.add_argument("--job-name", default=None)
-    g.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
-                   help="Per-GPU peak for MFU; default 989 = H100 SXM dense BF16.")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="Per-device peak for MFU, in TFLOP/s. Default: 989 (H100 SXM dense "
+                        "BF16) on CUDA; on CPU none, and MFU is not printed.")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="Compute each weight gradient separately and add it to the DDP buffer "

@@ -48,6 +48,7 @@ from megatron.training.token_guard import (
 )
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
+from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
 from megatron.training.training_log import TrainingLogger
 
 
@@ -231,7 +232,7 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     set_timers(timers)  # for the script's forward step (batch-generator)
     logger = TrainingLogger(train_iters, gbs, args.seq_length, dist.get_world_size(),
                             flops_per_iteration=_flops(configs, args),
-                            peak_tflops=_known_peak_tflops(t.peak_tflops, argv),
+                            peak_tflops=_known_peak_tflops(t.peak_tflops),
                             log_interval=t.log_interval, tensorboard_dir=t.tensorboard_dir,
                             tensorboard_queue_size=t.tensorboard_queue_size,
                             log_timers_to_tensorboard=t.log_timers_to_tensorboard,
@@ -306,15 +307,12 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     return history
 
 
-def _known_peak_tflops(peak_tflops: float, argv: Optional[Sequence[str]]) -> Optional[float]:
-    """The per-device peak MFU is computed against, or None where it is unknown: on CPU
-    unless --peak-tflops is given (the default is an H100's, meaningless on CPU)."""
-    if device.device_type() == "cuda":
+def _known_peak_tflops(peak_tflops: Optional[float]) -> Optional[float]:
+    """The per-device peak MFU is computed against, or None where it is unknown: --peak-tflops,
+    else an H100's on CUDA; on CPU no default (an H100's would print a meaningless 0.00)."""
+    if peak_tflops is not None:
         return peak_tflops
-    given = sys.argv[1:] if argv is None else argv
-    if any(str(a) == "--peak-tflops" or str(a).startswith("--peak-tflops=") for a in given):
-        return peak_tflops
-    return None
+    return H100_BF16_PEAK_TFLOPS if device.device_type() == "cuda" else None
 
 
 def _exit_with(exc: Exception, code: int) -> None:

@@ -43,8 +43,8 @@ class TrainingConfig:
     device: Optional[str] = None  # None: auto (megatron.core.device decides)
     distributed_timeout_minutes: int = 10  # every process group's collective timeout
     job_name: Optional[str] = None
-    # MFU denominator per GPU, in TFLOPS.
-    peak_tflops: float = H100_BF16_PEAK_TFLOPS
+    # MFU denominator per device, in TFLOPS; None: an H100's on CUDA, unknown (no MFU) on CPU.
+    peak_tflops: Optional[float] = None
 
     # --- checkpoints ---
     save: Optional[str] = None

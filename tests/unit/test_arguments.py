@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from megatron.training.arguments import NOOP_FLAGS, ConfigError, build_configs, parse_args
-from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
 
 LAUNCH = """--finetune --sequence-parallel --tensor-model-parallel-size 2
 --pipeline-model-parallel-size 1 --num-layers 40 --hidden-size 5120 --num-attention-heads 40
@@ -97,7 +96,7 @@ def test_launch_line_maps_to_configs(files):
     assert tr.tensorboard_dir == files["tb"] and tr.tensorboard_queue_size == 1000
     assert tr.log_timers_to_tensorboard and tr.log_batch_size_to_tensorboard
     assert tr.log_validation_ppl_to_tensorboard and tr.log_learning_rate_to_tensorboard
-    assert tr.device is None and tr.peak_tflops == H100_BF16_PEAK_TFLOPS == 989.0
+    assert tr.device is None and tr.peak_tflops is None
     assert cfg.model_kwargs["share_embeddings_and_output_weights"]
     # Accepted no-ops are recorded, and args stay plain data for checkpoints.
     assert args.use_flash_attn and args.causal_lm and not args.gradient_accumulation_fusion

@@ -1,5 +1,5 @@
 """Train/valid/test datasets from a GPTDatasetConfig: mock, split blend, or per-split blends."""
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.config import (

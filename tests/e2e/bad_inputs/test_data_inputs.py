@@ -6,7 +6,6 @@ wrong and the fix, no traceback, no training iteration, and no output left behin
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 
 import numpy as np
