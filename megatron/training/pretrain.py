@@ -179,7 +179,7 @@ def _exit_interrupted(progress: _Progress) -> None:
 def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
               forward_step_func: Callable, argv: Optional[Sequence[str]],
               progress: _Progress) -> List[dict]:
-    args, configs, _ = _configs_or_exit(argv)
+    args, configs, tokenizer = _configs_or_exit(argv)
     t = configs.training
     start_time = time.time()
     # --device cuda on a machine without one: a launch mistake, found before any work.
@@ -196,7 +196,7 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     configs.transformer.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
     resumed = _load_or_exit(model, optimizer, scheduler, configs)
-    check_checkpoint_start(args, configs, model, resumed)  # --save writable, same tokenizer
+    check_checkpoint_start(args, configs, model, resumed, tokenizer)  # --save, tokenizer
     progress.iteration = resumed.iteration
     if resumed.path:
         progress.saved, progress.save_dir = resumed.iteration, t.load

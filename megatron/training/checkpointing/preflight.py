@@ -126,11 +126,11 @@ def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
               f"disk.", file=sys.stderr, flush=True)
 
 
-def check_tokenizer(args, resumed) -> None:
+def check_tokenizer(args, resumed, tokenizer=None) -> None:
     """Record this run's tokenizer fingerprint in ``args`` (saved with every checkpoint) and
     warn, on rank 0, when the loaded checkpoint was trained with another tokenizer."""
     try:
-        current = tokenizer_fingerprint.fingerprint_from_args(args)
+        current = tokenizer_fingerprint.fingerprint_from_args(args, tokenizer)
     except (ValueError, FileNotFoundError):  # no tokenizer flags (a test's bare args)
         return
     setattr(args, tokenizer_fingerprint.FINGERPRINT_ARG, current)
@@ -141,7 +141,8 @@ def check_tokenizer(args, resumed) -> None:
               file=sys.stderr, flush=True)
 
 
-def check_checkpoint_start(args, configs, model_chunks, resumed) -> None:
-    """Everything above, in the order a user would want to learn it."""
-    check_tokenizer(args, resumed)
+def check_checkpoint_start(args, configs, model_chunks, resumed, tokenizer=None) -> None:
+    """Everything above, in the order a user would want to learn it (``tokenizer``: the run's,
+    if built already)."""
+    check_tokenizer(args, resumed, tokenizer)
     check_save_directory(configs.training.save, model_chunks, configs)

@@ -23,13 +23,14 @@ def fingerprint(tokenizer, source: Optional[str] = None) -> Dict:
             "vocab_size": int(tokenizer.vocab_size), "sha256": vocabulary_hash(tokenizer.vocab)}
 
 
-def fingerprint_from_args(args) -> Dict:
-    """The fingerprint of the tokenizer the flags name (built again: cheap next to a run)."""
+def fingerprint_from_args(args, tokenizer=None) -> Dict:
+    """The fingerprint of the tokenizer the flags name: ``tokenizer`` when the caller has
+    built it already, else built here."""
     from megatron.training.tokenizer.build import build_tokenizer_from_args
 
     source = (getattr(args, "tokenizer_name_or_path", None) or
               getattr(args, "tokenizer_model", None) or getattr(args, "vocab_file", None))
-    return fingerprint(build_tokenizer_from_args(args), source)
+    return fingerprint(tokenizer or build_tokenizer_from_args(args), source)
 
 
 def fingerprint_of_hf_directory(path: Optional[str]) -> Optional[Dict]:
