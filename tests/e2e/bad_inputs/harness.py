@@ -6,6 +6,7 @@ child forked from a warm server (forkserver.py): torch is imported once for all 
 ``assert_clean_error`` is the contract every case checks: the exit code, exactly one
 ``error:`` line saying what is wrong (and the fix), no Python traceback, and no training
 iteration when the problem was knowable at start."""
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,8 @@ import sys
 import tempfile
 import threading
 from typing import Dict, List, Optional, Sequence
+
+import pytest
 
 from tests.e2e.runner import ROOT, run_script
 
@@ -126,3 +129,18 @@ def listing(root) -> Dict[str, int]:
             path = os.path.join(base, name)
             found[os.path.relpath(path, root)] = os.path.getsize(path)
     return found
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str, read_only: bool = False):
+    """A real tmpfs of ``size`` at ``path`` (skipped where mounting is not allowed)."""
+    os.makedirs(path, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

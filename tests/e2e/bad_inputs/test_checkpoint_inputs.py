@@ -2,36 +2,18 @@
 a full disk during a save or a conversion (a real tiny tmpfs), damaged or incomplete
 checkpoints, and a checkpoint loaded with another tokenizer. Each case: the exit code, one
 ``error:`` line saying what and the fix, no traceback, and nothing half-written left."""
-import contextlib
-import os
 import shutil
-import subprocess
 import uuid
 
 import pytest
 
-from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run
+from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, tmpfs
 from tests.e2e.conftest import load_tool
 from tests.e2e.runner import LLAMA, TINY, without
 
 FLAGS = without(TINY, "--train-iters", "--eval-interval") + LLAMA + [
     "--train-iters", "2", "--eval-interval", "100"]
 CONVERT = "tools/checkpoint/convert.py"
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str, read_only: bool = False):
-    """A real tmpfs of ``size`` at ``path`` (skipped where mounting is not allowed)."""
-    os.makedirs(path, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture(scope="module")

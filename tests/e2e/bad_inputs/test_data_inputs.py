@@ -3,10 +3,8 @@ full disk on a real tiny tmpfs, unusable paths), training data (a damaged or mis
 .bin/.idx, the default --split on a small corpus, blend mistakes) and tokenizers (a directory
 or file that holds no tokenizer). Each case: the exit code, one ``error:`` line saying what is
 wrong and the fix, no traceback, no training iteration, and no output left behind."""
-import contextlib
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from megatron.core.datasets.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run
+from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, tmpfs
 from tests.e2e.runner import TINY, without
 
 PREPROCESS = "tools/preprocess_data.py"
@@ -25,21 +23,6 @@ VOCAB = 64  # NullTokenizer ids 0..63 (end-of-document 64), as TINY's --vocab-si
 TRAIN = [f for f in without(TINY, "--train-iters", "--tokenizer-type", "--vocab-size")
          if f != "--mock-data"] + ["--train-iters", "2"]
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str, read_only: bool = False):
-    """A real tmpfs of ``size`` at ``path`` (skipped where mounting is not allowed)."""
-    os.makedirs(path, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def write_dataset(prefix, num_docs: int, dtype=np.uint16, doc_len: int = 40) -> str:
