@@ -258,6 +258,10 @@ def _add_checkpoint_args(parser):
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--async-save", action="store_true")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                   help="torch_dist (default): every rank writes its own shard (safetensors "
+                        "files and a JSON index), loadable at any TP/PP/VPP/DP; torch: "
+                        "Megatron's mp_rank_* files. Both load whatever the flag says.")
 
 
 def _add_logging_args(parser):

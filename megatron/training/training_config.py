@@ -58,6 +58,7 @@ class TrainingConfig:
     finetune: bool = False
     ckpt_step: Optional[int] = None  # load this iteration instead of the tracker's
     async_save: bool = False
+    ckpt_format: str = "torch_dist"  # torch_dist (sharded, every rank writes) | torch
 
     # --- logging ---
     log_interval: int = 100

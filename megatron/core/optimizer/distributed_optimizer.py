@@ -26,6 +26,7 @@ from megatron.core.optimizer.named_state import (
     check_numel,
     load_scaler_and_counters,
     load_torch_state,
+    saved_range,
     state_keys,
     wrap_state,
 )
@@ -192,6 +193,24 @@ class DistributedOptimizer(MegatronOptimizer):
                         params[name][key] = host
         return params
 
+    def sharded_state(self):
+        """This DP rank's own part of the named state, nothing gathered (the sharded
+        checkpoint format): ([(name, begin, end, {key: 1-D tensor})], the rest of the state,
+        with the step agreed over DP). Collective over the DP group."""
+        self._finish_param_gather()
+        keys = state_keys(self.optimizer, lambda p, v: v.dim() == 1)
+        step = self._agreed_step()
+        parts = []
+        for shard in self.shards:
+            for piece, param, begin, end, _ in shard.pieces:
+                values = {} if shard.in_place else {"param": piece.detach()}
+                state = self.optimizer.state.get(piece, {})
+                values.update({k: state[k].detach() for k in keys if k in state})
+                parts.append((self._names[param], begin, end, values))
+        meta = wrap_state(self.optimizer, {}, step if step >= 0 else None, keys,
+                          self.num_skipped_steps, self.grad_scaler)
+        return parts, meta
+
     def load_state_dict(self, state: Dict) -> None:
         """``state`` from any optimizer's ``state_dict()`` at any DP size; the same dict on
         every rank. The model's weights must be loaded first (they are the main params
@@ -206,12 +225,12 @@ class DistributedOptimizer(MegatronOptimizer):
                     saved = state["params"][key]
                     if "param" in saved:
                         check_numel(key, saved["param"], param)
-                        piece.copy_(saved["param"].reshape(-1)[begin:end])
+                        piece.copy_(saved_range(saved["param"], begin, end))
                     else:
                         piece.copy_(param.detach().reshape(-1)[begin:end])
                     if state["step"] is not None:
                         per_piece[piece] = {"step": torch.tensor(state["step"]), **{
-                            k: saved[k].reshape(-1)[begin:end].to(piece.device, copy=True)
+                            k: saved_range(saved[k], begin, end).to(piece.device, copy=True)
                             for k in state["state_keys"] if k in saved}}
         load_torch_state(self.optimizer, per_piece, state["param_groups"])
         load_scaler_and_counters(self, state)

@@ -13,7 +13,7 @@ loads into another, and the checkpoint code can reshard it like the model's own 
 Every per-parameter tensor has the model parameter's shape. As with torch's optimizers, the
 tensors may be the live state (on CPU): copy them to keep a snapshot.
 """
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -41,6 +41,29 @@ def wrap_state(optimizer: torch.optim.Optimizer, params: Dict[str, Dict[str, tor
     if grad_scaler is not None:
         state["grad_scaler"] = grad_scaler.state_dict()
     return state
+
+
+class SavedTensor:
+    """A saved per-parameter tensor read on demand (the sharded checkpoint format): a rank
+    reads only the range it owns, never the whole tensor at once unless it needs it."""
+
+    def __init__(self, numel: int, read: Callable[[int, int], torch.Tensor]):
+        self._numel, self._read = numel, read
+
+    def numel(self) -> int:
+        return self._numel
+
+
+def saved_range(saved, begin: int, end: int) -> torch.Tensor:
+    """Flat elements ``[begin, end)`` of a saved tensor (a tensor or a SavedTensor)."""
+    if isinstance(saved, SavedTensor):
+        return saved._read(begin, end)
+    return saved.reshape(-1)[begin:end]
+
+
+def saved_like(saved, like: torch.Tensor) -> torch.Tensor:
+    """The whole saved tensor, shaped as ``like``."""
+    return saved_range(saved, 0, saved.numel()).view_as(like)
 
 
 def check_covers(state: Dict, wanted: List[str]) -> None:

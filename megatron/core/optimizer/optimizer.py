@@ -20,6 +20,7 @@ from megatron.core.optimizer.named_state import (
     load_scaler_and_counters,
     load_torch_state,
     param_key,
+    saved_like,
     state_keys,
     wrap_state,
 )
@@ -153,6 +154,15 @@ class MegatronOptimizer:
         return wrap_state(self.optimizer, params, step, keys, self.num_skipped_steps,
                           self.grad_scaler)
 
+    def sharded_state(self):
+        """The named state as parts (see DistributedOptimizer.sharded_state): here every
+        parameter whole, the same on every DP rank."""
+        state = self.state_dict()
+        parts = [(name, 0, next(iter(entry.values())).numel() if entry else 0,
+                  {k: v.reshape(-1) for k, v in entry.items()})
+                 for name, entry in state.pop("params").items()]
+        return parts, state
+
     def load_state_dict(self, state: Dict) -> None:
         mains = self._main_params()
         check_covers(state, [self._names[self._model_param(m)] for m in mains])
@@ -164,12 +174,12 @@ class MegatronOptimizer:
                 saved = state["params"][key]
                 if "param" in saved:
                     check_numel(key, saved["param"], main)
-                    main.copy_(saved["param"].view_as(main))
+                    main.copy_(saved_like(saved["param"], main))
                 elif main is not model:
                     main.copy_(model)
                 if state["step"] is not None:
                     per_param[main] = {"step": torch.tensor(state["step"]), **{
-                        k: saved[k].view_as(main).to(main.device, copy=True)
+                        k: saved_like(saved[k], main).to(main.device, copy=True)
                         for k in state["state_keys"] if k in saved}}
         load_torch_state(self.optimizer, per_param, state["param_groups"])
         load_scaler_and_counters(self, state)

@@ -28,6 +28,13 @@ from megatron.training.checkpointing.paths import (
 from megatron.training.checkpointing.resharder import Resharder
 from megatron.training.checkpointing.rng_state import restore_rng_state
 from megatron.training.checkpointing.safe_io import safe_load
+from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
+from megatron.training.checkpointing.sharded_load import (
+    ShardedReader,
+    read_models,
+    read_optimizer,
+    read_rng_state,
+)
 from megatron.training.tokenizer.fingerprint import FINGERPRINT_ARG
 
 
@@ -133,6 +140,8 @@ def _read(model_chunks, configs) -> Optional[_Read]:
         raise CheckpointError(f"{os.path.join(t.load, TRACKER_FILE)} names "
                               f"{iteration_dir}, which does not exist; load another iteration "
                               f"with --ckpt-step.")
+    if is_sharded_checkpoint(iteration_dir):
+        return _read_sharded(model_chunks, configs, iteration_dir, iteration, release)
     rank_dirs = saved_rank_dirs(iteration_dir)
     layout = current_layout(model_chunks, configs)
     own_coords = (parallel_state.get_tensor_model_parallel_rank(),
@@ -190,6 +199,46 @@ def _read(model_chunks, configs) -> Optional[_Read]:
         tokenizer=(probe.get("args") or {}).get(FINGERPRINT_ARG))
     return _Read(result, models, optimizer,
                  probe.get("opt_param_scheduler") if load_optim else None)
+
+
+def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
+                  release: bool) -> _Read:
+    """The sharded format: this rank's ranges of every tensor, whatever the saved layout."""
+    t = configs.training
+    meta = read_metadata(iteration_dir)
+    reader = ShardedReader(iteration_dir, meta)
+    layout = current_layout(model_chunks, configs)
+    saved_layout = meta.get("layout") or {}
+    models = read_models(reader, model_chunks, layout)
+    _check_architecture(model_chunks, models)
+    load_optim = not (t.finetune or t.no_load_optim or release)
+    optimizer = read_optimizer(reader, model_chunks, layout) if load_optim else None
+    if load_optim and optimizer is None:
+        raise CheckpointError(f"{iteration_dir} holds no optimizer state (saved with "
+                              f"--no-save-optim?); resume with --no-load-optim.")
+    notes = []
+    cut = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+           "virtual_pipeline_model_parallel_size", "data_parallel_size")
+    same_ranks = all(saved_layout.get(k) == layout[k] for k in cut)
+    if not same_ranks:
+        notes.append(
+            f"resharded from TP={saved_layout.get('tensor_model_parallel_size')} x "
+            f"PP={saved_layout.get('pipeline_model_parallel_size')} x "
+            f"DP={saved_layout.get('data_parallel_size')}")
+    rng = None
+    if not (t.finetune or t.no_load_rng or release):
+        rng = read_rng_state(reader, dist.get_rank()) if same_ranks else None
+        if rng is None:
+            notes.append("random-generator state not restored (another layout, or none saved)")
+    fresh = t.finetune or release
+    result = LoadedCheckpoint(
+        iteration=0 if fresh else iteration,
+        consumed_train_samples=0 if fresh else int(meta.get("consumed_train_samples", 0)),
+        consumed_valid_samples=0 if fresh else int(meta.get("consumed_valid_samples", 0)),
+        path=iteration_dir, notes=notes, rng_state=rng,
+        tokenizer=(meta.get("args") or {}).get(FINGERPRINT_ARG))
+    return _Read(result, models, optimizer,
+                 meta.get("opt_param_scheduler") if load_optim else None)
 
 
 def _agree_on_errors(error: Optional[str]) -> None:

@@ -12,8 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.tp_sharding import merge_tensor, partition_of, select_layers, \
-    shard_tensor
+from megatron.core.models.tp_sharding import merge_tensor, partition_of, select_layers, shard_tensor
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.disk_space import tree_nbytes
 from megatron.training.checkpointing.layout import current_layout, model_key
 from megatron.training.checkpointing.paths import (
     MODEL_FILE,
@@ -25,21 +26,20 @@ from megatron.training.checkpointing.paths import (
     write_tracker,
 )
 from megatron.training.checkpointing.rng_state import capture_rng_state
-from megatron.training.checkpointing.disk_space import tree_nbytes
 from megatron.training.checkpointing.safe_io import save_or_report_disk_full
 from megatron.training.checkpointing.writer import CheckpointWriter
 
 CHECKPOINT_VERSION = 3.0
 
 
-def _plain(value):
+def plain_data(value):
     """Args as plain data (weights_only loads nothing else)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_data(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_data(v) for k, v in value.items()}
     return str(value)
 
 
@@ -74,7 +74,7 @@ def publish(root: str, staging: str, final_name: str, tracker_value) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _remove_stale_staging(root: str) -> None:
+def remove_stale_staging(root: str) -> None:
     for name in os.listdir(root):
         if name.endswith(STAGING_SUFFIX) or name.endswith(".old"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -85,6 +85,11 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
                     writer: CheckpointWriter) -> None:
     """Collective: every rank calls it. Returns once the state is captured (async) or saved."""
     t = configs.training
+    if t.ckpt_format == "torch_dist":
+        from megatron.training.checkpointing.sharded_save import save_sharded
+
+        return save_sharded(root, iteration, model_chunks, optimizer, scheduler, configs, args,
+                            consumed_train_samples, consumed_valid_samples, writer)
     writer.wait()  # one save at a time: the previous one is published first
     for chunk in model_chunks:
         # --overlap-param-gather: the step's all-gathers may still be writing the parameters
@@ -114,14 +119,14 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     staging = os.path.join(root, iteration_dir_name(iteration) + STAGING_SUFFIX)
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
-        _remove_stale_staging(root)
+        remove_stale_staging(root)
         os.makedirs(staging)
     dist.barrier()
 
     files = []
     if dp_root:
         state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                 "args": _plain(args), "layout": current_layout(model_chunks, configs),
+                 "args": plain_data(args), "layout": current_layout(model_chunks, configs),
                  "consumed_train_samples": consumed_train_samples,
                  "consumed_valid_samples": consumed_valid_samples}
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()

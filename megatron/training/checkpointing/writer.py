@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
-
 from megatron.training.checkpointing.disk_space import DiskFullError
 from megatron.training.checkpointing.paths import CheckpointError
 

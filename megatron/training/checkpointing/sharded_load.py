@@ -1,0 +1,143 @@
+"""Loading the sharded format into any layout: each rank reads, from the pieces the index
+names, only the ranges its own tensors need (its TP/PP part of the weights; its DP range of
+the distributed optimizer's state, read when the optimizer installs it), so TP, PP, VPP and
+DP may all differ from the saved run's, with no offline step and no whole-model tensor.
+"""
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.optimizer.named_state import SavedTensor
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.boxes import Placement, copy_overlap, placement_of
+from megatron.training.checkpointing.paths import CheckpointError
+from megatron.training.checkpointing.shard_file import ShardFile
+from megatron.training.checkpointing.sharded_index import (
+    global_name,
+    pieces_of,
+    shard_file_name,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+class ShardedReader:
+    """Reads ranges of a rank's local tensors from a sharded checkpoint directory."""
+
+    def __init__(self, iteration_dir: str, metadata: Dict):
+        self.dir, self.meta = iteration_dir, metadata
+        self.tensors = metadata["tensors"]
+        self._files: Dict[str, ShardFile] = {}
+
+    def file(self, name: str) -> ShardFile:
+        if name not in self._files:
+            self._files[name] = ShardFile(os.path.join(self.dir, name))
+        return self._files[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str, placement: Placement, start: int = 0,
+             stop: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Local flat elements ``[start, stop)`` of the global tensor ``name`` placed as
+        ``placement`` (vocabulary padding rows read as zeros)."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.dir} has no {name}: the checkpoint is for another "
+                                  f"architecture (or was saved without it).")
+        if tuple(entry["shape"]) != placement.global_shape:
+            raise CheckpointError(
+                f"the checkpoint is for another architecture: {name} has shape "
+                f"{tuple(entry['shape'])} there and {placement.global_shape} here.")
+        stop = placement.local_numel if stop is None else stop
+        out = torch.zeros(stop - start, dtype=dtype or _DTYPES[entry["dtype"]])
+        saved = pieces_of(entry)
+        for wanted, lo, hi in placement.pieces(start, stop):
+            target = out[lo - start:hi - start]
+            covered = torch.zeros(hi - lo, dtype=torch.bool)
+            for file, key, piece in saved:
+                reader = self.file(file)
+                copy_overlap(target, covered, wanted, piece,
+                             lambda a, b, r=reader, k=key: r.read(k, a, b),
+                             placement.global_shape)
+            if not bool(covered.all()):
+                raise CheckpointError(
+                    f"{self.dir}: the pieces of {name} cover {int(covered.sum())} of the "
+                    f"{hi - lo} elements this rank needs; the checkpoint is incomplete or "
+                    f"damaged.")
+        return out
+
+
+def _placements(model_chunks, layout) -> List[Dict[str, tuple]]:
+    """Per chunk: {local name: (global name, placement)} for this rank."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    out = []
+    for chunk, (start, _) in zip(model_chunks, layout["layer_ranges"]):
+        names = {}
+        for local, tensor in unwrap_model(chunk).state_dict().items():
+            names[local] = (global_name(local, start, layout["tied_output"]), placement_of(
+                local, tensor.shape, layout["gated_mlp"], layout["tensor_model_parallel_size"],
+                tp_rank, layout["vocab_size"]))
+        out.append(names)
+    return out
+
+
+def read_models(reader: ShardedReader, model_chunks, layout) -> List[Dict[str, torch.Tensor]]:
+    """Each chunk's state dict, read for this rank's place in ``layout``."""
+    models = []
+    for chunk, names in zip(model_chunks, _placements(model_chunks, layout)):
+        state = unwrap_model(chunk).state_dict()
+        models.append({local: reader.read(f"model/{name}", placement,
+                                          dtype=state[local].dtype).view(placement.local_shape)
+                       for local, (name, placement) in names.items()})
+    return models
+
+
+def read_optimizer(reader: ShardedReader, model_chunks, layout) -> Optional[Dict]:
+    """The named optimizer state with every per-parameter tensor a SavedTensor: the
+    optimizer reads the ranges it owns when it installs them."""
+    meta = reader.meta.get("optimizer")
+    if meta is None:
+        return None
+    keys = ["param"] + list(meta["state_keys"])
+    params = {}
+    for c, names in enumerate(_placements(model_chunks, layout)):
+        for local, (name, placement) in names.items():
+            entry = {}
+            for key in keys:
+                full = f"optim/{key}/{name}"
+                if reader.has(full):
+                    entry[key] = SavedTensor(
+                        placement.local_numel,
+                        lambda a, b, n=full, p=placement: reader.read(n, p, a, b,
+                                                                      torch.float32))
+            params[f"{c}/{local}"] = entry
+    return {**meta, "params": params}
+
+
+def read_rng_state(reader: ShardedReader, rank: int) -> Optional[Dict]:
+    """The RNG state global rank ``rank`` saved (None where it saved none)."""
+    shard = reader.file(shard_file_name(rank))
+    text = shard.metadata.get("rng_state")
+    if text is None:
+        return None
+
+    def build(value):
+        if isinstance(value, dict) and "__tensor__" in value:
+            dtype = getattr(torch, value["dtype"].replace("torch.", ""))
+            return shard.read(value["__tensor__"]).to(dtype).view(value["shape"])
+        if isinstance(value, dict):
+            return {k: build(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    try:
+        return build(json.loads(text))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{shard.path}: its RNG state is damaged ({exc}); resume with "
+                              f"--no-load-rng or load another iteration.") from None

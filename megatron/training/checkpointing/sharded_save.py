@@ -1,0 +1,239 @@
+"""Saving in the sharded format (``--ckpt-format torch_dist``): every rank writes only what
+it owns, in parallel, with nothing gathered to one rank.
+
+- Weights: each (TP, PP) position's tensors once per DP group, spread over its DP ranks
+  (each parameter to the DP rank with the fewest bytes so far, the same choice everywhere).
+- Optimizer state: with the distributed optimizer each DP rank its own shard (1/DP of it);
+  with the plain one, replicated, spread over the DP ranks like the weights.
+- RNG state: each rank its own, in its file's header.
+- Rank 0: ``metadata.json``, the run's state and the index of every rank's pieces (gathered
+  as plain data: names and numbers, no tensors).
+Atomic as the torch format: all under ``iter_N.partial``, published once every rank wrote.
+"""
+import json
+import os
+import shutil
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device, parallel_state
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.boxes import placement_of
+from megatron.training.checkpointing.layout import current_layout
+from megatron.training.checkpointing.paths import STAGING_SUFFIX, iteration_dir_name
+from megatron.training.checkpointing.rng_state import capture_rng_state
+from megatron.training.checkpointing.safe_io import as_disk_full
+from megatron.training.checkpointing.save import plain_data, publish, remove_stale_staging
+from megatron.training.checkpointing.shard_file import write_shard_file
+from megatron.training.checkpointing.sharded_index import (
+    FORMAT,
+    METADATA_FILE,
+    VERSION,
+    global_name,
+    shard_file_name,
+)
+from megatron.training.fault_injection import maybe_crash_while_writing
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                torch.float16: "float16", torch.float64: "float64"}
+
+
+class _Shard:
+    """What this rank writes: 1-D tensors and their index entries."""
+
+    def __init__(self, rank: int):
+        self.file = shard_file_name(rank)
+        self.tensors: List[Tuple[str, torch.Tensor]] = []
+        self.index: List[Tuple[str, List[int], str, list]] = []  # name, shape, dtype, piece
+
+    def add(self, name: str, values: torch.Tensor, placement, begin: int = 0) -> None:
+        """``values``: local flat elements ``[begin, begin + numel)`` of a tensor placed as
+        ``placement`` in the global tensor ``name``. A tensor replicated over TP ranks is
+        written by TP rank 0 only (the others hold the same values)."""
+        if placement.dim is None and parallel_state.get_tensor_model_parallel_rank() != 0:
+            return
+        flat = values.reshape(-1)
+        for piece, lo, hi in placement.pieces(begin, begin + flat.numel()):
+            key = f"{name}@{len(self.tensors)}"
+            self.tensors.append((key, flat[lo - begin:hi - begin]))
+            self.index.append((name, list(placement.global_shape),
+                               _DTYPE_NAMES[values.dtype],
+                               [self.file, key, list(piece.box.offset), list(piece.box.shape),
+                                piece.start, piece.stop]))
+
+
+def _balanced(sizes: Dict[str, int], ways: int) -> Dict[str, int]:
+    """Each name to one of ``ways`` writers, largest first to the least loaded: every rank
+    computes the same assignment from the same sizes."""
+    load = [0] * ways
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        writer = min(range(ways), key=lambda w: (load[w], w))
+        owner[name] = writer
+        load[writer] += sizes[name]
+    return owner
+
+
+def _chunk_naming(model_chunks, layout) -> List[Tuple[object, int]]:
+    return [(unwrap_model(chunk), start) for chunk, (start, _) in
+            zip(model_chunks, layout["layer_ranges"])]
+
+
+def _add_weights(shard: _Shard, model_chunks, layout, dp_rank: int, dp_size: int) -> None:
+    tp, tp_rank = layout["tensor_model_parallel_size"], \
+        parallel_state.get_tensor_model_parallel_rank()
+    tied = layout["tied_output"]
+    entries = []
+    for module, offset in _chunk_naming(model_chunks, layout):
+        for local, tensor in module.state_dict().items():
+            if not torch.is_tensor(tensor):
+                raise TypeError(f"{local}: only tensors can be saved in the sharded format")
+            if tied and local == "output_layer.weight" and not module.pre_process:
+                continue  # the first stage saves the embedding it copies
+            entries.append((f"model/{global_name(local, offset, tied)}", local, tensor))
+    owner = _balanced({n: t.numel() * t.element_size() for n, _, t in entries}, dp_size)
+    for name, local, tensor in entries:
+        if owner[name] == dp_rank:
+            shard.add(name, tensor.detach(), placement_of(
+                local, tensor.shape, layout["gated_mlp"], tp, tp_rank, layout["vocab_size"]))
+
+
+def _add_optimizer(shard: _Shard, optimizer, model_chunks, layout, replicated: bool,
+                   dp_rank: int, dp_size: int) -> Dict:
+    """This rank's optimizer pieces; returns the non-tensor rest of the optimizer state."""
+    parts, meta = optimizer.sharded_state()
+    modules = _chunk_naming(model_chunks, layout)
+    tp, tp_rank = layout["tensor_model_parallel_size"], \
+        parallel_state.get_tensor_model_parallel_rank()
+    tied = layout["tied_output"]
+    shapes = {f"{c}/{n}": p.shape for c, (m, _) in enumerate(modules)
+              for n, p in m.named_parameters()}
+    named = []
+    for name, begin, end, values in parts:
+        chunk, local = name.split("/", 1)
+        module, offset = modules[int(chunk)]
+        if tied and local == "output_layer.weight" and not module.pre_process:
+            continue
+        placement = placement_of(local, shapes[name], layout["gated_mlp"], tp, tp_rank,
+                                 layout["vocab_size"])
+        for key, value in values.items():
+            named.append((f"optim/{key}/{global_name(local, offset, tied)}", placement, begin,
+                          value))
+    owner = _balanced({n: v.numel() * v.element_size() for n, _, _, v in named},
+                      dp_size) if replicated else None
+    for name, placement, begin, value in named:
+        if owner is None or owner[name] == dp_rank:
+            shard.add(name, value, placement, begin)
+    return meta
+
+
+def _rng_header(shard: _Shard) -> Dict[str, str]:
+    """This rank's RNG state: tensors into the shard, the rest as JSON in the header."""
+    def walk(value, path):
+        if torch.is_tensor(value):
+            key = f"rng/{path}"
+            shard.tensors.append((key, value.detach().cpu().reshape(-1).contiguous()))
+            return {"__tensor__": key, "dtype": str(value.dtype), "shape": list(value.shape)}
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
+        return value
+
+    return {"rng_state": json.dumps(walk(capture_rng_state(), "state"))}
+
+
+def _index(pieces_per_rank: List[list]) -> Dict:
+    tensors: Dict[str, Dict] = {}
+    for pieces in pieces_per_rank:
+        for name, shape, dtype, piece in pieces:
+            entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+            entry["pieces"].append(piece)
+    return tensors
+
+
+def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, configs,
+                 args: Dict, consumed_train_samples: int, consumed_valid_samples: int,
+                 writer) -> None:
+    """Collective: every rank calls it (as save_checkpoint)."""
+
+    t = configs.training
+    writer.wait()
+    for chunk in model_chunks:
+        finish_param_sync = getattr(chunk, "finish_param_sync", None)
+        if finish_param_sync is not None:
+            finish_param_sync()
+    layout = current_layout(model_chunks, configs)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    shard = _Shard(dist.get_rank())
+    _add_weights(shard, model_chunks, layout, dp_rank, dp_size)
+    optimizer_meta = None
+    if not t.no_save_optim:
+        optimizer_meta = _add_optimizer(shard, optimizer, model_chunks, layout,
+                                        not configs.optimizer.sharded, dp_rank, dp_size)
+    header = {} if t.no_save_rng else _rng_header(shard)
+    if writer.async_save:  # host copies now; the thread writes them while training goes on
+        writer.host.start()
+        copies = writer.host.snapshot({key: value for key, value in shard.tensors}, "sharded")
+        shard.tensors = [(key, copies[key]) for key, _ in shard.tensors]
+
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(shard.index, gathered, dst=0)
+    staging = os.path.join(root, iteration_dir_name(iteration) + STAGING_SUFFIX)
+    metadata = None
+    if dist.get_rank() == 0:
+        metadata = {"format": FORMAT, "version": VERSION, "iteration": iteration,
+                    "args": plain_data(args), "layout": layout,
+                    "consumed_train_samples": consumed_train_samples,
+                    "consumed_valid_samples": consumed_valid_samples,
+                    "opt_param_scheduler": plain_data(scheduler.state_dict())
+                    if optimizer_meta is not None else None,
+                    "optimizer": plain_data(optimizer_meta), "tensors": _index(gathered)}
+        os.makedirs(root, exist_ok=True)
+        remove_stale_staging(root)
+        os.makedirs(staging)
+    dist.barrier()
+    needed = sum(t.numel() * t.element_size() for _, t in shard.tensors)
+
+    def write():
+        def write_shard(path):
+            write_shard_file(path, shard.tensors, header)
+            maybe_crash_while_writing(path, iteration)  # tests only: see fault_injection.py
+
+        _write_atomic(os.path.join(staging, shard.file), staging, needed, write_shard)
+        if metadata is not None:
+            _write_atomic(os.path.join(staging, METADATA_FILE), staging, 0,
+                          lambda path: _write_json(path, metadata))
+
+    def finalize():
+        if dist.get_rank() == 0:
+            publish(root, staging, iteration_dir_name(iteration), iteration)
+
+    def abort():
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    writer.submit(write, finalize, ready=device.record_event(), abort=abort)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_atomic(path: str, directory: str, needed: int, write) -> None:
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(exc, Exception):
+            raise as_disk_full(exc, directory, needed) from exc
+        raise
