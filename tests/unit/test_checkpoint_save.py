@@ -55,32 +55,51 @@ def _files(root):
 
 # --- a save waits for the overlapped parameter all-gather ---------------------------------
 
-def _save_right_after_an_overlapped_step(tmp_path, no_save_optim):
+def _saved_weights(iteration_dir):
+    """The model's tensors a checkpoint of one chunk at TP=PP=1 holds, in either format."""
+    from megatron.training.checkpointing.boxes import Placement
+    from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, \
+        read_metadata
+    from megatron.training.checkpointing.sharded_load import ShardedReader
+
+    if not is_sharded_checkpoint(str(iteration_dir)):
+        path = iteration_dir / "mp_rank_00" / "model_optim_rng.pt"
+        return torch.load(path, weights_only=True)["model"]
+    meta = read_metadata(str(iteration_dir))
+    reader = ShardedReader(str(iteration_dir), meta)
+    out = {}
+    for name, entry in meta["tensors"].items():
+        if name.startswith("model/"):
+            shape = tuple(entry["shape"])
+            out[name[len("model/"):]] = reader.read(name, Placement(shape, shape)).view(shape)
+    return out
+
+
+def _save_right_after_an_overlapped_step(tmp_path, no_save_optim, ckpt_format):
     import torch.distributed as dist
 
     model, optimizer = _build("overlapped", bucket_size=3000)
-    configs = _configs(model, "overlapped", no_save_optim=no_save_optim)
+    configs = _configs(model, "overlapped", no_save_optim=no_save_optim,
+                       ckpt_format=ckpt_format)
     with recorded_param_gathers(model, defer=True):
         _train(model, optimizer, _global_batches(2, steps=1), finish=False)
         pending = sum(b.param_gather_handle is not None for b in model._buckets())
         _save(tmp_path, 1, model, optimizer, _scheduler(optimizer), configs,
               CheckpointWriter())
         model.finish_param_sync()
-    saved = None
-    if dist.get_rank() == 0:
-        path = tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-        saved = torch.load(path, weights_only=True)["model"]
+    saved = _saved_weights(tmp_path / "iter_0000001") if dist.get_rank() == 0 else None
     return pending, saved, _snapshot(model)
 
 
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
 @pytest.mark.parametrize("no_save_optim", [True, False], ids=["no_save_optim", "with_optim"])
-def test_save_finishes_the_overlapped_param_gather_first(tmp_path, no_save_optim):
+def test_save_finishes_the_overlapped_param_gather_first(tmp_path, no_save_optim, ckpt_format):
     """The all-gathers are deferred until waited (tests/unit/test_distributed_optimizer.py's
     recorder), so a save that read parameters without waiting would write rank 1's shard of
     them as it was before the step."""
     (pending, saved, params), (_, _, params1) = run_distributed(
         _save_right_after_an_overlapped_step, world_size=2, tp=1, tmp_path=tmp_path,
-        no_save_optim=no_save_optim)
+        no_save_optim=no_save_optim, ckpt_format=ckpt_format)
     assert pending == 1  # the step left the first bucket's all-gather to the next forward
     _assert_params(params, params1, 0)
     assert saved.keys() >= params.keys()
@@ -89,7 +108,7 @@ def test_save_finishes_the_overlapped_param_gather_first(tmp_path, no_save_optim
 
 # --- --async-save: reused host buffers, same bytes, bitwise resume ---------------------------
 
-def _async_and_sync_saves(tmp_path, kind):
+def _async_and_sync_saves(tmp_path, kind, ckpt_format):
     model, optimizer = _build(kind, bucket_size=3000)
     scheduler = _scheduler(optimizer)
     batches = _global_batches(2, steps=3)
@@ -97,7 +116,7 @@ def _async_and_sync_saves(tmp_path, kind):
     pointers = []
     for iteration in (1, 2):
         _train(model, optimizer, batches[iteration - 1:iteration])
-        configs = _configs(model, kind, save=str(tmp_path / "async"))
+        configs = _configs(model, kind, save=str(tmp_path / "async"), ckpt_format=ckpt_format)
         _save(tmp_path / "async", iteration, model, optimizer, scheduler, configs, writer)
         pointers.append({k: b.data_ptr() for k, b in writer.host.buffers.items()})
         # The same state, saved synchronously (the async write may still be running).
@@ -117,10 +136,12 @@ def _resume(tmp_path, kind):
     return loaded.iteration, _train(model, optimizer, _global_batches(2, steps=3)[2:])
 
 
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
 @pytest.mark.parametrize("kind", ["none", "distributed"], ids=["plain", "distributed"])
-def test_async_save_reuses_host_buffers_writes_sync_bytes_and_resumes(tmp_path, kind):
+def test_async_save_reuses_host_buffers_writes_sync_bytes_and_resumes(tmp_path, kind,
+                                                                       ckpt_format):
     ranks = run_distributed(_async_and_sync_saves, world_size=2, tp=1, tmp_path=tmp_path,
-                            kind=kind)
+                            kind=kind, ckpt_format=ckpt_format)
     for (first, second), _, pinned, where in ranks:
         assert first and first == second  # the second save filled the first one's buffers
         assert where == "cpu" and not any(pinned)  # pinned on CUDA: tests/gpu
@@ -128,7 +149,9 @@ def test_async_save_reuses_host_buffers_writes_sync_bytes_and_resumes(tmp_path, 
         name = f"iter_{iteration:07d}"
         want = _files(tmp_path / f"sync{iteration}" / name)
         assert want and _files(tmp_path / "async" / name) == want
-        if kind == "distributed":
+        if ckpt_format == "torch_dist":  # every rank wrote its own part
+            assert {"shard_00000.safetensors", "shard_00001.safetensors"} <= set(want)
+        elif kind == "distributed":
             assert any(path.endswith("distrib_optim.pt") for path in want)
     for (iteration, got), (_, want, _, _) in zip(
             run_distributed(_resume, world_size=2, tp=1, tmp_path=tmp_path, kind=kind), ranks):
