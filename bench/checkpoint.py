@@ -3,6 +3,12 @@
 
     python bench/checkpoint.py [--size-gb 1.0] [--repeats 5] [--dir /tmp] [--threads 2]
                                [--parts save,load,async] [--idle 0]
+    python bench/checkpoint.py --parts formats [--size-gb 1.0] [--format-repeats 3]
+
+``--parts formats`` runs bench/checkpoint_formats.py under torchrun at DP=1 and then DP=2 (the
+sharded ``--ckpt-format torch_dist`` against ``--ckpt-format torch`` and one torch.save, the
+safetensors engine against torch.distributed.checkpoint, and ``--async-save`` of both formats:
+see that file). The parts below are the one-process comparison with plain torch.save.
 
 One process (world size 1, gloo, CPU), built as ``pretrain()`` builds a run: Megatron flags ->
 ``build_configs`` -> ``initialize_megatron`` -> ``build_model`` (LLaMA, fp32, DDP-wrapped) ->
@@ -50,6 +56,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -106,7 +113,9 @@ def parse_args(argv=None):
                    help="steps without a save per repeat of the async part (step-time baseline)")
     p.add_argument("--max-steps-during-write", type=int, default=100)
     p.add_argument("--parts", default="save,load,async",
-                   help="which parts to run (load needs save)")
+                   help="which parts to run (load needs save; formats: DP=1 and DP=2 runs)")
+    p.add_argument("--format-repeats", type=int, default=3,
+                   help="repeats of bench/checkpoint_formats.py (--parts formats)")
     p.add_argument("--idle", type=float, default=0.0,
                    help="seconds to wait before each timed save/load (see settle())")
     return p.parse_args(argv)
@@ -130,26 +139,30 @@ def model_shape(size_gb: float):
     return hidden, ffn, layers
 
 
-def megatron_argv(args, root):
+def megatron_argv(args, root, dp=1, extra=""):
+    """The run's flags; at ``dp`` data-parallel ranks one microbatch each (``extra``: more
+    flags, e.g. --use-distributed-optimizer)."""
     hidden, ffn, layers = model_shape(args.size_gb)
     return (f"--num-layers {layers} --hidden-size {hidden} --ffn-hidden-size {ffn} "
             f"--num-attention-heads {hidden // 64} --seq-length {args.seq} "
             f"--max-position-embeddings {args.seq} --normalization RMSNorm --swiglu "
             f"--position-embedding-type rope --disable-bias-linear "
             f"--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
-            f"--micro-batch-size 1 --global-batch-size 1 --train-iters 100000 --lr 1e-4 "
+            f"--micro-batch-size 1 --global-batch-size {dp} --train-iters 100000 --lr 1e-4 "
             f"--lr-decay-style constant --weight-decay 0.1 --clip-grad 1.0 --mock-data "
             f"--tokenizer-type NullTokenizer --vocab-size {VOCAB} --num-workers 0 "
-            f"--device cpu --save {root} --load {root}").split()
+            f"--device cpu --save {root} --load {root} {extra}").split()
 
 
 class Run:
-    """What pretrain() builds, and its training step."""
+    """What pretrain() builds, and its training step: one process, or one DP rank under
+    torchrun (bench/checkpoint_formats.py)."""
 
-    def __init__(self, args, root):
-        self.margs = parse_megatron(megatron_argv(args, root))
+    def __init__(self, args, root, extra=""):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.margs = parse_megatron(megatron_argv(args, root, world, extra))
         tokenizer = build_tokenizer_from_args(self.margs)
-        self.configs = c = build_configs(self.margs, 1, tokenizer)
+        self.configs = c = build_configs(self.margs, world, tokenizer)
         t = c.training
         initialize_megatron(1, 1, None, t.seed, t.device)
         self.model = build_model(functools.partial(model_provider_for(LlamaModel), configs=c),
@@ -159,7 +172,7 @@ class Run:
         self.scheduler = OptimizerParamScheduler(self.optimizer, **c.scheduler_kwargs)
         train, _, _ = build_train_valid_test_datasets(c.dataset, [10_000, 0, 0])
         self.data = cyclic_iter(build_pretraining_data_loader(
-            train, 0, "cyclic", t.micro_batch_size, 0, 0, 1, t.seed))
+            train, 0, "cyclic", t.micro_batch_size, 0, dist.get_rank(), world, t.seed))
         self.forward_step = functools.partial(forward_step, configs=c)
         self.iteration = 0
 
@@ -425,8 +438,25 @@ def report_async(a, args):
           f"{(med(blocked) + med(extra)) / sync:.3f} of the sync save")
 
 
+def run_formats(args):
+    """bench/checkpoint_formats.py at DP=1 and DP=2 (one torch thread per rank: 2 ranks on
+    this 2-core machine), one after the other."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_formats.py")
+    for dp in (1, 2):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(dp), script, "--size-gb", str(args.size_gb),
+                        "--repeats", str(args.format_repeats), "--dir", args.dir,
+                        "--seq", str(args.seq), "--idle", str(args.idle)], check=True)
+
+
 def main():
     args = parse_args()
+    parts = set(args.parts.split(","))
+    if "formats" in parts:
+        run_formats(args)
+        parts.discard("formats")
+        if not parts:
+            return
     torch.set_num_threads(args.threads)
     work = tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir)
     root, peer_path = os.path.join(work, "ckpt"), os.path.join(work, "peer", "state.pt")
@@ -449,7 +479,6 @@ def main():
               f"({state_bytes / GB:.3f} GB); first training step (seq {args.seq}) "
               f"{first_step:.2f} s; before each timed save/load: os.sync()"
               + (f" and {args.idle:g} s idle" if args.idle else ""), flush=True)
-        parts = set(args.parts.split(","))
         if parts & {"save", "load"}:
             s = bench_save(run, args, root, peer_path)
             print("-" * 100)
