@@ -29,6 +29,7 @@ from megatron.training.checkpointing.paths import (
     read_tracker,
 )
 from megatron.training.checkpointing.safe_io import safe_load
+from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
 from megatron.training.gpt_step import model_provider_for
 from megatron.training.initialize import initialize_megatron, seed_for_model_init
 from megatron.training.tokenizer.null import NullTokenizer
@@ -91,10 +92,14 @@ def checkpoint_iteration_dir(load_dir: str, ckpt_step: Optional[int] = None) -> 
 
 def read_checkpoint_record(load_dir: str, ckpt_step: Optional[int] = None
                            ) -> Tuple[Dict, Dict]:
-    """(saved args dict, layout record) of a checkpoint, from its first rank file."""
+    """(saved args dict, layout record) of a checkpoint, from its first rank file (the
+    index of a sharded one)."""
     iteration_dir = checkpoint_iteration_dir(load_dir, ckpt_step)
-    rank_dirs = saved_rank_dirs(iteration_dir)
-    state = safe_load(os.path.join(rank_dirs[min(rank_dirs)], MODEL_FILE))
+    if is_sharded_checkpoint(iteration_dir):
+        state = read_metadata(iteration_dir)
+    else:
+        rank_dirs = saved_rank_dirs(iteration_dir)
+        state = safe_load(os.path.join(rank_dirs[min(rank_dirs)], MODEL_FILE))
     layout = state.get("layout") if isinstance(state, dict) else None
     if layout is None:
         raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "

@@ -5,14 +5,21 @@
     python tools/checkpoint/convert.py megatron-to-hf --load CKPT_DIR --save HF_OUT
     python tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+    python tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
+        --ckpt-format torch        # the sharded format -> mp_rank_* files, all state kept
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
 scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
-window) and GPT2LMHeadModel. HF -> Megatron writes a ``release`` checkpoint (tracker file
-included), the vocabulary padded as training pads it, the tokenizer files under
+window) and GPT2LMHeadModel. Megatron checkpoints are read in either format (``torch_dist``,
+the sharded default of training, or ``torch``: mp_rank_* files) and written in the one
+``--ckpt-format`` names (default torch_dist). HF -> Megatron writes a ``release`` checkpoint
+(tracker file included), the vocabulary padded as training pads it, the tokenizer files under
 ``CKPT_DIR/tokenizer`` and the launch flags in ``CKPT_DIR/megatron_flags.txt``. Megatron -> HF
 rebuilds config.json from the checkpoint's args and writes sharded safetensors that
-``AutoModelForCausalLM.from_pretrained`` loads. Every output directory is written under
+``AutoModelForCausalLM.from_pretrained`` loads. Megatron -> Megatron at the checkpoint's own
+layout (no layout flags) converts between the formats and keeps everything (optimizer state,
+LR schedule, RNG states, counters): training resumes from the copy as from the original; to
+another layout it reshards the weights only. Every output directory is written under
 ``NAME.partial`` and renamed when complete: a failed run leaves nothing behind.
 """
 import argparse
@@ -44,9 +51,12 @@ from megatron.core.models.hf_conversion import (  # noqa: E402
     megatron_to_hf,
 )
 from megatron.training.checkpointing.offline import (  # noqa: E402
+    CKPT_FORMATS,
     TargetLayout,
     find_iteration_dir,
+    read_checkpoint,
     read_model,
+    write_checkpoint,
     write_model,
 )
 from megatron.training.checkpointing.disk_space import tree_nbytes  # noqa: E402
@@ -71,10 +81,17 @@ def _dtype_note(dtype) -> str:
 
 
 def _write_flags(stage: str, args, final_dir: str, arch: str, source: str, release: bool,
-                 dtype) -> None:
+                 dtype, resumable: bool = False) -> None:
     with open(os.path.join(stage, FLAGS_FILE), "w") as f:
         f.write(megatron_args.flags_text(args, final_dir, arch, source, release,
-                                         _dtype_note(dtype)))
+                                         _dtype_note(dtype), resumable))
+
+
+def _layout_text(ckpt_format: str, tp: int, pp: int, vpp) -> str:
+    text = f"TP={tp} x PP={pp}" + (f" x VPP={vpp}" if vpp else "")
+    if ckpt_format == "torch_dist":
+        return f"sharded format, loads at any layout; flags for {text}"
+    return text
 
 
 def _heads_and_groups(args):
@@ -139,13 +156,17 @@ def hf_to_megatron_cmd(a) -> str:
         hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, gated_mlp=args["swiglu"], tied_output=tied,
                     target=TargetLayout(tp, pp, vpp, a.make_vocab_size_divisible_by),
-                    args=args, iteration=None,
-                    progress=Progress("writing Megatron checkpoint files", tp * pp))
+                    args=args, iteration=None, ckpt_format=a.ckpt_format,
+                    progress=Progress("writing Megatron checkpoint files", _files(a, tp, pp)))
         _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
                      os.path.abspath(a.load), True, dtype)
-    layout = f"TP={tp} x PP={pp}" + (f" x VPP={vpp}" if vpp else "")
+    layout = _layout_text(a.ckpt_format, tp, pp, vpp)
     return (f"wrote a release checkpoint ({layout}) of {config.model_type} to {save}; "
             f"training flags in {os.path.join(save, FLAGS_FILE)}")
+
+
+def _files(a, tp: int, pp: int) -> int:
+    return 1 if a.ckpt_format == "torch_dist" else tp * pp
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,37 +260,74 @@ def megatron_to_hf_cmd(a) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+def _no_layout_flags(a) -> bool:
+    return (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+            a.num_layers_per_virtual_pipeline_stage, a.make_vocab_size_divisible_by) == \
+        (None, None, None, None)
+
+
 def megatron_to_megatron_cmd(a) -> str:
     if os.path.abspath(a.load) == os.path.abspath(a.save):
         raise ConversionError("--save must differ from --load.")
     save = check_output_dir(a.save)
     iteration_dir, full, layout, args = _read_checkpoint(a.load, a.ckpt_step)
+    tokenizer_src = os.path.join(a.load, TOKENIZER_DIR)
+    if os.path.isdir(tokenizer_src) and args.get("tokenizer_name_or_path") and \
+            os.path.abspath(args["tokenizer_name_or_path"]) == os.path.abspath(tokenizer_src):
+        args["tokenizer_name_or_path"] = os.path.join(save, TOKENIZER_DIR)
+    if _no_layout_flags(a):
+        return _convert_format(a, save, iteration_dir, args, tokenizer_src)
     name = os.path.basename(iteration_dir.rstrip(os.sep))
     match = re.fullmatch(r"iter_(\d+)", name)
     iteration = int(match.group(1)) if match else None  # None: release
-    tp, pp, per_stage = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                         a.num_layers_per_virtual_pipeline_stage)
+    tp = a.tensor_model_parallel_size or layout["tensor_model_parallel_size"]
+    pp = a.pipeline_model_parallel_size or layout["pipeline_model_parallel_size"]
+    per_stage = a.num_layers_per_virtual_pipeline_stage
     num_layers, vocab = layout["num_layers"], layout["vocab_size"]
     ffn = full["decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
     vpp = megatron_args.check_target(num_layers, *_heads_and_groups(args), ffn, tp, pp,
                                      per_stage)
     divisible = a.make_vocab_size_divisible_by or args["make_vocab_size_divisible_by"]
-    tokenizer_src = os.path.join(a.load, TOKENIZER_DIR)
-    if os.path.isdir(tokenizer_src) and args.get("tokenizer_name_or_path") and \
-            os.path.abspath(args["tokenizer_name_or_path"]) == os.path.abspath(tokenizer_src):
-        args["tokenizer_name_or_path"] = os.path.join(save, TOKENIZER_DIR)
     args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab, divisible)
     with staged_output_dir(save, tree_nbytes(full)) as stage:
         if os.path.isdir(tokenizer_src):
             hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, layout["gated_mlp"], layout["tied_output"],
                     TargetLayout(tp, pp, vpp, divisible), args, iteration=iteration,
-                    progress=Progress("writing Megatron checkpoint files", tp * pp))
+                    ckpt_format=a.ckpt_format,
+                    progress=Progress("writing Megatron checkpoint files", _files(a, tp, pp)))
         _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
                      os.path.abspath(iteration_dir), iteration is None, full[_EMBEDDING].dtype)
-    layout_text = f"TP={tp} x PP={pp}" + (f" x VPP={vpp}" if vpp else "")
     return (f"wrote {'release' if iteration is None else f'iteration {iteration}'} "
-            f"({layout_text}, model weights only) to {save}")
+            f"({_layout_text(a.ckpt_format, tp, pp, vpp)}, model weights only) to {save}")
+
+
+def _convert_format(a, save: str, iteration_dir: str, args, tokenizer_src: str) -> str:
+    """The whole checkpoint at its own layout, in ``--ckpt-format``: a run of that layout
+    resumes from the copy exactly as from the original."""
+    try:
+        checkpoint = read_checkpoint(iteration_dir)
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
+    checkpoint.args = {**checkpoint.args, **{k: args[k] for k in ("tokenizer_name_or_path",)
+                                             if k in args}}
+    sizes = tree_nbytes([checkpoint.model, checkpoint.optimizer])
+    with staged_output_dir(save, sizes) as stage:
+        if os.path.isdir(tokenizer_src):
+            hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
+        try:
+            write_checkpoint(stage, checkpoint, a.ckpt_format)
+        except CheckpointError as exc:
+            raise ConversionError(str(exc)) from None
+        resumable = checkpoint.optimizer is not None
+        _write_flags(stage, checkpoint.args, save, LLAMA if args["swiglu"] else GPT2,
+                     os.path.abspath(iteration_dir), checkpoint.iteration is None,
+                     checkpoint.model[_EMBEDDING].dtype, resumable)
+    kept = "model, optimizer, LR schedule" if resumable else "model weights"
+    kept += ", RNG states" if checkpoint.rng else ""
+    what = "release" if checkpoint.iteration is None else f"iteration {checkpoint.iteration}"
+    return (f"wrote {what} in the {a.ckpt_format} format ({kept}; the saved layout) to "
+            f"{save}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,18 +345,23 @@ def _size(text):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_layout_flags(p, required: bool):
+def _add_layout_flags(p, default, default_text: str):
     g = p.add_argument_group("target parallel layout")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int, required=required,
-                   metavar="N", default=None if required else 1,
-                   help="Must divide the attention heads and query groups." +
-                        ("" if required else " Default 1."))
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, required=required,
-                   metavar="N", default=None if required else 1,
-                   help="Must divide the layers." + ("" if required else " Default 1."))
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, metavar="N",
+                   default=default,
+                   help=f"Must divide the attention heads and query groups. {default_text}")
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, metavar="N",
+                   default=default, help=f"Must divide the layers. {default_text}")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    metavar="N",
                    help="Interleaved (virtual) pipeline stages of this many layers.")
+
+
+def _add_format_flag(p, what: str):
+    p.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help=f"{what}: torch_dist (the sharded format training saves by default; "
+                        f"loads at any layout) or torch (mp_rank_* files of the "
+                        f"layout). Default torch_dist.")
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -315,7 +378,8 @@ def get_parser() -> argparse.ArgumentParser:
                    help="The Hugging Face model directory (local; nothing is downloaded).")
     p.add_argument("--save", "--save-dir", required=True, metavar="DIR",
                    help="New or empty output directory.")
-    _add_layout_flags(p, required=False)
+    _add_layout_flags(p, 1, "Default 1.")
+    _add_format_flag(p, "The format to write")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive_int, metavar="N", default=128,
                    help="Pad the vocabulary to a multiple of this x TP, as training does "
                         "(default 128; use the value you will train with).")
@@ -346,18 +410,23 @@ def get_parser() -> argparse.ArgumentParser:
                         "checkpoint's --tokenizer-name-or-path).")
     p.set_defaults(run=megatron_to_hf_cmd)
 
-    p = sub.add_parser("megatron-to-megatron", help="Reshard a Megatron checkpoint to another "
-                       "TP/PP/VPP offline.",
-                       description="Reshard a Megatron checkpoint to another TP/PP/VPP "
-                       "(model weights and args; optimizer state is not carried over). Training "
-                       "loads any layout as it is; this serves tools and pre-cut copies.")
+    p = sub.add_parser("megatron-to-megatron", help="Convert a Megatron checkpoint to the "
+                       "other format (all state kept), or reshard it to another TP/PP/VPP.",
+                       description="Without layout flags: the whole checkpoint (model, "
+                       "optimizer state, LR schedule, RNG states) in --ckpt-format at its own "
+                       "layout; training resumes from it as from the original. With layout "
+                       "flags: reshard to another TP/PP/VPP (model weights and args; optimizer "
+                       "state is not carried over). Training loads any layout as it is; this "
+                       "serves tools and pre-cut copies.")
     p.add_argument("--load", "--load-dir", required=True, metavar="DIR",
                    help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
     p.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="Iteration to reshard (default: the tracker's); it keeps its number.")
     p.add_argument("--save", "--save-dir", required=True, metavar="NEW_DIR",
                    help="New or empty output directory.")
-    _add_layout_flags(p, required=True)
+    _add_layout_flags(p, None, "Default: the checkpoint's; with no layout flag at all the "
+                      "whole checkpoint is converted to --ckpt-format, optimizer included.")
+    _add_format_flag(p, "The format to write (the checkpoint's own is read either way)")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive_int, metavar="N", default=None,
                    help="Default: the checkpoint's.")
     p.set_defaults(run=megatron_to_megatron_cmd)

@@ -216,7 +216,7 @@ def architecture_flags(args: Dict) -> List[str]:
 
 
 def flags_text(args: Dict, checkpoint_dir: str, arch: str, source: str, release: bool,
-               dtype_note: Optional[str] = None) -> str:
+               dtype_note: Optional[str] = None, resumable: bool = False) -> str:
     """megatron_flags.txt: comments, then one flag group per line (``grep -v '^#'`` gives
     the flags)."""
     script = "pretrain_llama.py" if arch == LLAMA else "pretrain_gpt.py"
@@ -232,6 +232,9 @@ def flags_text(args: Dict, checkpoint_dir: str, arch: str, source: str, release:
     if release:
         lines.append("# A 'release' checkpoint loads as --finetune does: weights only, from "
                      "iteration 0 with a fresh optimizer.")
+    elif resumable:
+        lines.append("# It holds the optimizer state, LR schedule and RNG states: resume with "
+                     "the run's own flags and --load.")
     else:
         lines.append("# It holds no optimizer state: continue with --no-load-optim (same "
                      "iteration), or --finetune (from iteration 0).")
