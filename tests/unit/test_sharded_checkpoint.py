@@ -346,3 +346,125 @@ def test_a_crafted_rng_state_is_a_clear_error(tmp_path):
     reader = ShardedReader(str(ckpt), read_metadata(str(ckpt)))
     with pytest.raises(CheckpointError, match="its RNG state is damaged"):
         read_rng_state(reader, 0)
+
+
+# --- bytes and memory per rank (gloo ranks, the real save and load) --------------------------
+
+def _entry_bytes(shard):
+    """{kind: bytes} of one shard file's tensors, kind = model | optim | rng."""
+    out = {"model": 0, "optim": 0, "rng": 0}
+    for key, (dtype, shape, _) in shard.entries.items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        out[key.split("/", 1)[0]] += numel * dtype.itemsize
+    return out
+
+
+def _save_and_load(tmp_path, kind):
+    """A save of a trained model at this DP size, then a load into a fresh model and
+    optimizer (other initial weights): the files' bytes per rank and the peak extra memory
+    of each (tests/allocation_tracker.py)."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.checkpointing.writer import CheckpointWriter
+    from tests.allocation_tracker import track_allocations
+    from tests.unit.test_checkpoint_save import _configs, _save, _scheduler
+    from tests.unit.test_data_parallel import _global_batches
+    from tests.unit.test_distributed_optimizer import _build, _train
+
+    model, optimizer = _build(kind, bucket_size=3000)
+    _train(model, optimizer, _global_batches(4, steps=2))
+    configs = _configs(model, kind, save=str(tmp_path), ckpt_format="torch_dist")
+    scheduler = _scheduler(optimizer)
+    with track_allocations() as saving:
+        _save(tmp_path, 2, model, optimizer, scheduler, configs, CheckpointWriter(False))
+    saving.finish()
+    dist.barrier()
+    owned = sum(end - begin for shard in getattr(optimizer, "shards", [])
+                for _, _, begin, end, _ in shard.pieces)
+    fresh_model, fresh = _build(kind, bucket_size=3000, seed=7)
+    configs = _configs(fresh_model, kind, load=str(tmp_path), ckpt_format="torch_dist")
+    with track_allocations() as loading:
+        load_checkpoint([fresh_model], fresh, _scheduler(fresh), configs)
+    loading.finish()
+    # The optimizer's part alone, installed again: one range of one key at a time.
+    from megatron.training.checkpointing.layout import current_layout
+    from megatron.training.checkpointing.sharded_load import read_optimizer
+
+    iteration_dir = str(tmp_path / "iter_0000002")
+    reader = ShardedReader(iteration_dir, read_metadata(iteration_dir))
+    state = read_optimizer(reader, [fresh_model], current_layout([fresh_model], configs))
+    with track_allocations() as installing:
+        fresh.load_state_dict(state)
+    installing.finish()
+    params = list(model.module.parameters())
+    state_keys = {k for s in optimizer.optimizer.state.values() for k, v in s.items()
+                  if torch.is_tensor(v) and v.dim() > 0}
+    return dict(dp_rank=ps.get_data_parallel_rank(), owned=owned, state_keys=len(state_keys),
+                model_bytes=sum(p.numel() * p.element_size() for p in params),
+                largest_param=max(p.numel() * p.element_size() for p in params),
+                largest_bucket=max(b.grad_data.numel() for b in model._buckets()),
+                buckets=len(model._buckets()), save_peak=saving.peak_temporary,
+                load_peak=loading.peak_temporary, install_peak=installing.peak_temporary,
+                loaded=all(torch.equal(a, b) for a, b in zip(
+                    fresh_model.module.parameters(), params)))
+
+
+@pytest.mark.parametrize("kind,dp", [("distributed", 2), ("distributed", 4), ("none", 2)])
+def test_each_rank_writes_its_share_and_saves_and_loads_in_bounded_memory(tmp_path, kind, dp):
+    """Measured from the files: with the distributed optimizer each DP rank's file holds
+    exactly its own optimizer shard (1/DP of the state, the shards differing only by the
+    padding of each bucket's split), with the plain one the replicated state is spread; the
+    weights are spread over the DP ranks (each tensor once; no rank more than 1/DP plus one
+    tensor); a file holds nothing else than its RNG state; rank 0 alone writes the index.
+    Memory (tests/allocation_tracker.py): a save allocates no more than one bucket's fp32
+    elements (nothing is gathered); a load no more than one copy of the rank's own weights
+    (read whole, as the torch format does, so that every rank checks them before any is
+    applied) plus one parameter's range of one optimizer key at a time."""
+    from tests.distributed import run_distributed
+
+    ranks = run_distributed(_save_and_load, world_size=dp, tp=1, tmp_path=tmp_path, kind=kind)
+    iteration_dir = tmp_path / "iter_0000002"
+    assert sorted(os.listdir(iteration_dir)) == sorted(
+        [METADATA_FILE] + [shard_file_name(r) for r in range(dp)])
+    r0 = ranks[0]
+    total_optim = r0["model_bytes"] * r0["state_keys"]  # fp32 model: the params are the mains
+    index_bytes = os.path.getsize(iteration_dir / METADATA_FILE)
+    bucket_bytes = r0["largest_bucket"] * 4
+    files = [ShardFile(str(iteration_dir / shard_file_name(r))) for r in range(dp)]
+    written = [_entry_bytes(f) for f in files]
+    assert sum(w["model"] for w in written) == r0["model_bytes"]
+    assert sum(w["optim"] for w in written) == total_optim
+    for rank, (r, w, f) in enumerate(zip(ranks, written, files)):
+        assert r["loaded"], rank
+        assert w["model"] <= r0["model_bytes"] / dp + r0["largest_param"], (rank, w)
+        if kind == "distributed":
+            assert w["optim"] == r["owned"] * 4 * r0["state_keys"], (rank, w)
+            padding = r0["buckets"] * dp * 4 * r0["state_keys"]
+            assert abs(w["optim"] - total_optim / dp) <= padding, (rank, w, total_optim)
+        else:
+            assert w["optim"] <= total_optim / dp + r0["largest_param"] * r0["state_keys"]
+        data = w["model"] + w["optim"] + w["rng"]
+        assert os.path.getsize(f.path) == f.data_start + data  # nothing else in the file
+        # The RNG state: the CPU generator and the model-parallel tracker's, 5 KB each.
+        assert w["rng"] <= 4 * torch.get_rng_state().numel(), w
+        # A save copies and gathers no tensor state: it allocates the index entries (plain
+        # data gathered to rank 0 as pickles, about the size of metadata.json) and the RNG
+        # state's copies.
+        assert r["save_peak"] <= 2 * index_bytes + w["rng"], (rank, r, index_bytes)
+        # A load: the rank's own weights (all read before any is applied), one parameter's
+        # buffers while reading it (values, the piece read, the covered mask), then the
+        # optimizer state one range of one key at a time: within one bucket with the
+        # distributed optimizer, one parameter's buffers with the plain one (it holds whole
+        # parameters).
+        assert r["load_peak"] <= r0["model_bytes"] + 3 * r0["largest_param"], (rank, r)
+        install_bound = bucket_bytes if kind == "distributed" else 3 * r0["largest_param"]
+        assert 0 < r["install_peak"] <= install_bound, (rank, r)
+    print({"optim_bytes_per_rank": [w["optim"] for w in written], "total_optim": total_optim,
+           "model_bytes_per_rank": [w["model"] for w in written],
+           "index_bytes": index_bytes, "save_peak": [r["save_peak"] for r in ranks],
+           "load_peak": [r["load_peak"] for r in ranks],
+           "install_peak": [r["install_peak"] for r in ranks], "bucket_bytes": bucket_bytes})
