@@ -92,32 +92,42 @@ def check_flags_rebuild_model(checkpoint_dir, hf_config, saved_args, world_size)
         assert saved_args[key] == vars(args)[key], key
 
 
-@pytest.mark.parametrize("name, tp, pp, per_stage", [
-    ("llama_gqa", 2, 2, None), ("llama_gqa", 4, 1, None), ("llama_gqa", 1, 2, 1),
-    ("llama3_rope_tied", 2, 2, None),
-    ("gpt2", 2, 2, None), ("gpt2", 4, 1, None), ("gpt2", 2, 2, 1),
+@pytest.mark.parametrize("name, tp, pp, per_stage, fmt", [
+    ("llama_gqa", 2, 2, None, "torch"), ("llama_gqa", 4, 1, None, "torch"),
+    ("llama_gqa", 1, 2, 1, "torch"), ("llama3_rope_tied", 2, 2, None, "torch"),
+    ("gpt2", 2, 2, None, "torch"), ("gpt2", 4, 1, None, "torch"), ("gpt2", 2, 2, 1, "torch"),
+    ("llama_gqa", 2, 2, None, "torch_dist"), ("llama3_rope_tied", 1, 1, None, "torch_dist"),
+    ("gpt2", 2, 2, 1, "torch_dist"),
 ])
-def test_round_trip_is_bitwise(hf_dirs, tmp_path, name, tp, pp, per_stage):
+def test_round_trip_is_bitwise(hf_dirs, tmp_path, name, tp, pp, per_stage, fmt):
     import transformers
 
     src, meg, back = hf_dirs[name], str(tmp_path / "meg"), str(tmp_path / "hf")
-    assert run("hf-to-megatron", "--load", src, "--save", meg,
+    assert run("hf-to-megatron", "--load", src, "--save", meg, "--ckpt-format", fmt,
                *layout_flags(tp, pp, per_stage)) == 0
 
-    # A release checkpoint in the asked layout, the vocabulary padded as training pads it.
     with open(os.path.join(meg, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "release"
     full, layout, args = read_model(find_iteration_dir(meg))
     vpp = 2 if per_stage else None
-    assert (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
-            layout["virtual_pipeline_model_parallel_size"]) == (tp, pp, vpp)
     padded = vocab_size_with_padding(VOCAB, 128, tp)
-    assert layout["padded_vocab_size"] == padded == 128 * tp and layout["vocab_size"] == VOCAB
-    rank0_file = os.path.join(meg, "release", "mp_rank_00" + ("_000" if pp > 1 else ""),
-                              "model_optim_rng.pt")
-    rank0 = torch.load(rank0_file, weights_only=True)
-    embedding = rank0["model0" if vpp else "model"]["embedding.word_embeddings.weight"]
-    assert embedding.shape[0] == padded // tp
+    assert args["padded_vocab_size"] == padded and layout["vocab_size"] == VOCAB
+    if fmt == "torch":  # a release checkpoint in the asked layout, vocabulary padded
+        assert (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
+                layout["virtual_pipeline_model_parallel_size"]) == (tp, pp, vpp)
+        assert layout["padded_vocab_size"] == padded == 128 * tp
+        rank0_file = os.path.join(meg, "release", "mp_rank_00" + ("_000" if pp > 1 else ""),
+                                  "model_optim_rng.pt")
+        rank0 = torch.load(rank0_file, weights_only=True)
+        embedding = rank0["model0" if vpp else "model"]["embedding.word_embeddings.weight"]
+        assert embedding.shape[0] == padded // tp
+    else:  # every tensor whole (no padding) in one shard; loads at any layout
+        assert sorted(os.listdir(os.path.join(meg, "release"))) == [
+            "metadata.json", "shard_00000.safetensors"]
+        assert layout["tensor_model_parallel_size"] == layout["pipeline_model_parallel_size"] \
+            == 1 and full["embedding.word_embeddings.weight"].shape[0] == VOCAB
+        assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == \
+            (tp, pp)  # what the flags file trains with
     assert sorted(os.listdir(os.path.join(meg, "tokenizer"))) == [
         "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     assert args["tokenizer_type"] == "PretrainedFromHF" and \
@@ -183,7 +193,7 @@ def test_malicious_bin_is_refused(tmp_path, capsys):
 
 
 def _reshard_and_compare(src, dst, tp, pp, per_stage=None):
-    assert run("megatron-to-megatron", "--load", src, "--save", dst,
+    assert run("megatron-to-megatron", "--load", src, "--save", dst, "--ckpt-format", "torch",
                *layout_flags(tp, pp, per_stage)) == 0
     full_a, layout_a, args_a = read_model(find_iteration_dir(src))
     full_b, layout_b, args_b = read_model(find_iteration_dir(dst))
@@ -219,6 +229,24 @@ def test_megatron_to_megatron(hf_dirs, tmp_path):
     assert (tmp_path / "trained_tp4" / "latest_checkpointed_iteration.txt").read_text().strip() \
         == "100"
     assert (tmp_path / "trained_tp4" / "iter_0000100").is_dir()
+
+
+def test_format_conversion_of_a_release_keeps_every_tensor(hf_dirs, tmp_path, capsys):
+    """No layout flags: the checkpoint as it is, in the other format, and back."""
+    src, torch_dir, back = (str(tmp_path / n) for n in ("sharded", "torch", "back"))
+    assert run("hf-to-megatron", "--load", hf_dirs["llama3_rope_tied"], "--save", src) == 0
+    assert run("megatron-to-megatron", "--load", src, "--save", torch_dir,
+               "--ckpt-format", "torch") == 0
+    assert "in the torch format (model weights; the saved layout)" in capsys.readouterr().out
+    assert os.path.isdir(os.path.join(torch_dir, "release", "mp_rank_00"))
+    assert run("megatron-to-megatron", "--load", torch_dir, "--save", back) == 0
+    assert os.path.isfile(os.path.join(back, "release", "metadata.json"))
+    want = read_model(find_iteration_dir(src))
+    for other in (torch_dir, back):
+        got = read_model(find_iteration_dir(other))
+        assert sorted(got[0]) == sorted(want[0]) and got[1] == want[1]
+        assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
+        assert got[2]["tokenizer_name_or_path"] == os.path.join(other, "tokenizer")
 
 
 def test_mistral_converts_as_llama(tmp_path, capsys):
