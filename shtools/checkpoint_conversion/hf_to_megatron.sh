@@ -16,10 +16,13 @@
 #   VPP_LAYERS  layers per virtual pipeline stage (--num-layers-per-virtual-pipeline-stage;
 #               default: no interleaving)
 #   MAKE_VOCAB_SIZE_DIVISIBLE_BY  vocabulary padding unit, as in training (default 128)
+#   CKPT_FORMAT torch_dist (default, the sharded format training saves: SAVE/release/
+#               metadata.json + shard_00000.safetensors, every tensor whole, loads at any
+#               layout; TP/PP/VPP then only set the flags) or torch (SAVE/release/mp_rank_*/
+#               model_optim_rng.pt cut for TP x PP)
 #   PYTHON      interpreter (default python3)
-# Writes SAVE/release/mp_rank_*/model_optim_rng.pt, SAVE/latest_checkpointed_iteration.txt,
-# SAVE/tokenizer/ and SAVE/megatron_flags.txt (the flags that train from it). A failed run
-# leaves nothing behind. Runs on CPU; needs about twice the model's size in memory.
+# Writes SAVE/release/, SAVE/latest_checkpointed_iteration.txt, SAVE/tokenizer/ and
+# SAVE/megatron_flags.txt (the flags that train from it). A failed run leaves nothing behind. Runs on CPU; needs about twice the model's size in memory.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -33,6 +36,7 @@ TP=${positional[2]:-${TP:-1}}
 PP=${positional[3]:-${PP:-1}}
 VPP_LAYERS=${positional[4]:-${VPP_LAYERS:-}}
 MAKE_VOCAB_SIZE_DIVISIBLE_BY=${MAKE_VOCAB_SIZE_DIVISIBLE_BY:-128}
+CKPT_FORMAT=${CKPT_FORMAT:-torch_dist}
 if [[ -z $HF_DIR || -z $SAVE ]]; then
     echo "usage: HF_DIR=... SAVE=... [TP=1 PP=1 VPP_LAYERS=] $0" >&2
     echo "   or: $0 HF_DIR SAVE [TP [PP [VPP_LAYERS]]] [-- convert.py flags]" >&2
@@ -41,6 +45,6 @@ fi
 
 args=(hf-to-megatron --load "$HF_DIR" --save "$SAVE"
       --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-      --make-vocab-size-divisible-by "$MAKE_VOCAB_SIZE_DIVISIBLE_BY")
+      --make-vocab-size-divisible-by "$MAKE_VOCAB_SIZE_DIVISIBLE_BY" --ckpt-format "$CKPT_FORMAT")
 [[ -n $VPP_LAYERS ]] && args+=(--num-layers-per-virtual-pipeline-stage "$VPP_LAYERS")
 exec "$PYTHON" "$ROOT/tools/checkpoint/convert.py" "${args[@]}" "$@"

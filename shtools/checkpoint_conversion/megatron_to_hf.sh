@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Convert a Megatron checkpoint (any TP/PP/VPP, written by training or by hf_to_megatron.sh)
+# Convert a Megatron checkpoint (any TP/PP/VPP, either format: the sharded torch_dist or the
+# torch mp_rank_* files; written by training or by hf_to_megatron.sh)
 # into a Hugging Face directory that transformers' AutoModelForCausalLM.from_pretrained loads:
 # sharded safetensors, config.json, generation_config.json and the tokenizer files.
 #

@@ -25,7 +25,9 @@ def test_convert_train_and_convert_back(tmp_path):
     meg, back = tmp_path / "meg", tmp_path / "back"
     proc = _shell("hf_to_megatron.sh", {"HF_DIR": src, "SAVE": str(meg), "TP": "2", "PP": "2"})
     assert proc.returncode == 0, proc.stderr
-    assert "wrote a release checkpoint (TP=2 x PP=2) of llama" in proc.stdout
+    assert "wrote a release checkpoint (sharded format, loads at any layout; flags for TP=2 x " \
+        "PP=2) of llama" in proc.stdout  # the default format, as training's
+    assert sorted(os.listdir(meg / "release")) == ["metadata.json", "shard_00000.safetensors"]
     assert "writing Megatron checkpoint files: [" in proc.stderr  # progress
     proc = _shell("megatron_to_hf.sh", {}, meg, back, "--", "--max-shard-size", "40KB")
     assert proc.returncode == 0, proc.stderr
@@ -43,8 +45,7 @@ def test_convert_train_and_convert_back(tmp_path):
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
         "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--save", trained])
     assert [i for i, _, _ in parse_iterations(proc)] == [1, 2]
-    assert f"loaded checkpoint from {meg}/release at iteration 0; resharded from TP=2 x PP=2" \
-        in proc.stdout
+    assert f"loaded checkpoint from {meg}/release at iteration 0" in proc.stdout
 
     # The trained checkpoint (args written by pretrain) back to Hugging Face, in process.
     convert = converter()
@@ -59,6 +60,21 @@ def test_convert_train_and_convert_back(tmp_path):
     assert changed.shape == (VOCAB, 64) and not torch.equal(
         changed, before["model.embed_tokens.weight"])  # two steps of training
     assert os.path.isfile(tmp_path / "trained_hf" / "tokenizer.json")
+
+
+def test_torch_format_from_the_shell(tmp_path):
+    src = save_model(build_model("llama_gqa", num_layers=2), str(tmp_path / "hf"))
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    proc = _shell("hf_to_megatron.sh", {"HF_DIR": src, "SAVE": str(meg), "TP": "2",
+                                        "CKPT_FORMAT": "torch"})
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote a release checkpoint (TP=2 x PP=1) of llama" in proc.stdout
+    assert sorted(os.listdir(meg / "release")) == ["mp_rank_00", "mp_rank_01"]
+    proc = _shell("megatron_to_hf.sh", {}, meg, back)
+    assert proc.returncode == 0, proc.stderr
+    before, after = read_safetensors_dir(src), read_safetensors_dir(str(back))
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_error_exit_code(tmp_path):

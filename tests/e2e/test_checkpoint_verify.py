@@ -53,7 +53,7 @@ def build_hf_model(kind, seed=0):
     return model.eval()
 
 
-def convert(hf_dir, save, tp, pp, layers_per_virtual_stage=None):
+def convert(hf_dir, save, tp, pp, layers_per_virtual_stage=None, ckpt_format="torch"):
     """tools/checkpoint/convert.py hf-to-megatron, run in this process (a folder of scripts:
     imported from its directory)."""
     tools = os.path.join(ROOT, "tools", "checkpoint")
@@ -62,7 +62,8 @@ def convert(hf_dir, save, tp, pp, layers_per_virtual_stage=None):
     import convert as converter
 
     argv = ["hf-to-megatron", "--load", str(hf_dir), "--save", str(save),
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--ckpt-format", ckpt_format]
     if layers_per_virtual_stage:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_virtual_stage)]
     assert converter.main(argv) == 0
@@ -109,6 +110,7 @@ def setup(tmp_path_factory):
     convert(root / "hf_llama3", root / "llama3_tp4", 4, 1)
     convert(root / "hf_gpt2", root / "gpt2_tp2pp2vpp2", 2, 2, layers_per_virtual_stage=1)
     convert(root / "hf_llama_other_seed", root / "llama_other_seed", 1, 1)
+    convert(root / "hf_llama", root / "llama_sharded", 2, 2, ckpt_format="torch_dist")
 
     def verify(kind, load, *flags, nproc=4):
         return start_script(VERIFY, ["--hf-dir", root / f"hf_{kind}", "--load", root / load,
@@ -122,6 +124,9 @@ def setup(tmp_path_factory):
         "llama-gqa-resharded-to-PP2xVPP2": verify(
             "llama", "llama_tp2pp2", "--token-ids", TOKENS, "--pipeline-model-parallel-size",
             "2", "--num-layers-per-virtual-pipeline-stage", "1", nproc=2),
+        "llama-gqa-sharded-format-at-TP2xPP2": verify(
+            "llama", "llama_sharded", "--token-ids", TOKENS, "--tensor-model-parallel-size",
+            "2", "--pipeline-model-parallel-size", "2"),
         "other-seed": verify("llama", "llama_other_seed", "--token-ids", TOKENS, nproc=1),
         "train": start_script("pretrain_llama.py", train_flags(root / "llama_tp2pp2"), 4),
     }
@@ -163,6 +168,7 @@ def _verified(proc):
     ("llama3-rope-scaling-TP4", "TP=4 x PP=1,"),
     ("gpt2-tied-TP2xPP2xVPP2", "TP=2 x PP=2 x VPP=2"),
     ("llama-gqa-resharded-to-PP2xVPP2", "TP=1 x PP=2 x VPP=2"),
+    ("llama-gqa-sharded-format-at-TP2xPP2", "TP=2 x PP=2,"),
 ])
 def test_converted_checkpoint_gives_hf_logits(setup, name, layout):
     proc = setup[2].result(name)
