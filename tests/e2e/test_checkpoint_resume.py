@@ -1,11 +1,14 @@
 """Checkpoints end to end with torchrun on CPU: bitwise resume at TP=2 x PP=2 x DP=2 (plain and
-distributed optimizer), loading into other layouts, and a rank killed in the middle of a save.
+distributed optimizer, the sharded format; the torch format with the distributed one), the
+sharded save loading into other layouts, and a rank killed in the middle of a save (both
+formats).
 
 Bitwise: a resumed run repeats the uninterrupted run's arithmetic exactly (same layout, same
 data order, the saved dropout streams), so losses, parameters, optimizer state and RNG states
 must be equal, not close. Resharding changes the order of sums: <= 1e-5 as in the models issue.
 """
 import glob
+import json
 import os
 import re
 
@@ -59,16 +62,30 @@ def _straight_then_resume(tmp_path, flags, nproc):
     return first, second, straight, resumed
 
 
-@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]],
-                         ids=["plain", "distributed"])
-def test_resume_at_tp2_pp2_dp2_is_bitwise(tmp_path, optimizer):
-    flags = _flags(*PARALLEL, *optimizer)
+def _is_sharded(iteration_dir, nproc):
+    """The sharded format: the index and one shard file per rank, no mp_rank_* directory."""
+    names = sorted(os.listdir(iteration_dir))
+    return names == sorted(["metadata.json"] + [f"shard_{r:05d}.safetensors"
+                                                for r in range(nproc)])
+
+
+DISTRIBUTED = ["--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("ckpt_format,optimizer", [
+    ("torch_dist", []), ("torch_dist", DISTRIBUTED), ("torch", DISTRIBUTED),
+], ids=["sharded-plain", "sharded-distributed", "torch-distributed"])
+def test_resume_at_tp2_pp2_dp2_is_bitwise(tmp_path, ckpt_format, optimizer):
+    flags = _flags(*PARALLEL, *optimizer, "--ckpt-format", ckpt_format)
     first, second, straight, resumed = _straight_then_resume(tmp_path, flags, nproc=8)
     want, got = _iteration_losses(first), _iteration_losses(second)
     assert sorted(want) == ["1", "2", "3", "4"] and sorted(got) == ["3", "4"]
     assert [got[i] for i in "34"] == [want[i] for i in "34"]
     _assert_bitwise(straight, resumed, 4)  # model, optimizer, scheduler, RNG of every rank
-    if optimizer:
+    for root in (straight, resumed):
+        saved = root / "iter_0000004"
+        assert _is_sharded(saved, 8) == (ckpt_format == "torch_dist"), os.listdir(saved)
+    if ckpt_format == "torch":
         assert glob.glob(str(straight / "iter_0000004" / "mp_rank_*" / "distrib_optim.pt"))
 
 
@@ -80,6 +97,7 @@ def saved_at_tp2_pp2_dp2(tmp_path_factory):
     flags = _flags(dropout="0", loader="single")
     proc = run_script("pretrain_llama.py", flags + PARALLEL + [
         "--use-distributed-optimizer", "--save", root, "--save-interval", "2"], nproc=8)
+    assert _is_sharded(root / "iter_0000002", 8)  # the default format
     return flags, root, _iteration_losses(proc)
 
 
@@ -93,26 +111,31 @@ def test_checkpoint_loads_into_another_layout(saved_at_tp2_pp2_dp2, tmp_path, la
     proc = run_script("pretrain_llama.py", flags + layout + [
         "--load", root, "--ckpt-step", "2", "--save", tmp_path / "again"], nproc)
     got = _iteration_losses(proc)
-    assert "resharded from TP=2 x PP=2" in proc.stdout
+    assert "resharded from TP=2 x PP=2 x DP=2" in proc.stdout
     if "--num-layers-per-virtual-pipeline-stage" in layout:  # saved per virtual chunk
-        path = tmp_path / "again" / "iter_0000004" / "mp_rank_00_000" / "model_optim_rng.pt"
-        assert {"model0", "model1"} <= torch.load(path, weights_only=True).keys()
+        with open(tmp_path / "again" / "iter_0000004" / "metadata.json") as f:
+            saved = json.load(f)["layout"]
+        assert saved["virtual_pipeline_model_parallel_size"] == 2
+        assert saved["layer_ranges"] == [[0, 1], [2, 3]], saved  # rank 0's two chunks
     assert sorted(got) == ["3", "4"]
     for i in "34":
         assert abs(float(got[i]) - float(want[i])) <= TOL, (got, want)
 
 
-def test_rank_killed_while_saving_leaves_previous_checkpoint_latest(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ckpt_format,half_written", [
+    ("torch_dist", "shard_00001.safetensors.tmp"), ("torch", "mp_rank_01/*.tmp")])
+def test_rank_killed_while_saving_leaves_previous_checkpoint_latest(tmp_path, monkeypatch,
+                                                                    ckpt_format, half_written):
     root = tmp_path / "ckpt"
     flags = _flags("--tensor-model-parallel-size", "2", "--save", root, "--load", root,
-                   "--save-interval", "2")
+                   "--save-interval", "2", "--ckpt-format", ckpt_format)
     monkeypatch.setenv("MEGATRON_FAULT_INJECTION", "save:1:4")  # rank 1, iteration 4's save
     crashed = run_script("pretrain_llama.py", flags, nproc=2)
     assert crashed.returncode != 0
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (root / "iter_0000004").exists()
-    half_written = glob.glob(str(root / "iter_0000004.partial" / "mp_rank_01" / "*.tmp"))
-    assert half_written, os.listdir(root)
+    assert glob.glob(str(root / "iter_0000004.partial" / half_written)), os.listdir(root)
+    assert _is_sharded(root / "iter_0000002", 2) == (ckpt_format == "torch_dist")
     monkeypatch.delenv("MEGATRON_FAULT_INJECTION")
     want = dict(re.findall(r" iteration +(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|", crashed.stdout))
     resumed = run_script("pretrain_llama.py", flags, nproc=2)  # same --save/--load: auto-resume
