@@ -22,7 +22,8 @@
 #               model_optim_rng.pt cut for TP x PP)
 #   PYTHON      interpreter (default python3)
 # Writes SAVE/release/, SAVE/latest_checkpointed_iteration.txt, SAVE/tokenizer/ and
-# SAVE/megatron_flags.txt (the flags that train from it). A failed run leaves nothing behind. Runs on CPU; needs about twice the model's size in memory.
+# SAVE/megatron_flags.txt (the flags that train from it). A failed run leaves nothing behind.
+# Runs on CPU; needs about twice the model's size in memory.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

@@ -197,8 +197,7 @@ def _write_torch(root: str, full: Dict[str, torch.Tensor], layout: Dict,
                  state: Optional["FullCheckpoint"], progress) -> str:
     """The torch format: each (TP, PP) position's files, cut from whole tensors; with
     ``state`` also its optimizer state, LR schedule, RNG states and counters."""
-    tp, pp, vpp = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
-                   layout["virtual_pipeline_model_parallel_size"])
+    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     name = iteration_dir_name(iteration or 0, release=iteration is None)
     staging = os.path.join(_fresh(root), name + STAGING_SUFFIX)
     for pp_rank in range(pp):
