@@ -143,8 +143,29 @@ def copy_overlap(out: torch.Tensor, covered: torch.Tensor, wanted: Piece, saved:
     if wanted.box == saved.box or (len(global_shape) > 0 and
                                    _only_rows_differ(wanted.box, saved.box)):
         _copy_rows(out, covered, wanted, saved, read)
+    elif _whole(wanted) and _whole(saved):
+        _copy_box(out, covered, wanted.box, saved.box, read)
     else:
         _copy_by_index(out, covered, wanted, saved, read)
+
+
+def _whole(piece: Piece) -> bool:
+    return piece.start == 0 and piece.stop == piece.box.numel
+
+
+def _copy_box(out, covered, wanted: Box, saved: Box, read: Reader) -> None:
+    """Whole boxes (weights read at another TP size, a whole tensor read offline): slice the
+    overlap out of the saved box (read whole: a column cut touches every row)."""
+    if not _boxes_meet(wanted, saved):
+        return
+    lows = [max(w, s) for w, s in zip(wanted.offset, saved.offset)]
+    highs = [min(w + ws, s + ss) for w, ws, s, ss in
+             zip(wanted.offset, wanted.shape, saved.offset, saved.shape)]
+    source = read(0, saved.numel).view(saved.shape)
+    into = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(lows, highs, wanted.offset))
+    take = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(lows, highs, saved.offset))
+    out.view(wanted.shape)[into] = source[take]
+    covered.view(wanted.shape)[into] = True
 
 
 def _copy_rows(out, covered, wanted: Piece, saved: Piece, read: Reader) -> None:
