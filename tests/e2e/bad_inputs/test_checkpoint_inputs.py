@@ -18,15 +18,31 @@ CONVERT = "tools/checkpoint/convert.py"
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny LLaMA checkpoint of iteration 2 (weights only) and its TP=2 copy."""
+    """A tiny LLaMA checkpoint of iteration 2 (weights only, the sharded default format) and
+    its TP=2 copy in the torch format (mp_rank_* directories)."""
     root = tmp_path_factory.mktemp("ckpt")
     proc = run("pretrain_llama.py", FLAGS + ["--save", root / "tp1", "--no-save-optim"])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (root / "tp1" / "iter_0000002" / "metadata.json").is_file()
     proc = run(CONVERT, ["megatron-to-megatron", "--load", root / "tp1", "--save", root / "tp2",
                          "--tensor-model-parallel-size", "2",
-                         "--pipeline-model-parallel-size", "1"])
+                         "--pipeline-model-parallel-size", "1", "--ckpt-format", "torch"])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (root / "tp2" / "iter_0000002" / "mp_rank_01").is_dir()
     return root
+
+
+def _saved_args(iteration_dir):
+    """The args a checkpoint records, in either format."""
+    import json
+
+    import torch
+
+    index = iteration_dir / "metadata.json"
+    if index.is_file():
+        return json.loads(index.read_text())["args"]
+    return torch.load(iteration_dir / "mp_rank_00" / "model_optim_rng.pt",
+                      weights_only=True)["args"]
 
 
 def _copy(saved, name, tmp_path):
@@ -84,10 +100,10 @@ def test_new_save_dir_is_not_left_behind_by_the_probe(tmp_path, saved):
 # A full disk (a real tmpfs too small): one line with the bytes needed, nothing partial left.
 @pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync-save", "async-save"])
 def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path, mode):
-    """Room for the iteration-1 checkpoint (weights only, ~190 KB) but not for iteration 2:
-    the tracker still names 1, and neither the temporary file nor iter_0000002.partial is
-    left filling the disk."""
-    with tmpfs(tmp_path / "small", "400k") as mount:
+    """Room for the iteration-1 checkpoint (weights only, ~180 KB in the sharded format: no
+    vocabulary padding rows) but not for iteration 2: the tracker still names 1, and neither
+    the temporary file nor iter_0000002.partial is left filling the disk."""
+    with tmpfs(tmp_path / "small", "300k") as mount:
         save = mount / "ckpt"
         proc = run("pretrain_llama.py", FLAGS + mode + ["--save", save, "--save-interval", "1",
                                                         "--no-save-optim"])
@@ -98,7 +114,8 @@ def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path, mode):
         assert 150_000 < needed < 300_000, line  # 43k fp32 params and the RNG states
         assert "checkpoint of iteration 1 " in proc.stdout
         assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
-        assert sorted(listing(save)) == ["iter_0000001/mp_rank_00/model_optim_rng.pt",
+        assert sorted(listing(save)) == ["iter_0000001/metadata.json",
+                                         "iter_0000001/shard_00000.safetensors",
                                          "latest_checkpointed_iteration.txt"]
 
 
@@ -167,6 +184,53 @@ def test_damaged_checkpoint_is_one_line(tmp_path, saved, damage):
     fragments = damage(ckpt)
     before = listing(ckpt)
     proc = run("pretrain_llama.py", FLAGS + ["--load", ckpt])
+    assert_clean_error(proc, 1, *fragments)
+    assert listing(ckpt) == before
+
+
+# The sharded format (tp1): a shard file missing or truncated, a damaged or crafted index.
+SHARD = "shard_00000.safetensors"
+
+
+def _missing_shard(ckpt):
+    (ckpt / "iter_0000002" / SHARD).unlink()
+    return (f"{ckpt / 'iter_0000002' / SHARD} is missing", "--ckpt-step")
+
+
+def _truncated_shard(ckpt):
+    path = ckpt / "iter_0000002" / SHARD
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 3)
+    return (str(path), "truncated", "--ckpt-step")
+
+
+def _index_not_json(ckpt):
+    (ckpt / "iter_0000002" / "metadata.json").write_text("{not json")
+    return ("metadata.json cannot be read", "--ckpt-step")
+
+
+def _index_points_outside(ckpt):
+    import json
+
+    path = ckpt / "iter_0000002" / "metadata.json"
+    meta = json.loads(path.read_text())
+    entry = next(iter(meta["tensors"].values()))
+    entry["pieces"][0][0] = "../../x.safetensors"
+    path.write_text(json.dumps(meta))
+    return ("piece file '../../x.safetensors' is not a shard file name", "--ckpt-step")
+
+
+SHARDED_DAMAGE = {"missing-shard-file": _missing_shard, "truncated-shard-file": _truncated_shard,
+                  "index-not-json": _index_not_json,
+                  "index-names-a-file-outside": _index_points_outside}
+
+
+@pytest.mark.parametrize("damage", SHARDED_DAMAGE.values(), ids=SHARDED_DAMAGE.keys())
+def test_damaged_sharded_checkpoint_is_one_line(tmp_path, saved, damage):
+    ckpt = _copy(saved, "tp1", tmp_path)
+    fragments = damage(ckpt)
+    before = listing(ckpt)
+    proc = run("pretrain_llama.py", FLAGS + ["--load", ckpt, "--no-load-optim"])
     assert_clean_error(proc, 1, *fragments)
     assert listing(ckpt) == before
 
@@ -242,16 +306,13 @@ def test_converted_checkpoints_carry_the_tokenizer_fingerprint(tmp_path, two_tok
     the args, so a later load with another tokenizer is noticed there too."""
     import json
 
-    import torch
-
     from megatron.training.tokenizer.fingerprint import FINGERPRINT_FILE
 
     a, b = two_tokenizers
     save = tmp_path / "ckpt"
     assert run("pretrain_llama.py", _hf_flags(a) + ["--save", save, "--no-save-optim",
                                                     "--train-iters", "1"]).returncode == 0
-    saved = torch.load(save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
-                       weights_only=True)["args"]["tokenizer_fingerprint"]
+    saved = _saved_args(save / "iter_0000001")["tokenizer_fingerprint"]
     proc = run(CONVERT, ["megatron-to-hf", "--load", save, "--save", tmp_path / "hf",
                          "--tokenizer-dir", a])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -259,8 +320,7 @@ def test_converted_checkpoints_carry_the_tokenizer_fingerprint(tmp_path, two_tok
     assert exported["sha256"] == saved["sha256"] and exported["vocab_size"] == 300
     proc = run(CONVERT, ["hf-to-megatron", "--load", tmp_path / "hf", "--save", tmp_path / "back"])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    back = torch.load(tmp_path / "back" / "release" / "mp_rank_00" / "model_optim_rng.pt",
-                      weights_only=True)["args"]["tokenizer_fingerprint"]
+    back = _saved_args(tmp_path / "back" / "release")["tokenizer_fingerprint"]
     assert back["sha256"] == saved["sha256"]
     other = run("pretrain_llama.py", _hf_flags(b) + ["--load", tmp_path / "back",
                                                      "--train-iters", "1"])
