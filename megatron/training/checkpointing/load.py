@@ -94,6 +94,10 @@ def saved_rank_dirs(iteration_dir: str) -> Dict:
         if coords is not None:
             found[coords] = os.path.join(iteration_dir, name)
     if not found:
+        if any(name.startswith("shard_") for name in os.listdir(iteration_dir)):
+            raise CheckpointError(f"{iteration_dir} holds shard files but no metadata.json "
+                                  f"(the sharded format's index): the checkpoint is incomplete. "
+                                  f"Load another with --ckpt-step.")
         raise CheckpointError(f"{iteration_dir} holds no mp_rank_* directories; the checkpoint "
                               f"is empty or damaged. Load another with --ckpt-step.")
     return found

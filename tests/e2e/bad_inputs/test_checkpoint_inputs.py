@@ -220,9 +220,15 @@ def _index_points_outside(ckpt):
     return ("piece file '../../x.safetensors' is not a shard file name", "--ckpt-step")
 
 
+def _missing_index(ckpt):
+    (ckpt / "iter_0000002" / "metadata.json").unlink()
+    return ("holds shard files but no metadata.json", "--ckpt-step")
+
+
 SHARDED_DAMAGE = {"missing-shard-file": _missing_shard, "truncated-shard-file": _truncated_shard,
                   "index-not-json": _index_not_json,
-                  "index-names-a-file-outside": _index_points_outside}
+                  "index-names-a-file-outside": _index_points_outside,
+                  "missing-index": _missing_index}
 
 
 @pytest.mark.parametrize("damage", SHARDED_DAMAGE.values(), ids=SHARDED_DAMAGE.keys())
