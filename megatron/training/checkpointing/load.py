@@ -30,8 +30,8 @@ from megatron.training.checkpointing.rng_state import restore_rng_state
 from megatron.training.checkpointing.safe_io import safe_load
 from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
 from megatron.training.checkpointing.sharded_load import (
+    ModelReads,
     ShardedReader,
-    read_models,
     read_optimizer,
     read_rng_state,
 )
@@ -213,8 +213,12 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
     reader = ShardedReader(iteration_dir, meta)
     layout = current_layout(model_chunks, configs)
     saved_layout = meta.get("layout") or {}
-    models = read_models(reader, model_chunks, layout)
-    _check_architecture(model_chunks, models)
+    if saved_layout.get("num_layers") != layout["num_layers"]:
+        raise CheckpointError(
+            f"the checkpoint is for another architecture: it has {saved_layout.get('num_layers')} "
+            f"layers and this model {layout['num_layers']}.")
+    models = ModelReads(reader, model_chunks, layout)
+    models.check()
     load_optim = not (t.finetune or t.no_load_optim or release)
     optimizer = read_optimizer(reader, model_chunks, layout) if load_optim else None
     if load_optim and optimizer is None:
@@ -268,8 +272,11 @@ def load_checkpoint(model_chunks, optimizer, scheduler, configs) -> LoadedCheckp
     if read is None:
         return LoadedCheckpoint(notes=["no checkpoint yet: starting from scratch"])
     with torch.no_grad():
-        for chunk, state in zip(model_chunks, read.models):
-            unwrap_model(chunk).load_state_dict(state, strict=True)
+        if isinstance(read.models, ModelReads):  # the sharded format: a tensor at a time
+            read.models.apply(model_chunks)
+        else:
+            for chunk, state in zip(model_chunks, read.models):
+                unwrap_model(chunk).load_state_dict(state, strict=True)
     optimizer.reload_model_params()
     if read.optimizer is not None:
         try:  # these checks see the same values on every rank: all raise alike

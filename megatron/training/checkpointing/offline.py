@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.utils import vocab_size_with_padding
+from megatron.training.checkpointing import offline_sharded as sharded
 from megatron.training.checkpointing.layout import model_key
 from megatron.training.checkpointing.load import check_rank_dirs_complete, saved_rank_dirs
 from megatron.training.checkpointing.paths import (
@@ -38,9 +39,7 @@ from megatron.training.checkpointing.reshard import (
 from megatron.training.checkpointing.resharder import full_from_files
 from megatron.training.checkpointing.safe_io import atomic_save, safe_load
 from megatron.training.checkpointing.save import CHECKPOINT_VERSION, publish
-from megatron.training.checkpointing import offline_sharded as sharded
 from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint
-
 
 CKPT_FORMATS = ("torch_dist", "torch")
 

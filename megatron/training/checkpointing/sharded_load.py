@@ -41,8 +41,13 @@ class ShardedReader:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def check_covered(self, name: str, placement: Placement) -> None:
+        """What ``read`` checks, without reading data (zeros stand in for the values)."""
+        self.read(name, placement, dtype=torch.uint8, dry_run=True)
+
     def read(self, name: str, placement: Placement, start: int = 0,
-             stop: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+             stop: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+             dry_run: bool = False) -> torch.Tensor:
         """Local flat elements ``[start, stop)`` of the global tensor ``name`` placed as
         ``placement`` (vocabulary padding rows read as zeros)."""
         entry = self.tensors.get(name)
@@ -60,10 +65,11 @@ class ShardedReader:
             target = out[lo - start:hi - start]
             covered = torch.zeros(hi - lo, dtype=torch.bool)
             for file, key, piece in saved:
-                reader = self.file(file)
-                copy_overlap(target, covered, wanted, piece,
-                             lambda a, b, r=reader, k=key: r.read(k, a, b),
-                             placement.global_shape)
+                if dry_run:
+                    read = lambda a, b: torch.zeros(b - a, dtype=out.dtype)  # noqa: E731
+                else:
+                    read = lambda a, b, r=self.file(file), k=key: r.read(k, a, b)  # noqa: E731
+                copy_overlap(target, covered, wanted, piece, read, placement.global_shape)
             if not bool(covered.all()):
                 raise CheckpointError(
                     f"{self.dir}: the pieces of {name} cover {int(covered.sum())} of the "
@@ -86,15 +92,30 @@ def _placements(model_chunks, layout) -> List[Dict[str, tuple]]:
     return out
 
 
-def read_models(reader: ShardedReader, model_chunks, layout) -> List[Dict[str, torch.Tensor]]:
-    """Each chunk's state dict, read for this rank's place in ``layout``."""
-    models = []
-    for chunk, names in zip(model_chunks, _placements(model_chunks, layout)):
-        state = unwrap_model(chunk).state_dict()
-        models.append({local: reader.read(f"model/{name}", placement,
-                                          dtype=state[local].dtype).view(placement.local_shape)
-                       for local, (name, placement) in names.items()})
-    return models
+class ModelReads:
+    """The model weights of a sharded checkpoint for this rank: checked first (names, shapes,
+    every element covered by the index: no data read), then read and copied one tensor at a
+    time, so a load holds at most one tensor's copy beyond the model itself."""
+
+    def __init__(self, reader: ShardedReader, model_chunks, layout):
+        self.reader = reader
+        self.names = _placements(model_chunks, layout)
+
+    def check(self) -> None:
+        """Raise CheckpointError (before any weight is changed) if a tensor is missing, has
+        another shape, or is not wholly covered by the saved pieces."""
+        for names in self.names:
+            for name, placement in names.values():
+                self.reader.check_covered(f"model/{name}", placement)
+
+    def apply(self, model_chunks) -> None:
+        with torch.no_grad():
+            for chunk, names in zip(model_chunks, self.names):
+                state = unwrap_model(chunk).state_dict(keep_vars=True)
+                for local, (name, placement) in names.items():
+                    target = state[local]
+                    target.copy_(self.reader.read(f"model/{name}", placement,
+                                                  dtype=target.dtype).view_as(target))
 
 
 def read_optimizer(reader: ShardedReader, model_chunks, layout) -> Optional[Dict]:
