@@ -2,7 +2,7 @@
 ``torch.save`` at DP ranks, and the engine under it (our safetensors shards) against
 ``torch.distributed.checkpoint`` (DCP) on the same bytes.
 
-    torchrun --standalone --nproc-per-node 1 bench/checkpoint_formats.py [--size-gb 1.0] [--repeats 3]
+    torchrun --standalone --nproc-per-node 1 bench/checkpoint_formats.py [--size-gb 1] [--repeats 3]
     torchrun --standalone --nproc-per-node 2 bench/checkpoint_formats.py [...]
     python bench/checkpoint.py --parts formats        # both, one after the other
 
@@ -281,7 +281,7 @@ class Bench:
             names = names[r % len(names):] + names[:r % len(names)]
             for name in names:
                 path, fn = steps[name]
-                on_rank0(lambda: evict(path))
+                on_rank0(lambda p=path: evict(p))
                 first_model_load = r == 0 and name in ("sharded", "torch")
                 if first_model_load:
                     self.scramble()
@@ -353,7 +353,7 @@ def report(bench, saves, save_sizes, loads, checks, asyncs):
     for a, b in (("sharded", "torch"), ("sharded", "torch.save"), ("dcp", "safetensors")):
         print(f"  time {a} / {b}: median {med(saves[a]) / med(saves[b]):.3f}, "
               f"best {min(saves[a]) / min(saves[b]):.3f}")
-    print(f"LOAD (cold: pages evicted; same layout; into model + optimizer for the formats)")
+    print("LOAD (cold: pages evicted; same layout; into model + optimizer for the formats)")
     for name in loads:
         check = f"  state {checks[name]}" if name in checks else ""
         print(f"  {name:12s} {spread(loads[name])}{check}")
