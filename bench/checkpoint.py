@@ -462,7 +462,9 @@ def main():
     root, peer_path = os.path.join(work, "ckpt"), os.path.join(work, "peer", "state.pt")
     os.makedirs(os.path.dirname(peer_path))
     try:
-        run = Run(args, root)
+        # The torch format (one file per TP/PP position), as the parts below describe; the
+        # sharded default is measured by --parts formats.
+        run = Run(args, root, extra="--ckpt-format torch")
         start = time.perf_counter()
         run.step()  # Adam state now exists
         first_step = time.perf_counter() - start
