@@ -7,6 +7,7 @@ Layout (the safetensors spec): 8-byte little-endian header length, a JSON header
 with spaces to 8 bytes, then the tensors' bytes.
 """
 import json
+import math
 import os
 import struct
 from typing import Dict, List, Optional, Tuple
@@ -106,21 +107,34 @@ class ShardFile:
                                   f"with --ckpt-step.")
         return dtype, shape, begin
 
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of ``key`` into ``out`` (1-D,
+        contiguous): straight from the file when the dtypes agree, no intermediate copy."""
+        if key not in self.entries:
+            self.read(key)  # the error naming it
+        if self.entries[key][0] == out.dtype and out.is_contiguous():
+            self._read_bytes(key, start, start + out.numel(), out)
+        else:
+            out.copy_(self.read(key, start, start + out.numel()))
+
     def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``: only those bytes."""
         if key not in self.entries:
             raise CheckpointError(f"{self.path} has no tensor {key!r} (its index names it); "
                                   f"the checkpoint is damaged.")
+        dtype, shape, _ = self.entries[key]
+        stop = math.prod(shape) if stop is None else stop
+        out = torch.empty(max(0, stop - start), dtype=dtype)
+        self._read_bytes(key, start, stop, out)
+        return out
+
+    def _read_bytes(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         dtype, shape, begin = self.entries[key]
-        numel = 1
-        for s in shape:
-            numel *= s
-        stop = numel if stop is None else stop
+        numel = math.prod(shape)
         if not 0 <= start <= stop <= numel:
             raise CheckpointError(f"{self.path}: range [{start}, {stop}) of {key!r} is "
                                   f"outside its {numel} elements; the index is damaged.")
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        out = torch.empty(stop - start, dtype=dtype)
         if stop > start:
             with open(self.path, "rb") as f:
                 f.seek(self.data_start + begin + start * itemsize)
@@ -128,4 +142,3 @@ class ShardFile:
                 if f.readinto(view) != len(view):
                     raise CheckpointError(f"{self.path} is truncated; load another iteration "
                                           f"with --ckpt-step.")
-        return out

@@ -59,10 +59,20 @@ class ShardedReader:
                 f"the checkpoint is for another architecture: {name} has shape "
                 f"{tuple(entry['shape'])} there and {placement.global_shape} here.")
         stop = placement.local_numel if stop is None else stop
-        out = torch.zeros(stop - start, dtype=dtype or _DTYPES[entry["dtype"]])
+        stored = _DTYPES[entry["dtype"]]
+        out = torch.empty(stop - start, dtype=dtype or stored)
         saved = pieces_of(entry)
+        done = start  # elements before it are written; gaps (vocabulary padding) are zeros
         for wanted, lo, hi in placement.pieces(start, stop):
+            out[done - start:lo - start].zero_()
+            done = hi
             target = out[lo - start:hi - start]
+            holder = _holder(saved, wanted)
+            if holder is not None:  # the common case (same TP): one saved piece holds it all
+                if not dry_run:
+                    file, key, piece = holder
+                    self.file(file).read_into(key, wanted.start - piece.start, target)
+                continue
             covered = torch.zeros(hi - lo, dtype=torch.bool)
             for file, key, piece in saved:
                 if dry_run:
@@ -75,7 +85,18 @@ class ShardedReader:
                     f"{self.dir}: the pieces of {name} cover {int(covered.sum())} of the "
                     f"{hi - lo} elements this rank needs; the checkpoint is incomplete or "
                     f"damaged.")
+        out[done - start:].zero_()
         return out
+
+
+def _holder(saved, wanted):
+    """The saved (file, key, piece) that holds all of ``wanted`` (same box, its range inside
+    the piece's), or None."""
+    for file, key, piece in saved:
+        if piece.box == wanted.box and piece.start <= wanted.start and \
+                wanted.stop <= piece.stop:
+            return file, key, piece
+    return None
 
 
 def _placements(model_chunks, layout) -> List[Dict[str, tuple]]:
