@@ -11,10 +11,12 @@ buffers handed to collectives, ``torch.tensor(...)``); it is freed when its stor
 object while alive, so a finalizer fires exactly then). Temporaries are the storages that no
 longer exist at ``finish()``; the others (what the block returned or installed) are reported
 as ``kept``. Not seen: memory a backend allocates outside aten on its own threads (gloo's
-internal staging copies; nccl has none).
+internal staging copies; nccl has none). Seen late: a collective's buffers that the backend's
+thread releases after the call returned (``finish`` waits for them to settle).
 """
 import contextlib
 import gc
+import time
 import weakref
 
 import torch
@@ -57,9 +59,19 @@ class _Tracker(TorchDispatchMode):
         self._alive.pop(key, None)
         self.events.append(("free", key))
 
-    def finish(self):
-        """Call after the block, holding what it returned: computes the figures."""
+    def finish(self, settle_s: float = 0.05, limit_s: float = 2.0):
+        """Call after the block, holding what it returned: computes the figures. A backend
+        may release a collective's buffers on its own thread just after the call returned
+        (gloo's work objects): wait until no storage has died for ``settle_s`` (at most
+        ``limit_s``), so such a buffer counts as the temporary it is, not as kept."""
         gc.collect()
+        start = last_change = time.monotonic()
+        alive = len(self._alive)
+        while time.monotonic() - last_change < settle_s and time.monotonic() - start < limit_s:
+            time.sleep(0.005)
+            gc.collect()
+            if len(self._alive) != alive:
+                alive, last_change = len(self._alive), time.monotonic()
         kept = set(self._alive)
         sizes = {e[1]: e[2] for e in self.events if e[0] == "alloc"}
         live = peak = 0
