@@ -194,15 +194,8 @@ def _read(model_chunks, configs) -> Optional[_Read]:
             rng = states[parallel_state.get_data_parallel_rank()]
         else:
             notes.append("random-generator state not restored (another layout, or none saved)")
-    fresh = t.finetune or release
-    result = LoadedCheckpoint(
-        iteration=0 if fresh else iteration,
-        consumed_train_samples=0 if fresh else int(probe.get("consumed_train_samples", 0)),
-        consumed_valid_samples=0 if fresh else int(probe.get("consumed_valid_samples", 0)),
-        path=iteration_dir, notes=notes, rng_state=rng,
-        tokenizer=(probe.get("args") or {}).get(FINGERPRINT_ARG))
-    return _Read(result, models, optimizer,
-                 probe.get("opt_param_scheduler") if load_optim else None)
+    return _result(t, release, probe, iteration, iteration_dir, notes, rng, models, optimizer,
+                   load_optim)
 
 
 def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
@@ -238,15 +231,23 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
         rng = read_rng_state(reader, dist.get_rank()) if same_ranks else None
         if rng is None:
             notes.append("random-generator state not restored (another layout, or none saved)")
+    return _result(t, release, meta, iteration, iteration_dir, notes, rng, models, optimizer,
+                   load_optim)
+
+
+def _result(t, release: bool, record: Dict, iteration: int, iteration_dir: str, notes, rng,
+            models, optimizer, load_optim: bool) -> _Read:
+    """What a read returns; ``record`` is the checkpoint's own state (the torch format's
+    rank file, the sharded format's index): counters, args, schedule."""
     fresh = t.finetune or release
     result = LoadedCheckpoint(
         iteration=0 if fresh else iteration,
-        consumed_train_samples=0 if fresh else int(meta.get("consumed_train_samples", 0)),
-        consumed_valid_samples=0 if fresh else int(meta.get("consumed_valid_samples", 0)),
+        consumed_train_samples=0 if fresh else int(record.get("consumed_train_samples", 0)),
+        consumed_valid_samples=0 if fresh else int(record.get("consumed_valid_samples", 0)),
         path=iteration_dir, notes=notes, rng_state=rng,
-        tokenizer=(meta.get("args") or {}).get(FINGERPRINT_ARG))
+        tokenizer=(record.get("args") or {}).get(FINGERPRINT_ARG))
     return _Read(result, models, optimizer,
-                 meta.get("opt_param_scheduler") if load_optim else None)
+                 record.get("opt_param_scheduler") if load_optim else None)
 
 
 def _agree_on_errors(error: Optional[str]) -> None:

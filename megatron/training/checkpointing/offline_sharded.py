@@ -16,7 +16,6 @@ import torch
 
 from megatron.training.checkpointing.boxes import Placement
 from megatron.training.checkpointing.paths import RELEASE, STAGING_SUFFIX, iteration_dir_name
-from megatron.training.checkpointing.safe_io import as_disk_full
 from megatron.training.checkpointing.save import plain_data, publish
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
@@ -27,6 +26,7 @@ from megatron.training.checkpointing.sharded_index import (
     shard_file_name,
 )
 from megatron.training.checkpointing.sharded_load import ShardedReader, read_rng_state
+from megatron.training.checkpointing.sharded_save import write_atomic, write_json
 
 _SHARD = re.compile(r"^shard_(\d{5,})\.safetensors$")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
@@ -165,8 +165,8 @@ def write_checkpoint(root: str, model: Dict[str, torch.Tensor], layout: Dict, ar
         rank = coords_rank(coords, layout)
         writers.setdefault(rank, _ShardWriter(rank)).add_rng(state)
     for writer in writers.values():
-        _write_atomic(os.path.join(staging, writer.file), staging,
-                      lambda path, w=writer: write_shard_file(path, w.tensors, w.header))
+        write_atomic(os.path.join(staging, writer.file), staging, 0,
+                     lambda path, w=writer: write_shard_file(path, w.tensors, w.header))
     metadata = {"format": FORMAT, "version": VERSION, "iteration": iteration or 0,
                 "args": plain_data(args), "layout": layout,
                 "consumed_train_samples": consumed_train_samples,
@@ -174,26 +174,7 @@ def write_checkpoint(root: str, model: Dict[str, torch.Tensor], layout: Dict, ar
                 "opt_param_scheduler": plain_data(scheduler) if optimizer else None,
                 "optimizer": plain_data(optimizer_meta) if optimizer else None,
                 "tensors": index}
-    _write_atomic(os.path.join(staging, METADATA_FILE), staging,
-                  lambda path: _write_json(path, metadata))
+    write_atomic(os.path.join(staging, METADATA_FILE), staging, 0,
+                 lambda path: write_json(path, metadata))
     publish(root, staging, name, RELEASE if iteration is None else iteration)
     return os.path.join(root, name)
-
-
-def _write_json(path: str, value) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_atomic(path: str, directory: str, write) -> None:
-    tmp = path + ".tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except Exception as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise as_disk_full(exc, directory, 0) from exc
-

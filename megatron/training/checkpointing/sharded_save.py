@@ -203,10 +203,10 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
             write_shard_file(path, shard.tensors, header)
             maybe_crash_while_writing(path, iteration)  # tests only: see fault_injection.py
 
-        _write_atomic(os.path.join(staging, shard.file), staging, needed, write_shard)
+        write_atomic(os.path.join(staging, shard.file), staging, needed, write_shard)
         if metadata is not None:
-            _write_atomic(os.path.join(staging, METADATA_FILE), staging, 0,
-                          lambda path: _write_json(path, metadata))
+            write_atomic(os.path.join(staging, METADATA_FILE), staging, 0,
+                          lambda path: write_json(path, metadata))
 
     def finalize():
         if dist.get_rank() == 0:
@@ -219,14 +219,17 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
     writer.submit(write, finalize, ready=device.record_event(), abort=abort)
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
+    """``value`` as JSON, fsynced (the index)."""
     with open(path, "w") as f:
         json.dump(value, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _write_atomic(path: str, directory: str, needed: int, write) -> None:
+def write_atomic(path: str, directory: str, needed: int, write) -> None:
+    """``write(tmp)`` then rename to ``path``; on failure the temporary file is removed and
+    a full disk is reported as such (``needed`` bytes in ``directory``)."""
     tmp = path + ".tmp"
     try:
         write(tmp)
