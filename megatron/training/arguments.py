@@ -11,10 +11,8 @@ non-zero before any process group or file is touched.
 """
 import argparse
 import difflib
-import math
 import re
 import sys
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from megatron.core.optimizer.optimizer_param_scheduler import (
@@ -23,6 +21,7 @@ from megatron.core.optimizer.optimizer_param_scheduler import (
     WSD_DECAY_STYLES,
 )
 from megatron.training.errors import is_reporting_rank
+from megatron.training.flag_ranges import check_flag_ranges
 from megatron.training.tokenizer.build import add_tokenizer_args
 from megatron.training.training_config import (
     ConfigError,
@@ -340,92 +339,6 @@ def _need(ok: bool, message: str):
         raise ConfigError(message)
 
 
-@dataclass(frozen=True)
-class _Range:
-    """The valid values of a numeric flag: low..high, each end open or closed."""
-    low: float
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = True
-
-    def __contains__(self, value) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return above and below
-
-    def __str__(self) -> str:
-        if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-                f"{')' if self.high_open else ']'}")
-
-
-_AT_LEAST_1 = _Range(1)
-_NON_NEGATIVE = _Range(0)
-_POSITIVE = _Range(0, low_open=True)
-_PROBABILITY = _Range(0, 1)  # [0, 1): a dropout of 1 zeroes everything
-_FRACTION = _Range(0, 1, high_open=False)
-
-# Every numeric flag's valid values, checked before any rule that divides or multiplies by
-# them (so "--hidden-size -8" is named, not a "negative dimension" deep in the model, and no
-# message says "make it a multiple of 0"). dest -> (range, why: shown with the fix, or "").
-# Not here: --timing-log-level (argparse choices) and --pipeline-trace-iteration (checked
-# against --train-iters when --pipeline-trace-dir uses it).
-FLAG_RANGES = {
-    **{dest: (_AT_LEAST_1, "") for dest in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
-        "num_query_groups", "seq_length", "max_position_embeddings",
-        "rope_original_max_position_embeddings", "num_layers_per_virtual_pipeline_stage",
-        "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-        "decoder_last_pipeline_num_layers", "recompute_num_layers", "micro_batch_size",
-        "global_batch_size", "train_iters", "train_samples", "lr_decay_iters",
-        "lr_decay_samples", "eval_interval", "exit_interval", "save_interval", "log_interval",
-        "tensorboard_queue_size", "vocab_size", "make_vocab_size_divisible_by", "hysteresis",
-        "loss_scale_window", "max_consecutive_nan_iterations", "distributed_timeout_minutes")},
-    "tensor_model_parallel_size": (_AT_LEAST_1, "1 = no tensor parallelism"),
-    "pipeline_model_parallel_size": (_AT_LEAST_1, "1 = no pipeline parallelism"),
-    "reduce_bucket_size": (_AT_LEAST_1, "elements per bucket"),
-    "ddp_bucket_size": (_AT_LEAST_1, "elements per bucket"),
-    **{dest: (_NON_NEGATIVE, "") for dest in (
-        "lr_wsd_decay_iters", "lr_wsd_decay_samples", "lr_warmup_iters", "lr_warmup_samples",
-        "ckpt_step", "min_lr", "lr_warmup_init", "weight_decay", "start_weight_decay",
-        "end_weight_decay")},
-    "lr": (_NON_NEGATIVE, "the peak learning rate, e.g. 3e-4"),
-    "eval_iters": (_NON_NEGATIVE, "0 = no evaluation"),
-    "num_workers": (_NON_NEGATIVE, "0 = load data in the main process"),
-    "seed": (_AT_LEAST_1, "Megatron's rule"),
-    "clip_grad": (_NON_NEGATIVE, "0 = no clipping"),
-    "sgd_momentum": (_PROBABILITY, ""),
-    "adam_beta1": (_PROBABILITY, "an exponential decay rate"),
-    "adam_beta2": (_PROBABILITY, "an exponential decay rate"),
-    "attention_dropout": (_PROBABILITY, "a dropout probability; 0 = no dropout"),
-    "hidden_dropout": (_PROBABILITY, "a dropout probability; 0 = no dropout"),
-    "lr_warmup_fraction": (_FRACTION, "a fraction of the decay steps"),
-    "rotary_percent": (_Range(0, 1, low_open=True, high_open=False),
-                       "the fraction of each head's channels rotated"),
-    **{dest: (_POSITIVE, "") for dest in (
-        "rotary_base", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-        "norm_epsilon", "init_method_std", "adam_eps", "loss_scale", "initial_loss_scale",
-        "min_loss_scale", "exit_duration_in_mins", "peak_tflops")},
-}
-
-
-def _flag_name(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _check_ranges(args):
-    """Each numeric flag given (not None) is finite and in its FLAG_RANGES range."""
-    for dest, (valid, why) in FLAG_RANGES.items():
-        value = getattr(args, dest, None)  # saved args may predate a flag
-        if value is None:
-            continue
-        note = f" ({why})" if why else ""
-        finite = not isinstance(value, float) or math.isfinite(value)
-        _need(finite and value in valid,
-              f"{_flag_name(dest)} must be {valid}, got {value}{note}.")
-
-
 def _warn(message: str) -> None:
     """A start-time warning: one line, from rank 0 only."""
     if is_reporting_rank():
@@ -571,7 +484,7 @@ def parse_args(argv: Optional[Sequence[str]] = None,
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """``parse_args``' folding of old spellings, derived values and checks, for a Namespace
     built another way (e.g. from a checkpoint's saved args: ``training/checkpoint_model.py``)."""
-    _check_ranges(args)  # first: the other rules divide and multiply by these values
+    check_flag_ranges(args)  # first: the other rules divide and multiply by these values
     _fold_aliases(args)
     _check_flags(args)
     return args
