@@ -55,7 +55,7 @@ from megatron.training.checkpointing.sharded_index import (  # noqa: E402
     shard_file_name,
 )
 
-from checkpoint import GB, Run, model_shape  # noqa: E402
+from checkpoint_run import GB, Run, model_shape  # noqa: E402
 from checkpoint_files import evict, fsync_file, remove_iterations, settle, size_of  # noqa: E402
 
 
