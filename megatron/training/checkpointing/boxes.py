@@ -17,6 +17,7 @@ the same or differ only along dimension 0 (any re-cut of row-split tensors, any 
 otherwise (a column-split tensor read at another TP size) it goes element by element
 through global coordinates, in bounded blocks.
 """
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -38,10 +39,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class Placement:
 
     @property
     def local_numel(self) -> int:
-        return _numel(self.local_shape)
+        return math.prod(self.local_shape)
 
     def local_boxes(self) -> List[Tuple[Box, int]]:
         """(box, first local flat index of the box) for each non-empty box, in local order.
@@ -74,7 +72,7 @@ class Placement:
         if self.stride > 1 and self.dim != 0:
             raise ValueError("a strided partition must be along dimension 0")
         block = self.local_shape[self.dim] // self.stride
-        inner = _numel(self.local_shape[self.dim + 1:]) if self.dim == 0 else 0
+        inner = math.prod(self.local_shape[self.dim + 1:]) if self.dim == 0 else 0
         boxes = []
         for k in range(self.stride):
             begin = (k * self.tp_size + self.tp_rank) * block
@@ -90,20 +88,13 @@ class Placement:
                ) -> List[Tuple[Piece, int, int]]:
         """The pieces holding local flat elements ``[start, stop)`` (default: all):
         (piece, local start, local stop) with local stop - local start == piece length."""
-        stop = _numel(self.local_shape) if stop is None else stop
+        stop = math.prod(self.local_shape) if stop is None else stop
         out = []
         for box, first in self.local_boxes():
             lo, hi = max(start, first), min(stop, first + box.numel)
             if lo < hi:
                 out.append((Piece(box, lo - first, hi - first), lo, hi))
         return out
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def is_vocab(name: str) -> bool:
@@ -177,7 +168,7 @@ def _copy_rows(out, covered, wanted: Piece, saved: Piece, read: Reader) -> None:
             out[lo - wanted.start:hi - wanted.start] = read(lo - saved.start, hi - saved.start)
             covered[lo - wanted.start:hi - wanted.start] = True
         return
-    inner = _numel(wanted.box.shape[1:])
+    inner = math.prod(wanted.box.shape[1:])
     # Flat positions measured from the global row 0 of these boxes' common columns.
     w0, s0 = wanted.box.offset[0] * inner, saved.box.offset[0] * inner
     lo = max(w0 + wanted.start, s0 + saved.start)

@@ -19,6 +19,7 @@ from megatron.training.checkpointing.paths import RELEASE, STAGING_SUFFIX, itera
 from megatron.training.checkpointing.save import plain_data, publish
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
+    DTYPE_NAMES,
     FORMAT,
     METADATA_FILE,
     VERSION,
@@ -29,8 +30,6 @@ from megatron.training.checkpointing.sharded_load import ShardedReader, read_rng
 from megatron.training.checkpointing.sharded_save import write_atomic, write_json
 
 _SHARD = re.compile(r"^shard_(\d{5,})\.safetensors$")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                torch.float16: "float16", torch.float64: "float64"}
 MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"
 
 Coords = Tuple[int, int, int]  # (tp rank, pp rank, dp rank)
@@ -120,7 +119,7 @@ class _ShardWriter:
         shape = list(tensor.shape)
         flat = tensor.detach().reshape(-1).contiguous()
         self.tensors.append((name, flat))
-        index[name] = {"shape": shape, "dtype": _DTYPE_NAMES[tensor.dtype],
+        index[name] = {"shape": shape, "dtype": DTYPE_NAMES[tensor.dtype],
                        "pieces": [[self.file, name, [0] * len(shape), shape, 0, flat.numel()]]}
 
     def add_rng(self, state: Dict) -> None:

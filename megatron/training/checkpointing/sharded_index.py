@@ -14,6 +14,8 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from megatron.training.checkpointing.boxes import Box, Piece
 from megatron.training.checkpointing.paths import CheckpointError
 
@@ -22,7 +24,10 @@ VERSION = 1
 METADATA_FILE = "metadata.json"
 _SHARD_FILE = re.compile(r"^shard_(\d{5,})\.safetensors$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The dtypes an index may name, and the torch dtype of each.
+INDEX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "float64": torch.float64}
+DTYPE_NAMES = {dtype: name for name, dtype in INDEX_DTYPES.items()}
 
 
 def shard_file_name(rank: int) -> str:
@@ -80,7 +85,7 @@ def _check_entry(path: str, name: str, entry) -> None:
     _check(isinstance(name, str) and isinstance(entry, dict), path, "a malformed entry")
     shape = entry.get("shape")
     _check(_ints(shape), path, f"{name}: a malformed shape")
-    _check(entry.get("dtype") in _DTYPES, path, f"{name}: dtype {entry.get('dtype')!r}")
+    _check(entry.get("dtype") in INDEX_DTYPES, path, f"{name}: dtype {entry.get('dtype')!r}")
     pieces = entry.get("pieces")
     _check(isinstance(pieces, list), path, f"{name}: no pieces")
     for piece in pieces:

@@ -16,13 +16,11 @@ from megatron.training.checkpointing.boxes import Placement, copy_overlap, place
 from megatron.training.checkpointing.paths import CheckpointError
 from megatron.training.checkpointing.shard_file import ShardFile
 from megatron.training.checkpointing.sharded_index import (
+    INDEX_DTYPES,
     global_name,
     pieces_of,
     shard_file_name,
 )
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
 
 
 class ShardedReader:
@@ -59,8 +57,7 @@ class ShardedReader:
                 f"the checkpoint is for another architecture: {name} has shape "
                 f"{tuple(entry['shape'])} there and {placement.global_shape} here.")
         stop = placement.local_numel if stop is None else stop
-        stored = _DTYPES[entry["dtype"]]
-        out = torch.empty(stop - start, dtype=dtype or stored)
+        out = torch.empty(stop - start, dtype=dtype or INDEX_DTYPES[entry["dtype"]])
         saved = pieces_of(entry)
         done = start  # elements before it are written; gaps (vocabulary padding) are zeros
         for wanted, lo, hi in placement.pieces(start, stop):

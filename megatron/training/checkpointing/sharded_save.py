@@ -28,6 +28,7 @@ from megatron.training.checkpointing.safe_io import as_disk_full
 from megatron.training.checkpointing.save import plain_data, publish, remove_stale_staging
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
+    DTYPE_NAMES,
     FORMAT,
     METADATA_FILE,
     VERSION,
@@ -35,9 +36,6 @@ from megatron.training.checkpointing.sharded_index import (
     shard_file_name,
 )
 from megatron.training.fault_injection import maybe_crash_while_writing
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                torch.float16: "float16", torch.float64: "float64"}
 
 
 class _Shard:
@@ -59,7 +57,7 @@ class _Shard:
             key = f"{name}@{len(self.tensors)}"
             self.tensors.append((key, flat[lo - begin:hi - begin]))
             self.index.append((name, list(placement.global_shape),
-                               _DTYPE_NAMES[values.dtype],
+                               DTYPE_NAMES[values.dtype],
                                [self.file, key, list(piece.box.offset), list(piece.box.shape),
                                 piece.start, piece.stop]))
 
