@@ -41,8 +41,8 @@ def _saved_args(iteration_dir):
     index = iteration_dir / "metadata.json"
     if index.is_file():
         return json.loads(index.read_text())["args"]
-    return torch.load(iteration_dir / "mp_rank_00" / "model_optim_rng.pt",
-                      weights_only=True)["args"]
+    path = iteration_dir / "mp_rank_00" / "model_optim_rng.pt"
+    return torch.load(path, weights_only=True)["args"]
 
 
 def _copy(saved, name, tmp_path):
