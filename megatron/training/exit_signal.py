@@ -9,13 +9,16 @@ Without the flag a Ctrl-C stops at once: ``Interrupted`` is raised in the main t
 pretrain reports it in one line (exit 130). ``interrupted()`` says a SIGINT arrived, so that
 what it broke on the way (a peer's closed connection) is not reported as another error.
 """
+import os
 import signal
+import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import device
+from megatron.training.errors import TRACEBACK_ENV
 
 SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what shells and schedulers expect of a Ctrl-C
 _interrupted = False
@@ -34,7 +37,16 @@ def _raise_interrupted(signum, frame) -> None:
     if _interrupted:  # torchrun forwards the terminal's SIGINT: a second one while stopping
         return
     _interrupted = True
+    _silence_thread_errors()
     raise Interrupted()
+
+
+def _silence_thread_errors() -> None:
+    """After a Ctrl-C, what breaks in background threads on the way out (the data loader's
+    fd-sharing thread losing a worker's connection) is a consequence, not a second error:
+    not printed, unless MEGATRON_TRACEBACK asks for every traceback."""
+    if not os.environ.get(TRACEBACK_ENV):
+        threading.excepthook = lambda args: None
 
 
 def install_sigint_handler():
