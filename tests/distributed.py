@@ -140,15 +140,16 @@ _POOLS: Dict[int, _Pool] = {}
 
 def run_distributed(fn: Callable, world_size: int, tp: Optional[int] = None,
                     pp: Optional[int] = None, vpp: Optional[int] = None,
-                    timeout: float = _DEFAULT_TIMEOUT_S, **kwargs) -> List[Any]:
+                    timeout: float = _DEFAULT_TIMEOUT_S, cp: Optional[int] = None,
+                    **kwargs) -> List[Any]:
     """Run module-level ``fn(**kwargs)`` on ``world_size`` ranks; return values in rank order.
 
-    With ``tp``/``pp``/``vpp`` given, parallel_state is initialised with them first (TP and
-    PP default to 1); without any, ``fn`` sets up parallel_state itself.
+    With ``tp``/``pp``/``vpp``/``cp`` given, parallel_state is initialised with them first
+    (TP, PP and CP default to 1); without any, ``fn`` sets up parallel_state itself.
     """
     layout = None
-    if tp is not None or pp is not None or vpp is not None:
-        layout = (tp or 1, pp or 1, vpp)
+    if tp is not None or pp is not None or vpp is not None or cp is not None:
+        layout = (tp or 1, pp or 1, vpp, 10.0, cp or 1)
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:

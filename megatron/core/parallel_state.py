@@ -1,11 +1,17 @@
-"""Process groups for tensor, pipeline and data parallelism, and the rank queries on them.
+"""Process groups for tensor, context, pipeline and data parallelism, and the rank queries.
 
-Rank order is Megatron's: tensor-parallel ranks are adjacent, then data-parallel, then
-pipeline-parallel, i.e. ``global_rank = tp_rank + dp_rank * TP + pp_rank * TP * DP``. Adjacent
-ranks share a node, so the chattiest groups (TP) stay on the fastest links.
+Rank order is Megatron's: tensor-parallel ranks are adjacent, then context-parallel, then
+data-parallel, then pipeline-parallel, i.e.
+``global_rank = tp_rank + cp_rank * TP + dp_rank * TP * CP + pp_rank * TP * CP * DP``.
+Adjacent ranks share a node, so the chattiest groups (TP, then CP's ring) stay on the fastest
+links. CP ranks hold different parts of the same sequences and the same weights, so gradients
+and the distributed optimizer work over the DP x CP group
+(``get_data_parallel_group(with_context_parallel=True)``); data loading and the reported
+losses over DP alone.
 """
 import contextlib
 import datetime
+import itertools
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -21,8 +27,8 @@ _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
 # Every group's collectives wait at most this long (Megatron's --distributed-timeout-minutes).
 _TIMEOUT: Optional[datetime.timedelta] = None
-# All DP groups of the layout, for making their gloo copies on first use.
-_DATA_LAYOUT: List[List[int]] = []
+# Every group of the layout by kind, for making the DP groups' gloo copies on first use.
+_LAYOUT: Dict[str, List[List[int]]] = {}
 
 _TENSOR = "tensor"
 _PIPELINE = "pipeline"
@@ -32,37 +38,49 @@ _MODEL = "model"
 _EMBEDDING = "embedding"
 _POSITION_EMBEDDING = "position_embedding"
 _TENSOR_AND_DATA = "tensor_and_data"
+_CONTEXT = "context"
+_DATA_CONTEXT = "data_with_context"
+_DATA_CONTEXT_GLOO = "data_with_context_gloo"
 
 
 def rank_layout(world_size: int, tensor_model_parallel_size: int,
-                pipeline_model_parallel_size: int) -> Dict[str, List[List[int]]]:
+                pipeline_model_parallel_size: int, context_parallel_size: int = 1
+                ) -> Dict[str, List[List[int]]]:
     """Every group of every kind as lists of global ranks (pure; no communication)."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    dp = world_size // (tp * pp)
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    dp = world_size // (tp * pp * cp)
 
-    def rank(t, d, p):
-        return t + d * tp + p * tp * dp
+    def rank(t, c, d, p):
+        return t + c * tp + d * tp * cp + p * tp * cp * dp
 
-    pipeline = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    # Sort so every kind lists its groups in ascending order of first rank.
-    pipeline.sort()
+    def every(*sizes):
+        return itertools.product(*(range(n) for n in sizes))
+
+    pipeline = sorted([rank(t, c, d, p) for p in range(pp)]
+                      for t, c, d in every(tp, cp, dp))
     embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
     return {
-        _TENSOR: [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        _DATA: [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        _TENSOR: sorted([rank(t, c, d, p) for t in range(tp)] for c, d, p in every(cp, dp, pp)),
+        _CONTEXT: sorted([rank(t, c, d, p) for c in range(cp)]
+                         for t, d, p in every(tp, dp, pp)),
+        _DATA: sorted([rank(t, c, d, p) for d in range(dp)] for t, c, p in every(tp, cp, pp)),
+        _DATA_CONTEXT: sorted([rank(t, c, d, p) for d in range(dp) for c in range(cp)]
+                              for t, p in every(tp, pp)),
         _PIPELINE: pipeline,
-        _MODEL: [sorted(rank(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
+        _MODEL: sorted(sorted(rank(t, c, d, p) for p in range(pp) for t in range(tp))
+                       for c, d in every(cp, dp)),
         _EMBEDDING: embedding,
         _POSITION_EMBEDDING: [[ranks[0]] for ranks in pipeline],
-        _TENSOR_AND_DATA: [[rank(t, d, p) for d in range(dp) for t in range(tp)]
-                           for p in range(pp)],
+        _TENSOR_AND_DATA: sorted([rank(t, c, d, p) for d in range(dp) for t in range(tp)]
+                                 for c, p in every(cp, pp)),
     }
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              distributed_timeout_minutes: float = 10.0) -> None:
+                              distributed_timeout_minutes: float = 10.0,
+                              context_parallel_size: int = 1) -> None:
     """Create all process groups. Every rank must call this with the same arguments.
     ``distributed_timeout_minutes`` bounds how long any collective on them waits."""
     if not dist.is_initialized():
@@ -74,15 +92,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise RuntimeError("model parallel groups are already initialized; call "
                            "destroy_model_parallel() before initializing them again.")
     world_size = dist.get_world_size()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) model parallel sizes must be >= 1.")
-    if world_size % (tp * pp) != 0:
-        raise RuntimeError(
-            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
-            f"pipeline-model-parallel-size {pp} = {tp * pp}; choose sizes whose product divides "
-            f"the number of processes."
-        )
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ValueError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes "
+                         f"must be >= 1.")
+    check_world_size(world_size, tp, pp, cp)
     if virtual_pipeline_model_parallel_size is not None:
         if pp < 2:
             raise RuntimeError(
@@ -98,8 +112,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _TIMEOUT = datetime.timedelta(minutes=distributed_timeout_minutes)
     # Ranks on middle pipeline stages belong to no embedding group.
     _GROUPS[_EMBEDDING], _GROUP_RANKS[_EMBEDDING] = None, []
-    layout = rank_layout(world_size, tp, pp)
-    _DATA_LAYOUT[:] = layout[_DATA]
+    layout = rank_layout(world_size, tp, pp, cp)
+    _LAYOUT.update(layout)
     for kind, groups in layout.items():
         for ranks in groups:
             group = dist.new_group(ranks, timeout=_TIMEOUT)
@@ -107,12 +121,21 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                 _GROUPS[kind] = group
                 _GROUP_RANKS[kind] = ranks
                 _OWNED_GROUPS.append(group)
-    # The DP group's gloo copy (get_data_parallel_group(with_gloo=True)) is made on first use.
+    # The DP groups' gloo copies (get_data_parallel_group(with_gloo=True)) are made on first use.
 
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
     if virtual_pipeline_model_parallel_size is not None:
         _VIRTUAL_PIPELINE_RANK = 0
         _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
+
+
+def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> None:
+    """World size = TP x CP x DP x PP for a whole DP: a clear error otherwise."""
+    if world_size % (tp * cp * pp) != 0:
+        raise RuntimeError(
+            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+            f"context-parallel-size {cp} x pipeline-model-parallel-size {pp} = {tp * cp * pp}; "
+            f"choose sizes whose product divides the number of processes.")
 
 
 def model_parallel_is_initialized() -> bool:
@@ -126,7 +149,7 @@ def destroy_model_parallel() -> None:
         for group in _OWNED_GROUPS:
             dist.destroy_process_group(group)
     _OWNED_GROUPS.clear()
-    _DATA_LAYOUT.clear()
+    _LAYOUT.clear()
     _GROUPS.clear()
     _GROUP_RANKS.clear()
     _VIRTUAL_PIPELINE_RANK = None
@@ -169,24 +192,36 @@ def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
     return _group(_PIPELINE)
 
 
-def get_data_parallel_group(with_gloo: bool = False) -> dist.ProcessGroup:
-    """The DP group; ``with_gloo`` gives a gloo copy for CPU-side traffic (e.g. checkpoints).
+def get_data_parallel_group(with_gloo: bool = False,
+                            with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The DP group (DP x CP with ``with_context_parallel``: the ranks that hold the same
+    weights, over which gradients and the distributed optimizer work); ``with_gloo`` gives a
+    gloo copy for CPU-side traffic (e.g. checkpoints).
 
     On nccl the gloo copies are made on first use (each holds sockets and threads on every
     member, a waste when nothing asks for them); making them is collective over the whole
-    world, so every rank must ask the first time. On gloo the copy is the DP group itself."""
-    group = _group(_DATA)
-    if with_gloo and _DATA_GLOO not in _GROUPS:
-        _GROUPS[_DATA_GLOO] = group
+    world, so every rank must ask the first time. On gloo the copy is the group itself."""
+    kind = _DATA_CONTEXT if with_context_parallel else _DATA
+    group = _group(kind)
+    if not with_gloo:
+        return group
+    gloo_kind = _DATA_CONTEXT_GLOO if with_context_parallel else _DATA_GLOO
+    if gloo_kind not in _GROUPS:
+        _GROUPS[gloo_kind] = group
         if device.dist_backend() != "gloo":
-            # Every rank creates every DP group's copy, in the same order (new_group's rule).
-            for ranks in _DATA_LAYOUT:
+            # Every rank creates every group's copy, in the same order (new_group's rule).
+            for ranks in _LAYOUT[kind]:
                 copy = dist.new_group(ranks, backend="gloo", timeout=_TIMEOUT)
                 if dist.get_rank() in ranks:
-                    _GROUPS[_DATA_GLOO] = copy
+                    _GROUPS[gloo_kind] = copy
                     _OWNED_GROUPS.append(copy)
-        _GROUP_RANKS[_DATA_GLOO] = _GROUP_RANKS[_DATA]
-    return _GROUPS[_DATA_GLOO] if with_gloo else group
+        _GROUP_RANKS[gloo_kind] = _GROUP_RANKS[kind]
+    return _GROUPS[gloo_kind]
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    """The CP ranks that share this rank's sequences (each holds 2 of their 2 x CP chunks)."""
+    return _group(_CONTEXT)
 
 
 def get_model_parallel_group() -> dist.ProcessGroup:
@@ -218,8 +253,12 @@ def get_pipeline_model_parallel_ranks() -> List[int]:
     return list(_ranks(_PIPELINE))
 
 
-def get_data_parallel_ranks() -> List[int]:
-    return list(_ranks(_DATA))
+def get_data_parallel_ranks(with_context_parallel: bool = False) -> List[int]:
+    return list(_ranks(_DATA_CONTEXT if with_context_parallel else _DATA))
+
+
+def get_context_parallel_ranks() -> List[int]:
+    return list(_ranks(_CONTEXT))
 
 
 def get_model_parallel_ranks() -> List[int]:
@@ -272,12 +311,20 @@ def get_pipeline_model_parallel_rank() -> int:
     return _rank_in(_PIPELINE)
 
 
-def get_data_parallel_world_size() -> int:
-    return len(_ranks(_DATA))
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return len(_ranks(_DATA_CONTEXT if with_context_parallel else _DATA))
 
 
-def get_data_parallel_rank() -> int:
-    return _rank_in(_DATA)
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _rank_in(_DATA_CONTEXT if with_context_parallel else _DATA)
+
+
+def get_context_parallel_world_size() -> int:
+    return len(_ranks(_CONTEXT))
+
+
+def get_context_parallel_rank() -> int:
+    return _rank_in(_CONTEXT)
 
 
 def get_model_parallel_world_size() -> int:

@@ -1,5 +1,5 @@
 """parallel_state against layouts written out by hand (Megatron's rank order:
-global = tp_rank + dp_rank * TP + pp_rank * TP * DP)."""
+global = tp_rank + cp_rank * TP + dp_rank * TP * CP + pp_rank * TP * CP * DP)."""
 import pytest
 import torch.distributed as dist
 
@@ -285,3 +285,91 @@ def test_gloo_copy_of_dp_group_is_made_on_first_use_and_every_group_has_the_time
         assert r["copy_ranks"] == [rank % 2, rank % 2 + 2]
         assert r["copy_works"] == 2.0
         assert r["gloo_job_copy_is_dp"]
+
+
+# (TP, CP, PP) on 8 ranks: global = t + c * TP + d * TP * CP + p * TP * CP * DP.
+EXPECTED_CP = {
+    (2, 2, 1): dict(
+        tensor=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        context=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        data=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        data_with_context=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        pipeline=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        model=[[0, 1], [2, 3], [4, 5], [6, 7]],
+    ),
+    (1, 2, 2): dict(
+        tensor=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        context=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        data=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        data_with_context=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        pipeline=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        model=[[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
+    (2, 4, 1): dict(
+        tensor=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        context=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        data=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        data_with_context=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        pipeline=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        model=[[0, 1], [2, 3], [4, 5], [6, 7]],
+    ),
+}
+
+CP_GETTERS = {
+    "tensor": ps.get_tensor_model_parallel_group,
+    "context": ps.get_context_parallel_group,
+    "data": ps.get_data_parallel_group,
+    "data_with_context": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+    "pipeline": ps.get_pipeline_model_parallel_group,
+    "model": ps.get_model_parallel_group,
+}
+
+
+def _check_context_parallel_layouts():
+    me = dist.get_rank()
+    errors = []
+    for (tp, cp, pp), expected in EXPECTED_CP.items():
+        ps.initialize_model_parallel(tp, pp, context_parallel_size=cp)
+        where = f"TP={tp} CP={cp} PP={pp}"
+        got = {kind: _ranks_of(getter()) for kind, getter in CP_GETTERS.items()}
+        cp_ranks = _mine(expected["context"], me)
+        dcp_ranks = _mine(expected["data_with_context"], me)
+        got["queries"] = (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                          ps.get_context_parallel_ranks(),
+                          ps.get_data_parallel_world_size(with_context_parallel=True),
+                          ps.get_data_parallel_rank(with_context_parallel=True),
+                          ps.get_data_parallel_ranks(with_context_parallel=True),
+                          _ranks_of(ps.get_data_parallel_group(with_gloo=True,
+                                                               with_context_parallel=True)))
+        want = {kind: _mine(groups, me) for kind, groups in expected.items()}
+        want["queries"] = (cp, cp_ranks.index(me), cp_ranks, len(dcp_ranks),
+                           dcp_ranks.index(me), dcp_ranks, dcp_ranks)
+        if got != want:
+            errors.append(f"rank {me} {where}: got {got}, expected {want}")
+        ps.destroy_model_parallel()
+    return errors
+
+
+def test_context_parallel_groups_match_hand_written_layouts_on_8_ranks():
+    from tests.distributed import run_distributed
+
+    errors = sum(run_distributed(_check_context_parallel_layouts, world_size=8), [])
+    assert errors == []
+
+
+def _world_not_divisible_by_context_parallel():
+    try:
+        ps.initialize_model_parallel(1, 1, context_parallel_size=3)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_world_size_not_divisible_by_context_parallel_is_a_clear_error():
+    from tests.distributed import run_distributed
+
+    message = run_distributed(_world_not_divisible_by_context_parallel, world_size=4)[0]
+    assert message == ("world size 4 is not divisible by tensor-model-parallel-size 1 x "
+                       "context-parallel-size 3 x pipeline-model-parallel-size 1 = 3; choose "
+                       "sizes whose product divides the number of processes.")
