@@ -21,6 +21,15 @@ stays alive:
 - SwiGLU keeps the fc1 output (gate and up) and the product (3 f per token; SiLU's output is
   recomputed in backward); GeLU its input and output (2 f);
 - dropout masks are 1 byte on CUDA (fused kernel) and a full-width tensor on CPU.
+
+Context parallelism (``config.context_parallel_size`` = c > 1) gives each rank s/c tokens of
+every microbatch (chunks r and 2c-1-r of 2c), so every per-token term above (norms, QKV, MLP,
+dropout masks, the attention core, the embedding, the loss, cos/sin) is taken at s/c, and under
+sequence parallelism at s/(c t). Attention then always keeps only its log-sum-exp (no s x s
+tensor; selective recomputation is a no-op), plus with ``cp_comm_type`` "all_gather" the
+gathered K and V of the whole sequence per layer; "p2p" (the ring) instead has one K/V block
+in flight, a send and a receive buffer, transient and not saved (``cp_kv_in_flight_bytes``,
+added to the peak once).
 """
 import math
 from dataclasses import dataclass
@@ -28,12 +37,21 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron.core.transformer.attention import sdpa_kernel_for
-
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
+from megatron.core.transformer.attention import sdpa_kernel_for
 from megatron.training.memory_params import chunk_span
 
 FP32, INT64 = 4, 8
+CP_KERNEL = "context_parallel"  # attention_kernel's name for the CP path (LSE-merging blocks)
+
+
+def context_parallel_size(config) -> int:
+    """CP size of ``config`` (1 for configs from before context parallelism)."""
+    return getattr(config, "context_parallel_size", 1) or 1
+
+
+def cp_comm_type(config) -> str:
+    return getattr(config, "cp_comm_type", "p2p")
 
 
 @dataclass(frozen=True)
@@ -48,8 +66,15 @@ class ActivationSetup:
     def mask_bytes(self) -> int:
         return 1 if self.device == "cuda" else self.activation_bytes
 
+    def local_seq_length(self, config) -> int:
+        """Tokens of each sequence on one rank: s / CP."""
+        return self.seq_length // context_parallel_size(config)
+
     def attention_kernel(self, config) -> Tuple[str, bool]:
-        """(kernel, K/V expanded) as attention.sdpa_kernel_for picks them for this setup."""
+        """(kernel, K/V expanded) as attention.sdpa_kernel_for picks them for this setup;
+        under context parallelism the CP attention (blocks merged by their LSE)."""
+        if context_parallel_size(config) > 1:
+            return CP_KERNEL, False
         dtype = torch.float32 if self.activation_bytes == FP32 else torch.bfloat16
         return sdpa_kernel_for(self.device, dtype, config.kv_channels,
                                config.num_query_groups != config.num_attention_heads, False,
@@ -70,7 +95,7 @@ def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
     """Bytes one transformer layer keeps for backward, one microbatch, no recomputation, on
     one tensor-parallel rank."""
     tp = config.tensor_model_parallel_size
-    s, b, e = setup.seq_length, setup.micro_batch_size, setup.activation_bytes
+    s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
     h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
     tokens = s * b
@@ -103,8 +128,10 @@ def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
 def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: int
                           ) -> Dict[str, int]:
     """What the attention kernel itself keeps (dropped by selective recomputation)."""
-    s, b, e = setup.seq_length, setup.micro_batch_size, setup.activation_bytes
+    s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
     d = config.kv_channels
+    if context_parallel_size(config) > 1:
+        return _cp_attention_core_terms(config, setup, heads, groups)
     if setup.flash_attention(config):
         # Its output is the storage the output projection keeps (a view: the projection's
         # linear saves its 3-D input as given), counted as that GEMM's input.
@@ -119,6 +146,28 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
     if heads != groups:
         terms["V expanded to all heads"] = e * s * b * heads * d
     return terms
+
+
+def _cp_attention_core_terms(config, setup: ActivationSetup, heads: int, groups: int
+                             ) -> Dict[str, int]:
+    """The CP attention's own saved tensors (context_parallel.py): the fp32 log-sum-exp of the
+    local queries, and under all_gather the gathered K and V of the whole sequence."""
+    b, e, d = setup.micro_batch_size, setup.activation_bytes, config.kv_channels
+    terms = {"attention log-sum-exp": FP32 * b * heads * setup.local_seq_length(config)}
+    if cp_comm_type(config) == "all_gather":
+        terms["gathered K, V (all_gather)"] = 2 * e * b * groups * setup.seq_length * d
+    return terms
+
+
+def cp_kv_in_flight_bytes(config, setup: ActivationSetup) -> int:
+    """The ring's K/V block in flight during a layer's attention: K and V, a send and a
+    receive buffer each, b x (groups/TP) x s/CP x d; transient (not saved), so it adds to the
+    peak once. 0 without CP or with all_gather (its gathered K/V are saved, in the layer)."""
+    if context_parallel_size(config) == 1 or cp_comm_type(config) != "p2p":
+        return 0
+    groups = config.num_query_groups // config.tensor_model_parallel_size
+    return 2 * 2 * setup.micro_batch_size * groups * setup.local_seq_length(config) * \
+        config.kv_channels * setup.activation_bytes
 
 
 def layer_bytes(config, setup: ActivationSetup, recompute: Optional[str] = None) -> int:
@@ -139,7 +188,7 @@ def _hidden_input_bytes(config, setup: ActivationSetup) -> int:
     """A [s, b, h] tensor between layers (sequence-sharded under SP or distributed saving)."""
     tp = config.tensor_model_parallel_size
     divided = (config.sequence_parallel or config.distribute_saved_activations) and tp > 1
-    tokens = setup.seq_length * setup.micro_batch_size
+    tokens = setup.local_seq_length(config) * setup.micro_batch_size
     return setup.activation_bytes * (tokens // tp if divided else tokens) * config.hidden_size
 
 
@@ -168,12 +217,12 @@ def recompute_working_bytes(config, setup: ActivationSetup, num_layers: int) -> 
 def embedding_bytes(config, setup: ActivationSetup) -> int:
     """The first stage: token ids (and positions) and the embedding dropout mask."""
     tp = config.tensor_model_parallel_size
-    tokens = setup.seq_length * setup.micro_batch_size
+    tokens = setup.local_seq_length(config) * setup.micro_batch_size
     total = INT64 * tokens  # the ids (under TP: shifted into this rank's vocabulary range)
     if tp > 1:  # which ids are outside this rank's range
         total += tokens
     if config.position_embedding_type == "learned_absolute":
-        total += INT64 * setup.seq_length
+        total += INT64 * setup.local_seq_length(config)
     if config.hidden_dropout > 0:
         sharded = tokens // tp if config.sequence_parallel and tp > 1 else tokens
         total += setup.mask_bytes() * sharded * config.hidden_size
@@ -184,7 +233,7 @@ def output_bytes(config, setup: ActivationSetup) -> int:
     """The last stage: final norm, output-layer input and the cross entropy's fp32 logits
     with its per-token sums, mask and targets."""
     tp = config.tensor_model_parallel_size
-    tokens = setup.seq_length * setup.micro_batch_size
+    tokens = setup.local_seq_length(config) * setup.micro_batch_size
     sharded = tokens // tp if config.sequence_parallel and tp > 1 else tokens
     e, h = setup.activation_bytes, config.hidden_size
     norm = sum(_norm_terms(config, sharded, h, e).values())
@@ -199,7 +248,7 @@ def rotary_bytes(config, setup: ActivationSetup) -> int:
     if config.position_embedding_type != "rope":
         return 0
     rotary_dim = int(config.kv_channels * config.rotary_percent)
-    return 2 * FP32 * setup.seq_length * rotary_dim
+    return 2 * FP32 * setup.local_seq_length(config) * rotary_dim
 
 
 def chunk_bytes(config, setup: ActivationSetup, pipeline_rank: int, chunk: int = 0) -> int:
@@ -224,10 +273,11 @@ class StageActivations:
     in_flight: int  # (microbatch, chunk) forwards alive at the peak
     stored_bytes: int  # at the peak of the schedule
     recompute_working_bytes: int
+    cp_kv_in_flight_bytes: int = 0  # the CP ring's K/V block in flight (transient)
 
     @property
     def peak_bytes(self) -> int:
-        return self.stored_bytes + self.recompute_working_bytes
+        return self.stored_bytes + self.recompute_working_bytes + self.cp_kv_in_flight_bytes
 
 
 def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
@@ -250,5 +300,6 @@ def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
     layers = max(span.end - span.start for span in
                  (chunk_span(config, pipeline_rank, c) for c in chunks))
     return StageActivations(pipeline_rank, in_flight, live_peak,
-                            recompute_working_bytes(config, setup, layers))
+                            recompute_working_bytes(config, setup, layers),
+                            cp_kv_in_flight_bytes(config, setup) if layers else 0)
 

@@ -12,6 +12,11 @@ times the microbatches a stage holds at the peak of its 1F1B or interleaved sche
 ``pretrain()`` prints the report on rank 0 at start. Not counted: the CUDA context and
 allocator caching/fragmentation, communication buffers, and temporaries of single kernels
 (e.g. the logits' gradient), which is why real peaks sit somewhat above the estimate.
+
+Context parallelism (``config.context_parallel_size``): activations are those of s/CP tokens
+(``memory_activations``), plus the ring's K/V block in flight, reported on its own line; the
+parameters and gradients do not change, and the distributed optimizer shards over DP x CP
+(``OptimizerSetup.data_parallel_size`` is that group's size: ``optimizer_setup_from``).
 """
 from dataclasses import dataclass, field
 from typing import List
@@ -22,6 +27,7 @@ from megatron.core.distributed.distributed_data_parallel import bucket_size_for
 from megatron.training.memory_activations import (
     ActivationSetup,
     StageActivations,
+    context_parallel_size,
     layer_bytes,
     stage_activations,
 )
@@ -64,7 +70,10 @@ def estimate_memory(config, *, padded_vocab_size: int, seq_length: int, micro_ba
                     share_embeddings_and_output_weights: bool = True,
                     data_parallel_rank: int = 0, device: str = "cuda") -> MemoryEstimate:
     """Every pipeline rank's estimate (one TP / DP rank each: TP ranks hold the same amounts;
-    DP ranks differ only in the distributed optimizer's per-tensor step counters)."""
+    DP ranks differ only in the distributed optimizer's per-tensor step counters). Under
+    context parallelism ``setup.data_parallel_size`` is DP x CP (the group gradients are
+    reduced over and the distributed optimizer shards over) and ``data_parallel_rank`` the rank
+    in it; ``seq_length`` is the whole sequence (each rank holds s/CP of it)."""
     element = dtype_bytes(config.params_dtype)
     activation_setup = ActivationSetup(seq_length, micro_batch_size, element,
                                        padded_vocab_size, device)
@@ -89,13 +98,15 @@ def _gib(value: int) -> str:
 
 def format_report(estimate: MemoryEstimate) -> str:
     """The table pretrain() prints: per pipeline rank, state by kind and activations."""
-    lines = ["theoretical memory per rank (one TP/DP rank of each pipeline stage; excludes "
+    lines = ["theoretical memory per rank (one TP/CP/DP rank of each pipeline stage; excludes "
              "the CUDA context, allocator fragmentation and communication buffers):"]
     for stage in estimate.stages:
         s, a = stage.state, stage.activations
         optimizer = s.main_params + s.main_grads + s.optimizer_states + s.step_counters
         recompute = (f" + {_gib(a.recompute_working_bytes)} recompute working set"
                      if a.recompute_working_bytes else "")
+        if a.cp_kv_in_flight_bytes:  # the context-parallel ring's send and receive buffers
+            recompute += f" + {_gib(a.cp_kv_in_flight_bytes)} cp kv in flight"
         lines.append(
             f"  pipeline rank {stage.pipeline_rank}: params {_gib(s.params)}, "
             f"grads {_gib(s.grads)}, optimizer {_gib(optimizer)} (main params "
@@ -108,9 +119,11 @@ def format_report(estimate: MemoryEstimate) -> str:
     return "\n".join(lines)
 
 
-def optimizer_setup_from(ddp_config, optimizer_config,
-                         data_parallel_size: int) -> OptimizerSetup:
-    """What the DDP and optimizer configs of a run give the estimate."""
+def optimizer_setup_from(ddp_config, optimizer_config, data_parallel_size: int,
+                         context_parallel_size: int = 1) -> OptimizerSetup:
+    """What the DDP and optimizer configs of a run give the estimate. Gradients are reduced,
+    and the distributed optimizer sharded, over DP x CP: that is the size the setup holds."""
+    data_parallel_size *= context_parallel_size
     return OptimizerSetup(
         data_parallel_size=data_parallel_size,
         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
@@ -122,7 +135,8 @@ def optimizer_setup_from(ddp_config, optimizer_config,
 def estimate_from_configs(configs, seq_length: int, device: str = "cuda") -> MemoryEstimate:
     """The estimate of a parsed command line (``MegatronConfigs``)."""
     t = configs.training
-    setup = optimizer_setup_from(configs.ddp, configs.optimizer, t.data_parallel_size)
+    setup = optimizer_setup_from(configs.ddp, configs.optimizer, t.data_parallel_size,
+                                 context_parallel_size(configs.transformer))
     return estimate_memory(
         configs.transformer, padded_vocab_size=configs.model_kwargs["padded_vocab_size"],
         seq_length=seq_length, micro_batch_size=t.micro_batch_size,

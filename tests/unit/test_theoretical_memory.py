@@ -34,7 +34,11 @@ from megatron.training.memory_params import (
     chunk_state_bytes,
     rank_state_bytes,
 )
-from megatron.training.theoretical_memory import estimate_memory, format_report
+from megatron.training.theoretical_memory import (
+    estimate_memory,
+    format_report,
+    optimizer_setup_from,
+)
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step
@@ -263,3 +267,97 @@ def test_report_names_every_part():
                  "activations", "in flight", "peak"):
         assert word in report
     assert estimate.max_total == max(s.total for s in estimate.stages)
+
+
+# --- context parallelism ----------------------------------------------------------------------
+
+def with_cp(config, cp: int, comm: str = "p2p"):
+    """``config`` at context-parallel size ``cp`` with ``comm`` (``--cp-comm-type``)."""
+    if "context_parallel_size" in {f.name for f in dataclasses.fields(config)}:
+        return dataclasses.replace(config, context_parallel_size=cp, cp_comm_type=comm)
+    config = dataclasses.replace(config)  # TODO: until ModelParallelConfig has the fields
+    config.context_parallel_size, config.cp_comm_type = cp, comm
+    return config
+
+
+LLAMA_7B_GQA = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                    ffn_hidden_size=11008, params_dtype=torch.bfloat16)
+
+
+def _llama_layer_by_hand(s: int, b: int, tp: int, cp: int) -> dict:
+    """One LLaMA layer's saved bytes on one rank (bf16, CUDA flash path, SP when TP > 1), term
+    by term from the shapes: every term is per token, so CP divides each by ``cp``."""
+    h, f, d, e = 4096, 11008, 128, 2
+    heads, groups = 32 // tp, 8 // tp
+    tokens = s // cp * b  # this rank's tokens (head-tail chunks r and 2CP-1-r)
+    sharded = tokens // tp  # sequence parallelism shards the norms and linear inputs
+    return {"norms (input, rstd) x 2": 2 * (e * sharded * h + 4 * sharded),
+            "QKV input": e * sharded * h, "QKV output": e * tokens * (heads + 2 * groups) * d,
+            "Q, K after RoPE": e * tokens * (heads + groups) * d,
+            "log-sum-exp (fp32)": 4 * b * heads * (s // cp),
+            "projection input": e * tokens * heads * d,
+            "MLP input": e * sharded * h, "SwiGLU fc1 out and product": e * tokens * 3 * f // tp}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_divides_every_activation_term(tp, cp):
+    """At CP c a layer, the embedding, the loss and cos/sin keep 1/c of the CP=1 bytes
+    (each term recomputed by hand at s/c); the ring adds K and V, send and receive, of one
+    block (b x groups/TP x s/c x d) once to the peak; all_gather saves the whole sequence's K
+    and V per layer instead."""
+    s, b, vocab = 8192, 2, 32000
+    setup = ActivationSetup(s, b, 2, vocab, device="cuda")
+    base = llama_config(**LLAMA_7B_GQA, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    assert layer_bytes(base, setup) == sum(_llama_layer_by_hand(s, b, tp, 1).values())
+    ring = with_cp(base, cp)
+    by_hand = _llama_layer_by_hand(s, b, tp, cp)
+    assert layer_bytes(ring, setup) == sum(by_hand.values())
+    assert all(v * cp == one for v, one in zip(by_hand.values(),
+                                               _llama_layer_by_hand(s, b, tp, 1).values()))
+    # Embedding ids (+ the TP range mask), output norm/input, fp32 logits and loss, cos/sin.
+    tokens = s // cp * b
+    embedding = 8 * tokens + (tokens if tp > 1 else 0)
+    output = (2 * tokens // tp * 4096 + 4 * tokens // tp) + 2 * tokens // tp * 4096 + \
+        4 * tokens * vocab // tp + 2 * 4 * tokens + tokens + 8 * tokens
+    rotary = 2 * 4 * (s // cp) * 128
+    whole = ring.num_layers * sum(by_hand.values()) + embedding + output + rotary
+    assert chunk_bytes(ring, setup, 0) == whole
+    assert chunk_bytes(ring, setup, 0) * cp == chunk_bytes(base, setup, 0)
+    in_flight = 2 * 2 * b * (8 // tp) * (s // cp) * 128 * 2
+    stage = stage_activations(ring, setup, 0, 4)
+    assert (stage.cp_kv_in_flight_bytes, stage.peak_bytes) == (in_flight, whole + in_flight)
+    assert stage_activations(base, setup, 0, 4).cp_kv_in_flight_bytes == 0
+    gather = with_cp(base, cp, "all_gather")
+    gathered = 2 * 2 * b * (8 // tp) * s * 128  # K and V of all s tokens, bf16
+    assert layer_bytes(gather, setup) == sum(by_hand.values()) + gathered
+    assert stage_activations(gather, setup, 0, 4).cp_kv_in_flight_bytes == 0
+    # At CP > 1 attention is never the math kernel: selective recomputation saves nothing.
+    cpu = ActivationSetup(s, b, 4, vocab, device="cpu")
+    dropout = with_cp(dataclasses.replace(base, attention_dropout=0.1), cp)
+    assert layer_bytes(dropout, cpu, "selective") == layer_bytes(dropout, cpu)
+
+
+def test_distributed_optimizer_shards_over_data_and_context_parallel():
+    """Params and gradient buffers do not change with CP; the distributed optimizer's fp32
+    main params, Adam m and v (and only those) divide by DP x CP, by hand for one bucket."""
+    shapes = [ParamShape("weight", 4000), ParamShape("bias", 96)]  # 4096: no padding at 16
+    for dp, cp in ((2, 1), (2, 2), (2, 4), (4, 4)):
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                            grad_reduce_in_fp32=True)
+        optimizer = OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True)
+        setup = optimizer_setup_from(ddp, optimizer, dp, cp)
+        assert setup.data_parallel_size == dp * cp
+        state = chunk_state_bytes(shapes, setup, 2)
+        shard = 4096 // (dp * cp)
+        assert dataclasses.astuple(state) == (
+            2 * 4096, 4 * 4096, 4 * shard, 0, 2 * 4 * shard, 4 * 2)  # rank 0: bias, weight
+
+
+def test_report_shows_the_rings_kv_in_flight():
+    config = with_cp(_llama_config(), 2)
+    report = format_report(estimate_memory(
+        config, padded_vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=MBS,
+        num_microbatches=4, setup=OptimizerSetup(data_parallel_size=2)))
+    in_flight = 2 * 2 * MBS * 4 * (SEQ // 2) * 4 * 4  # fp32: 4 groups of head dim 4
+    assert f"{in_flight / 2 ** 10:.3f} KiB cp kv in flight" in report
