@@ -1,0 +1,137 @@
+"""Context parallelism: the sequence is sharded over the CP group, and attention runs over the
+whole sequence by passing K/V around a ring (``p2p``) or gathering them (``all_gather``).
+
+Layout (load-balanced, "head-tail"): the sequence is cut into 2*CP equal chunks and CP rank r
+holds chunk r followed by chunk 2*CP-1-r, so under causal attention every rank has the same
+work. Ring and all-gather kernels: cp_ring.py, cp_all_gather.py; per-block attention and the
+log-sum-exp merge: cp_blocks.py; dropout mask: attention_dropout_hash.py.
+"""
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.attention_dropout_hash import attention_dropout_keep
+from megatron.core.transformer.cp_all_gather import AllGatherAttention
+from megatron.core.transformer.cp_blocks import BlockSettings, CPLayout, choose_block_kernel
+from megatron.core.transformer.cp_ring import RingAttention
+
+__all__ = ["load_balanced_positions", "shard_sequence", "unshard_sequence",
+           "context_parallel_attention", "attention_dropout_keep", "COMM_TYPES"]
+
+COMM_TYPES = ("p2p", "all_gather")
+
+
+def _check_divisible(seq_length: int, cp_size: int) -> None:
+    if cp_size < 1:
+        raise ValueError(f"context-parallel size must be >= 1, got {cp_size}")
+    if seq_length % (2 * cp_size) != 0:
+        raise ValueError(
+            f"sequence length {seq_length} is not divisible by 2 * context-parallel size "
+            f"(2*CP = {2 * cp_size}): context parallelism cuts the sequence into 2*CP equal "
+            f"chunks. Fix: choose --seq-length a multiple of {2 * cp_size}, or a smaller "
+            f"--context-parallel-size.")
+
+
+def load_balanced_positions(seq_length: int, cp_size: int, cp_rank: int,
+                            device=None) -> torch.Tensor:
+    """long [seq_length // cp_size]: the global positions CP rank ``cp_rank`` holds. The
+    sequence is cut into 2*cp_size equal chunks; rank r holds chunk r then chunk
+    2*cp_size-1-r (head-tail layout, so causal attention work is equal on every rank).
+    Raises ValueError if seq_length % (2*cp_size)."""
+    _check_divisible(seq_length, cp_size)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
+    chunk = seq_length // (2 * cp_size)
+    heads = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
+    tails = torch.arange(tail_start, tail_start + chunk, device=device)
+    return torch.cat([heads, tails])
+
+
+def shard_sequence(tensor: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This rank's part of ``tensor`` along ``dim`` (a contiguous copy, identity at cp 1)."""
+    if cp_size == 1:
+        return tensor
+    positions = load_balanced_positions(tensor.shape[dim], cp_size, cp_rank, tensor.device)
+    return tensor.index_select(dim, positions).contiguous()
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of shard_sequence: the per-rank shards (in CP rank order) in global order."""
+    cp_size = len(shards)
+    if cp_size == 1:
+        return shards[0]
+    halves = [half for shard in shards for half in shard.chunk(2, dim=dim)]
+    # halves[2r] is chunk r, halves[2r + 1] is chunk 2*CP-1-r
+    by_chunk = [halves[2 * m] if m < cp_size else halves[2 * (2 * cp_size - 1 - m) + 1]
+                for m in range(2 * cp_size)]
+    return torch.cat(by_chunk, dim=dim)
+
+
+def _group_layout(group, s_local: int, device) -> CPLayout:
+    if group is None or not dist.is_initialized():
+        size, rank, ranks = 1, 0, [0]
+    else:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+    if size == 1:  # one block, causal: no chunking, so any length works
+        return CPLayout(group, 0, 1, ranks, [torch.arange(s_local, device=device)])
+    s_global = s_local * size
+    _check_divisible(s_global, size)
+    positions = [load_balanced_positions(s_global, size, r, device) for r in range(size)]
+    return CPLayout(group, rank, size, ranks, positions)
+
+
+def _check_inputs(query, key, value, comm_type, dropout_p, dropout_seed, document_ids):
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"unknown context-parallel comm_type {comm_type!r}; "
+                         f"expected one of {COMM_TYPES}")
+    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+        raise ValueError(f"expected query [b, hq, s, d] and key/value [b, hkv, s, d], got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    b, hq, s, d = query.shape
+    if key.shape[0] != b or key.shape[2] != s or key.shape[3] != d:
+        raise ValueError(f"key/value {tuple(key.shape)} do not match query {tuple(query.shape)}"
+                         f" in batch, sequence or head dim")
+    if hq % key.shape[1] != 0:
+        raise ValueError(f"query heads {hq} are not a multiple of key/value heads "
+                         f"{key.shape[1]} (grouped-query attention needs hq % hkv == 0)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention dropout must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and dropout_seed is None:
+        raise ValueError("attention dropout under context parallelism needs dropout_seed "
+                         "(the same on every CP rank: the mask is a hash of global positions)")
+    if document_ids is not None and (document_ids.dim() != 2 or document_ids.shape[0] != b):
+        raise ValueError(f"document_ids must be long [b, s_global] with b = {b}, got "
+                         f"{tuple(document_ids.shape)}")
+
+
+def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2p",
+                               dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                               head_offset: int = 0, document_ids=None,
+                               softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence, which is sharded over
+    the CP ``group`` in the load-balanced layout (see load_balanced_positions).
+
+    query [b, hq, s_local, d]; key, value [b, hkv, s_local, d] with hq % hkv == 0 (GQA: only
+    the hkv key/value heads travel); returns [b, hq, s_local, d], differentiable in query,
+    key and value. ``comm_type``: 'p2p' (ring) or 'all_gather'. ``document_ids``: None, or
+    long [b, s_global], each GLOBAL position's document (a query attends only to
+    earlier-or-equal positions of its own document); the same full tensor on every CP rank.
+    ``dropout_seed`` and ``head_offset`` (global index of local head 0) make the dropout mask
+    a pure function of (seed, batch, global head, global query and key position): see
+    attention_dropout_keep. ``group`` None (or one rank) is plain causal attention."""
+    _check_inputs(query, key, value, comm_type, dropout_p, dropout_seed, document_ids)
+    layout = _group_layout(group, query.shape[2], query.device)
+    if document_ids is not None and document_ids.shape[1] != query.shape[2] * layout.size:
+        raise ValueError(f"document_ids covers {document_ids.shape[1]} positions, the "
+                         f"sequence has {query.shape[2] * layout.size}")
+    kernel = choose_block_kernel(query.device.type, query.dtype, query.shape[3],
+                                 document_ids is not None, dropout_p > 0)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[3])
+    settings = BlockSettings(scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             head_offset=head_offset, document_ids=document_ids, kernel=kernel)
+    function = RingAttention if comm_type == "p2p" else AllGatherAttention
+    return function.apply(query, key, value, layout, settings)
