@@ -62,7 +62,9 @@ def choose_block_kernel(device_type: str, dtype: torch.dtype, head_dim: int, has
     """'cpu_flash', 'cuda_flash' or 'reference' (plain torch ops, our own LSE and dropout).
 
     torch's flash kernels return the log-sum-exp we merge with, but have no hash dropout;
-    the CUDA one also takes no mask (packed documents) and needs fp16/bf16, d <= 256."""
+    the CUDA one also takes no mask (packed documents) and needs fp16/bf16, d <= 256. The CPU
+    op takes hq != hkv directly (forward and backward, checked against SDPA with torch 2.13);
+    for the CUDA op K/V are expanded per block, after they travelled."""
     if dropout:
         return "reference"
     if device_type == "cpu" and _has_aten_op(_CPU_FLASH) and "cpu_flash" not in _disabled_kernels:
