@@ -25,11 +25,12 @@ stays alive:
 Context parallelism (``config.context_parallel_size`` = c > 1) gives each rank s/c tokens of
 every microbatch (chunks r and 2c-1-r of 2c), so every per-token term above (norms, QKV, MLP,
 dropout masks, the attention core, the embedding, the loss, cos/sin) is taken at s/c, and under
-sequence parallelism at s/(c t). Attention then always keeps only its log-sum-exp (no s x s
-tensor; selective recomputation is a no-op), plus with ``cp_comm_type`` "all_gather" the
-gathered K and V of the whole sequence per layer; "p2p" (the ring) instead has one K/V block
-in flight, a send and a receive buffer, transient and not saved (``cp_kv_in_flight_bytes``,
-added to the peak once).
+sequence parallelism at s/(c t). Attention then always keeps its log-sum-exp and no s x s
+tensor (selective recomputation is a no-op) and its own output (the output projection keeps a
+re-laid-out copy); with ``cp_comm_type`` "all_gather" it keeps the gathered K and V of the
+whole sequence per layer instead of the local ones. Transient K/V buffers (the ring's block in
+flight; all_gather's whole-sequence dK/dV) are not saved: ``cp_kv_in_flight_bytes``, added to
+the peak once.
 """
 import math
 from dataclasses import dataclass
@@ -110,11 +111,16 @@ def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
     for name, value in _norm_terms(config, sharded_tokens, h, e).items():
         add(name, 2 * value)  # before attention and before the MLP
     add("QKV input", e * sharded_tokens * h)
-    add("QKV output (V is a view of it)", e * tokens * (heads + 2 * groups) * d)
     rope = config.position_embedding_type == "rope"
-    if rope or heads != groups:  # a new Q unless it is a plain view of the QKV output
+    new_query = rope or heads != groups  # a new Q unless it is a plain view of the QKV output
+    # all_gather keeps the gathered K/V, not the local ones: the QKV output (V's storage) and
+    # RoPE's K are then freed, unless Q is a view of the QKV output.
+    gathered = context_parallel_size(config) > 1 and cp_comm_type(config) == "all_gather"
+    if not (gathered and new_query):
+        add("QKV output (V is a view of it)", e * tokens * (heads + 2 * groups) * d)
+    if new_query:
         add("Q", e * tokens * heads * d)
-    if rope:
+    if rope and not gathered:
         add("K", e * tokens * groups * d)
     for name, value in _attention_core_terms(config, setup, heads, groups).items():
         add(name, value)
@@ -150,24 +156,52 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
 
 def _cp_attention_core_terms(config, setup: ActivationSetup, heads: int, groups: int
                              ) -> Dict[str, int]:
-    """The CP attention's own saved tensors (context_parallel.py): the fp32 log-sum-exp of the
-    local queries, and under all_gather the gathered K and V of the whole sequence."""
+    """The CP attention's own saved tensors (cp_ring.py, cp_all_gather.py) beside its q, k
+    and v: its output [b, heads, s/CP, d] (the output projection keeps a [s/CP, b, heads x d]
+    copy of it, counted as that GEMM's input), the fp32 log-sum-exp of the local queries, and
+    under all_gather the gathered K and V of the whole sequence."""
     b, e, d = setup.micro_batch_size, setup.activation_bytes, config.kv_channels
-    terms = {"attention log-sum-exp": FP32 * b * heads * setup.local_seq_length(config)}
+    s_local = setup.local_seq_length(config)
+    terms = {"attention output (the CP attention's own)": e * b * heads * s_local * d,
+             "attention log-sum-exp": FP32 * b * heads * s_local}
     if cp_comm_type(config) == "all_gather":
         terms["gathered K, V (all_gather)"] = 2 * e * b * groups * setup.seq_length * d
     return terms
 
 
+def attention_call_bytes(config, setup: ActivationSetup) -> int:
+    """What one attention call keeps for backward on one rank, its inputs included (in the
+    layer tally they are the QKV output, Q and K terms): q, k, v, output and log-sum-exp for
+    flash at CP 1 and for the ring; q, the gathered K and V, output and log-sum-exp for
+    all_gather. Only for kernels that keep the log-sum-exp (no s x s matrix)."""
+    if not setup.flash_attention(config) or setup.attention_kernel(config)[1]:
+        raise ValueError("attention_call_bytes covers flash-like kernels (no s x s scores, no "
+                         "expanded K/V) only")
+    tp = config.tensor_model_parallel_size
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    b, e, d = setup.micro_batch_size, setup.activation_bytes, config.kv_channels
+    s_local = setup.local_seq_length(config)
+    query_and_output = 2 * e * b * heads * s_local * d
+    lse = FP32 * b * heads * s_local
+    if context_parallel_size(config) > 1 and cp_comm_type(config) == "all_gather":
+        return query_and_output + lse + 2 * e * b * groups * setup.seq_length * d
+    return query_and_output + lse + 2 * e * b * groups * s_local * d
+
+
 def cp_kv_in_flight_bytes(config, setup: ActivationSetup) -> int:
-    """The ring's K/V block in flight during a layer's attention: K and V, a send and a
-    receive buffer each, b x (groups/TP) x s/CP x d; transient (not saved), so it adds to the
-    peak once. 0 without CP or with all_gather (its gathered K/V are saved, in the layer)."""
-    if context_parallel_size(config) == 1 or cp_comm_type(config) != "p2p":
+    """The CP attention's transient K/V buffers during one layer's backward (the larger half;
+    not saved, so they add to the peak once; from cp_ring.py / cp_all_gather.py, not
+    measured). The ring: one block of K and V (b x groups/TP x s/CP x d each) being sent and
+    one being received, and likewise the block's dK and dV travelling back, accumulated in
+    fp32. all_gather: dK and dV of the whole sequence in fp32, and their rank-ordered copy for
+    the reduce-scatter. 0 without CP."""
+    if context_parallel_size(config) == 1:
         return 0
     groups = config.num_query_groups // config.tensor_model_parallel_size
-    return 2 * 2 * setup.micro_batch_size * groups * setup.local_seq_length(config) * \
-        config.kv_channels * setup.activation_bytes
+    kv_tokens = 2 * setup.micro_batch_size * groups * config.kv_channels  # K and V, a token
+    if cp_comm_type(config) == "all_gather":
+        return 2 * kv_tokens * setup.seq_length * FP32
+    return 2 * kv_tokens * setup.local_seq_length(config) * (setup.activation_bytes + FP32)
 
 
 def layer_bytes(config, setup: ActivationSetup, recompute: Optional[str] = None) -> int:

@@ -286,26 +286,29 @@ LLAMA_7B_GQA = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num
 
 def _llama_layer_by_hand(s: int, b: int, tp: int, cp: int) -> dict:
     """One LLaMA layer's saved bytes on one rank (bf16, CUDA flash path, SP when TP > 1), term
-    by term from the shapes: every term is per token, so CP divides each by ``cp``."""
+    by term from the shapes: every term is per token, so CP divides each by ``cp``; at CP > 1
+    the CP attention also keeps its own [b, heads, s/CP, d] output (attention.py hands the
+    output projection a re-laid-out copy)."""
     h, f, d, e = 4096, 11008, 128, 2
     heads, groups = 32 // tp, 8 // tp
     tokens = s // cp * b  # this rank's tokens (head-tail chunks r and 2CP-1-r)
     sharded = tokens // tp  # sequence parallelism shards the norms and linear inputs
     return {"norms (input, rstd) x 2": 2 * (e * sharded * h + 4 * sharded),
             "QKV input": e * sharded * h, "QKV output": e * tokens * (heads + 2 * groups) * d,
-            "Q, K after RoPE": e * tokens * (heads + groups) * d,
+            "Q after RoPE": e * tokens * heads * d, "K after RoPE": e * tokens * groups * d,
             "log-sum-exp (fp32)": 4 * b * heads * (s // cp),
             "projection input": e * tokens * heads * d,
-            "MLP input": e * sharded * h, "SwiGLU fc1 out and product": e * tokens * 3 * f // tp}
+            "MLP input": e * sharded * h, "SwiGLU fc1 out and product": e * tokens * 3 * f // tp,
+            "CP attention output": e * tokens * heads * d if cp > 1 else 0}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_divides_every_activation_term(tp, cp):
     """At CP c a layer, the embedding, the loss and cos/sin keep 1/c of the CP=1 bytes
-    (each term recomputed by hand at s/c); the ring adds K and V, send and receive, of one
-    block (b x groups/TP x s/c x d) once to the peak; all_gather saves the whole sequence's K
-    and V per layer instead."""
+    (each term recomputed by hand at s/c), plus the CP attention's own output; the ring adds
+    K/V and dK/dV blocks in flight, send and receive, once to the peak; all_gather saves the
+    whole sequence's K and V per layer instead of the local ones."""
     s, b, vocab = 8192, 2, 32000
     setup = ActivationSetup(s, b, 2, vocab, device="cuda")
     base = llama_config(**LLAMA_7B_GQA, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
@@ -313,8 +316,8 @@ def test_context_parallel_divides_every_activation_term(tp, cp):
     ring = with_cp(base, cp)
     by_hand = _llama_layer_by_hand(s, b, tp, cp)
     assert layer_bytes(ring, setup) == sum(by_hand.values())
-    assert all(v * cp == one for v, one in zip(by_hand.values(),
-                                               _llama_layer_by_hand(s, b, tp, 1).values()))
+    one = _llama_layer_by_hand(s, b, tp, 1)
+    assert all(by_hand[k] * cp == one[k] for k in one if k != "CP attention output")
     # Embedding ids (+ the TP range mask), output norm/input, fp32 logits and loss, cos/sin.
     tokens = s // cp * b
     embedding = 8 * tokens + (tokens if tp > 1 else 0)
@@ -323,15 +326,20 @@ def test_context_parallel_divides_every_activation_term(tp, cp):
     rotary = 2 * 4 * (s // cp) * 128
     whole = ring.num_layers * sum(by_hand.values()) + embedding + output + rotary
     assert chunk_bytes(ring, setup, 0) == whole
-    assert chunk_bytes(ring, setup, 0) * cp == chunk_bytes(base, setup, 0)
-    in_flight = 2 * 2 * b * (8 // tp) * (s // cp) * 128 * 2
+    assert chunk_bytes(ring, setup, 0) * cp == chunk_bytes(base, setup, 0) + \
+        cp * ring.num_layers * by_hand["CP attention output"]
+    # K/V blocks (bf16) and dK/dV blocks (fp32) of the ring, each a send and a receive buffer
+    in_flight = 2 * 2 * b * (8 // tp) * (s // cp) * 128 * (2 + 4)
     stage = stage_activations(ring, setup, 0, 4)
     assert (stage.cp_kv_in_flight_bytes, stage.peak_bytes) == (in_flight, whole + in_flight)
     assert stage_activations(base, setup, 0, 4).cp_kv_in_flight_bytes == 0
     gather = with_cp(base, cp, "all_gather")
     gathered = 2 * 2 * b * (8 // tp) * s * 128  # K and V of all s tokens, bf16
-    assert layer_bytes(gather, setup) == sum(by_hand.values()) + gathered
-    assert stage_activations(gather, setup, 0, 4).cp_kv_in_flight_bytes == 0
+    # Nothing keeps the local K (after RoPE) or the QKV output (V's storage; Q is RoPE's copy).
+    local_kv = by_hand["K after RoPE"] + by_hand["QKV output"]
+    assert layer_bytes(gather, setup) == sum(by_hand.values()) - local_kv + gathered
+    # dK and dV of all s tokens in fp32, and their copy for the reduce-scatter
+    assert stage_activations(gather, setup, 0, 4).cp_kv_in_flight_bytes == 2 * gathered * 2
     # At CP > 1 attention is never the math kernel: selective recomputation saves nothing.
     cpu = ActivationSetup(s, b, 4, vocab, device="cpu")
     dropout = with_cp(dataclasses.replace(base, attention_dropout=0.1), cp)
@@ -359,5 +367,5 @@ def test_report_shows_the_rings_kv_in_flight():
     report = format_report(estimate_memory(
         config, padded_vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=MBS,
         num_microbatches=4, setup=OptimizerSetup(data_parallel_size=2)))
-    in_flight = 2 * 2 * MBS * 4 * (SEQ // 2) * 4 * 4  # fp32: 4 groups of head dim 4
+    in_flight = 2 * 2 * MBS * 4 * (SEQ // 2) * 4 * (4 + 4)  # fp32: 4 groups of head dim 4
     assert f"{in_flight / 2 ** 10:.3f} KiB cp kv in flight" in report
