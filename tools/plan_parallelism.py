@@ -1,5 +1,7 @@
-"""Plan the parallel layout of a training run: which TP / PP / VPP / DP, micro batch,
+"""Plan the parallel layout of a training run: which TP / CP / PP / VPP / DP, micro batch,
 recomputation and optimizer sharding fit the GPUs, and which is fastest by an estimate.
+Context parallelism (--context-parallel-size N --cp-comm-type p2p in a row's flags) is
+considered for sequences of 8192 tokens and more, or when nothing fits without it.
 
     python tools/plan_parallelism.py --num-gpus 32 --global-batch-size 1024 --vocab-size 32000 \\
         --config-file shtools/configs/llama2_7b.sh

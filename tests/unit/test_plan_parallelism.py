@@ -207,13 +207,13 @@ def test_json_has_the_tables_rows():
     data = json.loads(plan_parallelism.run(["--json"] + argv))
     assert len(table) == len(data["rows"]) == 6
     for cells, row in zip(table, data["rows"]):
-        assert cells[1:6] == [str(row["tensor_parallel"]), str(row["pipeline_parallel"]),
-                              str(row["virtual_pipeline"] or "-"), str(row["data_parallel"]),
-                              str(row["micro_batch_size"])]
-        assert cells[6] == (row["recompute"] or "none")
-        assert cells[7].startswith("yes" if row["distributed_optimizer"] else "no")
-        assert float(cells[8]) == pytest.approx(row["memory_bytes"] / GIB, abs=0.051)
-        assert float(cells[12].rstrip("%")) == pytest.approx(100 * row["mfu"], abs=0.051)
+        assert cells[1:7] == [str(row["tensor_parallel"]), str(row["context_parallel"]),
+                              str(row["pipeline_parallel"]), str(row["virtual_pipeline"] or "-"),
+                              str(row["data_parallel"]), str(row["micro_batch_size"])]
+        assert cells[7] == (row["recompute"] or "none")
+        assert cells[8].startswith("yes" if row["distributed_optimizer"] else "no")
+        assert float(cells[9]) == pytest.approx(row["memory_bytes"] / GIB, abs=0.051)
+        assert float(cells[13].rstrip("%")) == pytest.approx(100 * row["mfu"], abs=0.051)
         assert sum(s["total_bytes"] == row["memory_bytes"]
                    for s in row["memory"]["stages"]) >= 1
         assert row["command"].endswith(row["flags"])

@@ -273,11 +273,7 @@ def test_report_names_every_part():
 
 def with_cp(config, cp: int, comm: str = "p2p"):
     """``config`` at context-parallel size ``cp`` with ``comm`` (``--cp-comm-type``)."""
-    if "context_parallel_size" in {f.name for f in dataclasses.fields(config)}:
-        return dataclasses.replace(config, context_parallel_size=cp, cp_comm_type=comm)
-    config = dataclasses.replace(config)  # TODO: until ModelParallelConfig has the fields
-    config.context_parallel_size, config.cp_comm_type = cp, comm
-    return config
+    return dataclasses.replace(config, context_parallel_size=cp, cp_comm_type=comm)
 
 
 LLAMA_7B_GQA = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,

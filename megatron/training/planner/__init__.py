@@ -1,4 +1,4 @@
-"""Parallelism planner: which TP / PP / VPP / DP / micro batch / recomputation / optimizer
+"""Parallelism planner: which TP / CP / PP / VPP / DP / micro batch / recomputation / optimizer
 sharding to use for a model on a cluster, from the memory estimate (``theoretical_memory``)
 and a step-time model (``step_time``). ``tools/plan_parallelism.py`` is its command line."""
 from megatron.training.planner.layouts import Layout

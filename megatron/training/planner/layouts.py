@@ -1,9 +1,19 @@
 """The layouts the planner tries, as the flags that select them.
 
 A layout fixes tensor parallelism (within a node, with sequence parallelism when > 1),
-pipeline parallelism (and interleaving), the data-parallel size that fills the GPUs, the micro
-batch, recomputation and whether the optimizer is sharded. Each is applied to the parsed model
-flags exactly as its printed flags would be, so a planned layout is what those flags build.
+context parallelism (the ring, ``--cp-comm-type p2p``), pipeline parallelism (and
+interleaving), the data-parallel size that fills the GPUs (world = TP x CP x DP x PP), the
+micro batch, recomputation and whether the optimizer is sharded. Each is applied to the parsed
+model flags exactly as its printed flags would be, so a planned layout is what those flags
+build.
+
+Context parallelism is searched only for long sequences, ``seq_length >= CP_MIN_SEQ_LENGTH``
+(8192), and at any length only when nothing fits without it (``plan``). Below 8K a sequence's
+activations fit one rank with TP + SP (and recomputation) for the models this plans, and CP
+buys nothing the step-time model can see: it splits the same FLOPs over more GPUs as DP does,
+while its costs (smaller GEMMs and attention blocks, the ring's latency) are not modelled, so
+at short sequences its rows would tie with DP's and win on memory alone. CP sizes divide the
+GPUs and make ``seq_length`` a multiple of 2 x CP (the head-tail layout's 2 x CP chunks).
 """
 import argparse
 from dataclasses import dataclass
@@ -15,6 +25,8 @@ from megatron.training.memory_params import OptimizerSetup
 from megatron.training.theoretical_memory import optimizer_setup_from
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
+CP_MIN_SEQ_LENGTH = 8192
+CP_COMM_TYPE = "p2p"  # the ring: only one K/V block in flight, where all_gather saves all s
 
 
 @dataclass(frozen=True)
@@ -28,6 +40,7 @@ class Layout:
     recompute: Optional[str]  # None, "selective" or "full" (uniform, one layer per span)
     distributed_optimizer: bool
     grad_reduce_in_fp32: bool = True
+    context_parallel: int = 1  # ranks a sequence is split over (the ring, --cp-comm-type p2p)
 
     @property
     def num_microbatches(self) -> int:
@@ -37,6 +50,9 @@ class Layout:
         """The Megatron flags of this layout (gradient reduction always overlapped)."""
         t, p, v = self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline
         flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p)]
+        if self.context_parallel > 1:
+            flags += ["--context-parallel-size", str(self.context_parallel),
+                      "--cp-comm-type", CP_COMM_TYPE]
         if v:
             flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (p * v))]
         if t > 1:
@@ -71,6 +87,7 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new = argparse.Namespace(**vars(args))
     t, p, v = layout.tensor_parallel, layout.pipeline_parallel, layout.virtual_pipeline
     new.tensor_model_parallel_size, new.pipeline_model_parallel_size = t, p
+    new.context_parallel_size, new.cp_comm_type = layout.context_parallel, CP_COMM_TYPE
     new.num_layers_per_virtual_pipeline_stage = args.num_layers // (p * v) if v else None
     new.virtual_pipeline_model_parallel_size = v
     new.sequence_parallel = t > 1
@@ -98,7 +115,7 @@ def optimizer_setup(args: argparse.Namespace, layout: Layout,
     ddp = ddp_config_for_optimizer(
         optimizer, grad_reduce_in_fp32=layout.grad_reduce_in_fp32, overlap_grad_reduce=True,
         bucket_size=args.ddp_bucket_size, reduce_bucket_size=args.reduce_bucket_size)
-    return optimizer_setup_from(ddp, optimizer, layout.data_parallel)
+    return optimizer_setup_from(ddp, optimizer, layout.data_parallel, layout.context_parallel)
 
 
 def _divisors(n: int) -> List[int]:
@@ -114,26 +131,50 @@ def tensor_parallel_sizes(args: argparse.Namespace, num_gpus: int,
             and args.ffn_hidden_size % t == 0]
 
 
+def context_parallel_sizes(args: argparse.Namespace, num_gpus: int, tensor_parallel: int,
+                           with_cp: bool) -> List[int]:
+    """CP sizes beside TP ``tensor_parallel``: 1, and with ``with_cp`` every divisor of the
+    GPUs left that cuts the sequence into 2 x CP equal chunks, each rank's s/CP tokens split
+    evenly again by sequence parallelism (arguments.py checks the same). None with
+    --allow-math-attention (the math kernel cannot be split over CP ranks)."""
+    if not with_cp or args.allow_math_attention:
+        return [1]
+    s, t = args.seq_length, tensor_parallel
+    return [c for c in _divisors(num_gpus // t)
+            if c == 1 or (s % (2 * c) == 0 and (s // c) % t == 0)]
+
+
 def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
                     global_batch_size: int, max_micro_batch_size: int,
-                    grad_reduce_in_fp32: bool = True) -> Iterator[List[Layout]]:
+                    grad_reduce_in_fp32: bool = True,
+                    with_cp: bool = False) -> Iterator[List[Layout]]:
     """Every layout, grouped into families that differ only in the micro batch (ascending):
-    memory grows with the micro batch, so a family can stop at its first misfit."""
-    num_layers = args.num_layers
+    memory grows with the micro batch, so a family can stop at its first misfit. CP > 1
+    only with ``with_cp`` (see the module's docstring)."""
     micro_batches = [1 << k for k in range(max_micro_batch_size.bit_length())
                      if 1 << k <= max_micro_batch_size]
     for t in tensor_parallel_sizes(args, num_gpus, gpus_per_node):
-        for p in [p for p in _divisors(num_layers) if num_gpus % (t * p) == 0]:
-            d = num_gpus // (t * p)
-            fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
-            chunks = [None] + ([v for v in _divisors(num_layers // p) if v > 1] if p > 1 else [])
-            for v in chunks:
-                # The interleaved schedule runs microbatches in groups of PP.
-                batches = [b for b in fitting
-                           if v is None or (global_batch_size // (b * d)) % p == 0]
-                for recompute in RECOMPUTE_CHOICES:
-                    for sharded in ((False, True) if d > 1 else (False,)):
-                        family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
-                                         grad_reduce_in_fp32) for b in batches]
-                        if family:
-                            yield family
+        for c in context_parallel_sizes(args, num_gpus, t, with_cp):
+            yield from _families(args, num_gpus, t, c, global_batch_size, micro_batches,
+                                 grad_reduce_in_fp32)
+
+
+def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_batch_size: int,
+              micro_batches: List[int], grad_reduce_in_fp32: bool) -> Iterator[List[Layout]]:
+    """The families of TP ``t`` and CP ``c``: every PP, VPP, recomputation and sharding."""
+    num_layers = args.num_layers
+    for p in [p for p in _divisors(num_layers) if num_gpus % (t * c * p) == 0]:
+        d = num_gpus // (t * c * p)
+        fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
+        chunks = [None] + ([v for v in _divisors(num_layers // p) if v > 1] if p > 1 else [])
+        for v in chunks:
+            # The interleaved schedule runs microbatches in groups of PP.
+            batches = [b for b in fitting
+                       if v is None or (global_batch_size // (b * d)) % p == 0]
+            for recompute in RECOMPUTE_CHOICES:
+                # The distributed optimizer shards over DP x CP.
+                for sharded in ((False, True) if d * c > 1 else (False,)):
+                    family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
+                                     grad_reduce_in_fp32, c) for b in batches]
+                    if family:
+                        yield family

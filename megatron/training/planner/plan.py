@@ -7,6 +7,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
 from megatron.training.configs_from_args import transformer_config_from_args
 from megatron.training.planner.layouts import (
+    CP_MIN_SEQ_LENGTH,
     Layout,
     apply_layout,
     layout_families,
@@ -75,33 +76,18 @@ def rank_key(row: PlanRow):
 
 def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
          max_micro_batch_size: int = 16, grad_reduce_in_fp32: bool = True) -> Plan:
-    """Every layout that fits, ranked; ConfigError (saying what to change) when none does."""
+    """Every layout that fits, ranked; ConfigError (saying what to change) when none does.
+    Context parallelism is tried from CP_MIN_SEQ_LENGTH on, or when layouts exist but none
+    fits in memory without it (not to soak up GPUs a short sequence cannot use otherwise)."""
     cluster.check()
     if max_micro_batch_size < 1:
         raise ConfigError(f"--max-micro-batch-size must be >= 1, got {max_micro_batch_size}.")
-    budget = (cluster.gpu_memory_gib - cluster.memory_reserve_gib) * GIB
-    result, smallest = Plan(), None
-    for family in layout_families(workload.args, cluster.num_gpus, cluster.gpus_per_node,
-                                  workload.global_batch_size, max_micro_batch_size,
-                                  grad_reduce_in_fp32):
-        for layout in family:  # ascending micro batch: stop at the first that does not fit
-            config = layout_config(workload, layout)
-            if layout.recompute == "selective" and \
-                    math_attention_reason(config, "cuda") is None:
-                # Fused attention keeps no s x s scores: selective recomputation is a no-op
-                # (attention.py), the same layout as no recomputation.
-                break
-            result.enumerated += 1
-            memory = layout_memory(workload, layout, config)
-            if smallest is None or memory.max_total < smallest[1]:
-                smallest = (layout, memory.max_total)
-            if memory.max_total > budget:
-                result.enumerated += len(family) - family.index(layout) - 1
-                break
-            vocab = padded_vocab(workload, layout.tensor_parallel)
-            step = estimate_step_time(config, layout, cluster, memory, workload.seq_length, vocab)
-            result.rows.append(PlanRow(layout, config, vocab, memory, step,
-                                       layout.flags(workload.args.num_layers)))
+    with_cp = workload.seq_length >= CP_MIN_SEQ_LENGTH
+    result, smallest = _search(workload, cluster, max_micro_batch_size, grad_reduce_in_fp32,
+                               with_cp)
+    if smallest is not None and not result.rows and not with_cp:  # layouts, none fits
+        result, smallest = _search(workload, cluster, max_micro_batch_size,
+                                   grad_reduce_in_fp32, True)
     if smallest is None:
         raise ConfigError(_nothing_to_try(workload, cluster))
     if not result.rows:
@@ -118,8 +104,38 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
     return result
 
 
+def _search(workload: Workload, cluster: Cluster, max_micro_batch_size: int,
+            grad_reduce_in_fp32: bool, with_cp: bool):
+    """(unranked Plan of the layouts that fit, (layout, bytes) of the smallest estimate)."""
+    budget = (cluster.gpu_memory_gib - cluster.memory_reserve_gib) * GIB
+    result, smallest = Plan(), None
+    for family in layout_families(workload.args, cluster.num_gpus, cluster.gpus_per_node,
+                                  workload.global_batch_size, max_micro_batch_size,
+                                  grad_reduce_in_fp32, with_cp):
+        for layout in family:  # ascending micro batch: stop at the first that does not fit
+            config = layout_config(workload, layout)
+            if layout.recompute == "selective" and (
+                    layout.context_parallel > 1 or math_attention_reason(config, "cuda") is None):
+                # Fused (or CP) attention keeps no s x s scores: selective recomputation is a
+                # no-op (attention.py), the same layout as no recomputation.
+                break
+            result.enumerated += 1
+            memory = layout_memory(workload, layout, config)
+            if smallest is None or memory.max_total < smallest[1]:
+                smallest = (layout, memory.max_total)
+            if memory.max_total > budget:
+                result.enumerated += len(family) - family.index(layout) - 1
+                break
+            vocab = padded_vocab(workload, layout.tensor_parallel)
+            step = estimate_step_time(config, layout, cluster, memory, workload.seq_length, vocab)
+            result.rows.append(PlanRow(layout, config, vocab, memory, step,
+                                       layout.flags(workload.args.num_layers)))
+    return result, smallest
+
+
 def _describe(layout: Layout) -> str:
-    return (f"TP {layout.tensor_parallel}, PP {layout.pipeline_parallel}, micro batch "
+    cp = f", CP {layout.context_parallel}" if layout.context_parallel > 1 else ""
+    return (f"TP {layout.tensor_parallel}{cp}, PP {layout.pipeline_parallel}, micro batch "
             f"{layout.micro_batch_size}, {layout.recompute or 'no'} recomputation"
             f"{', distributed optimizer' if layout.distributed_optimizer else ''}")
 

@@ -3,14 +3,15 @@ import dataclasses
 import shlex
 from typing import Dict, List
 
+from megatron.training.planner.layouts import CP_COMM_TYPE
 from megatron.training.planner.plan import Plan, PlanRow
 from megatron.training.planner.step_time import Cluster
 from megatron.training.planner.workload import Workload
 from megatron.training.theoretical_memory import GIB
 
 MIB = 2 ** 20
-COLUMNS = ("#", "TP", "PP", "VPP", "DP", "MBS", "recompute", "dist-opt", "mem GiB", "bubble",
-           "step s", "tok/s/GPU", "MFU")
+COLUMNS = ("#", "TP", "CP", "PP", "VPP", "DP", "MBS", "recompute", "dist-opt", "mem GiB",
+           "bubble", "step s", "tok/s/GPU", "MFU")
 
 
 def _same_memory(row: PlanRow) -> bool:
@@ -22,7 +23,8 @@ def _same_memory(row: PlanRow) -> bool:
 def _cells(rank: int, row: PlanRow) -> List[str]:
     lay, step = row.layout, row.step
     sharded = ("yes*" if _same_memory(row) else "yes") if lay.distributed_optimizer else "no"
-    return [str(rank), str(lay.tensor_parallel), str(lay.pipeline_parallel),
+    return [str(rank), str(lay.tensor_parallel), str(lay.context_parallel),
+            str(lay.pipeline_parallel),
             str(lay.virtual_pipeline or "-"), str(lay.data_parallel),
             str(lay.micro_batch_size), lay.recompute or "none", sharded,
             f"{row.memory.max_total / GIB:.1f}", f"{step.bubble_fraction:.3f}",
@@ -50,6 +52,9 @@ def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
     lines.append("")
     lines.append("flags (in place of any parallelism, batch, recomputation, optimizer-sharding "
                  "and precision flags of your command line):")
+    if any(row.layout.context_parallel > 1 for row in result.rows):
+        lines[-1] += (" CP: the sequence split over CP ranks (ring attention); mem GiB "
+                      "includes its K/V block in flight")
     lines += [f"  #{i + 1}: {shlex.join(row.flags)}" for i, row in enumerate(result.rows)]
     starred = [row for row in result.rows if _same_memory(row)]
     if starred:
@@ -65,6 +70,7 @@ def _stage_dict(stage) -> Dict:
             **{f"{k}_bytes": v for k, v in dataclasses.asdict(stage.state).items()},
             "activation_bytes": stage.activations.stored_bytes,
             "recompute_working_bytes": stage.activations.recompute_working_bytes,
+            "cp_kv_in_flight_bytes": stage.activations.cp_kv_in_flight_bytes,
             "microbatches_in_flight": stage.activations.in_flight}
 
 
@@ -75,7 +81,9 @@ def row_dict(row: PlanRow, workload: Workload) -> Dict:
         overlapped = {"flags": shlex.join(row.overlapped_optimizer_flags),
                       "memory_bytes": row.overlapped_optimizer_bytes}
     return {
-        "tensor_parallel": lay.tensor_parallel, "pipeline_parallel": lay.pipeline_parallel,
+        "tensor_parallel": lay.tensor_parallel, "context_parallel": lay.context_parallel,
+        "cp_comm_type": CP_COMM_TYPE if lay.context_parallel > 1 else None,
+        "pipeline_parallel": lay.pipeline_parallel,
         "virtual_pipeline": lay.virtual_pipeline, "data_parallel": lay.data_parallel,
         "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
         "recompute": lay.recompute, "distributed_optimizer": lay.distributed_optimizer,

@@ -1,14 +1,23 @@
 """Estimated time of one training step of a layout, and from it MFU and tokens/s.
 
-The model, term by term (t TP, p PP, v model chunks per pipeline rank, d DP, b micro batch,
-m = global batch / (b d) microbatches, s sequence, h hidden, e = 2 bytes (bf16)):
+The model, term by term (t TP, c CP, p PP, v model chunks per pipeline rank, d DP, b micro
+batch, m = global batch / (b d) microbatches, s sequence, h hidden, e = 2 bytes (bf16); under
+CP every per-microbatch activation below is that of s/c tokens):
 
 - Compute: FLOPs as Megatron counts them (``flops.num_floating_point_operations``: each
   GEMM once forward, twice backward; attention's full s x s), plus what recomputation redoes:
   full recomputation one more forward of every layer (a third of its FLOPs), selective the
   attention core's forward (4 b s^2 a d FLOPs per layer). They run at ``peak x efficiency``
-  spread over the t GPUs of a stage; the efficiency is the one free constant, stated in the
-  output, and it does not depend on GEMM shapes (a larger micro batch is not faster here).
+  spread over the t x c GPUs of a stage (CP's head-tail layout gives each CP rank 1/c of the
+  tokens and of the causal attention work); the efficiency is the one free constant, stated
+  in the output, and it does not depend on GEMM shapes (a larger micro batch is not faster
+  here, nor a CP block slower).
+- Context parallelism (the ring, ``--cp-comm-type p2p``): per layer and microbatch each rank
+  receives the c-1 other ranks' K/V blocks, (c-1) x 2 b (s/c) (g/t) d e bytes (g query
+  groups), in the forward, and twice that in the backward (K/V again, and dK/dV travelling
+  back), over the bandwidth of the CP group (t x c consecutive ranks); full recomputation
+  runs the forward ring again. The transfers overlap the attention blocks' compute (4 b s^2
+  a d / (t c) FLOPs a GPU forward, twice that backward); only what exceeds it is added.
 - Tensor parallelism (with sequence parallelism): per layer and microbatch the forward
   all-gathers and reduce-scatters two all-reduce volumes of the b x s x h activations
   (2(t-1)/t x b s h e bytes each), and the backward waits for one more (the row-parallel
@@ -18,15 +27,16 @@ m = global batch / (b d) microbatches, s sequence, h hidden, e = 2 bytes (bf16))
   (its extra forward). The embedding's and loss's small collectives are left out.
 - Pipeline: each microbatch sends v activations forward and v gradients back per stage,
   b s h e / t bytes each (sequence-parallel shards), not overlapped; at the intra-node
-  bandwidth on one node, else the inter-node one (ranks are ordered TP fastest, then DP, then
-  PP, so the pipeline crosses every node boundary).
+  bandwidth on one node, else the inter-node one (ranks are ordered TP fastest, then CP,
+  DP, then PP, so the pipeline crosses every node boundary).
 - The slowest stage (usually the last: it also computes the logits) sets the microbatch time;
   the pipeline runs m microbatch times plus a bubble of (p-1)/v of them, a fraction
   (p-1)/(v m + p-1) of the pipeline's time.
-- Data parallelism: each stage reduces its gradient buffer (at its dtype, fp32 by default):
-  an all-reduce, 2(d-1)/d x bytes, or for the distributed optimizer a reduce-scatter of the
-  gradients and an all-gather of the bf16 parameters, (d-1)/d x bytes each; over the
-  intra-node bandwidth when the DP group is inside a node, else the inter-node one (per GPU,
+- Data parallelism: each stage reduces its gradient buffer (at its dtype, fp32 by default)
+  over the DP x CP group (n = d c ranks, t x c x d consecutive): an all-reduce,
+  2(n-1)/n x bytes, or for the distributed optimizer a reduce-scatter of the gradients and
+  an all-gather of the bf16 parameters, (n-1)/n x bytes each; over the
+  intra-node bandwidth when the group is inside a node, else the inter-node one (per GPU,
   as a ring crossing nodes sees it). The reduction overlaps the backward of the last
   microbatch (buckets go as they fill) and the all-gather the forward of the next step's first
   microbatch; only what exceeds those windows adds to the step.
@@ -107,6 +117,8 @@ class StepTime:
     model_flops: int  # Megatron's count for the whole global batch (the MFU numerator)
     mfu: float
     tokens_per_s_per_gpu: float
+    context_parallel_s: float = 0.0  # that stage's CP ring transfers for one microbatch
+    context_parallel_exposed_s: float = 0.0  # the part its attention compute does not hide
 
 
 def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
@@ -127,43 +139,64 @@ def recompute_flops_per_layer(config, layout: Layout, seq_length: int) -> int:
     return 0
 
 
+def cp_ring_seconds(config, layout: Layout, cluster: Cluster, seq_length: int
+                    ) -> "tuple[float, float]":
+    """(transfer, exposed) seconds of one layer's CP ring for one microbatch: forward,
+    backward (twice) and the recomputed forward under full recomputation (module docstring)."""
+    t, c, b = layout.tensor_parallel, layout.context_parallel, layout.micro_batch_size
+    if c == 1:
+        return 0.0, 0.0
+    groups, d = config.num_query_groups // t, config.kv_channels
+    block = 2 * b * (seq_length // c) * groups * d * dtype_bytes(config.params_dtype)
+    forward_s = (c - 1) * block / cluster.group_bandwidth(t * c)
+    attention = 4 * b * seq_length ** 2 * config.num_attention_heads * d / (t * c)
+    attention_s = attention / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+    passes = 4 if layout.recompute == "full" else 3  # forward(s), and backward's 2 volumes
+    return passes * forward_s, passes * max(0.0, forward_s - attention_s)
+
+
 def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryEstimate,
                        seq_length: int, padded_vocab_size: int) -> StepTime:
     """The step time of ``layout`` (``config`` is its TransformerConfig, ``memory`` its
     estimate, whose per-stage gradient and parameter buffers are what DP moves)."""
     t, p, d = layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel
+    c = layout.context_parallel
     v, b, m = layout.virtual_pipeline or 1, layout.micro_batch_size, layout.num_microbatches
     s, h, e = seq_length, config.hidden_size, dtype_bytes(config.params_dtype)
-    flop_rate = t * cluster.peak_tflops * 1e12 * cluster.compute_efficiency
+    flop_rate = t * c * cluster.peak_tflops * 1e12 * cluster.compute_efficiency
     intra = cluster.intra_node_bandwidth_gbs * GB
     layer_flops = _flops(config, s, b, 1, 0)
     redo_flops = recompute_flops_per_layer(config, layout, s)
     volumes = 5 if layout.recompute == "full" else 3  # exposed all-reduce volumes a layer
-    tp_layer_s = volumes * 2 * (t - 1) / t * b * s * h * e / intra
+    tp_layer_s = volumes * 2 * (t - 1) / t * b * (s // c) * h * e / intra
+    cp_layer_s, cp_layer_exposed_s = cp_ring_seconds(config, layout, cluster, s)
 
-    stages = []  # (forward s, backward s, TP s) of one microbatch, per pipeline rank
+    stages = []  # (forward s, backward s, TP s, exposed CP s) of a microbatch, per PP rank
+    stage_layers = []
     for rank in range(p):
-        spans = [chunk_span(config, rank, c) for c in range(v)]
+        spans = [chunk_span(config, rank, chunk) for chunk in range(v)]
         layers = sum(span.end - span.start for span in spans)
+        stage_layers.append(layers)
         last = any(span.post_process for span in spans)
         logits = _flops(config, s, b, 0, padded_vocab_size) if last else 0
         work = layers * layer_flops + logits
         stages.append((work // 3 / flop_rate, (work - work // 3 + layers * redo_flops) / flop_rate,
-                       layers * tp_layer_s))
+                       layers * tp_layer_s, layers * cp_layer_exposed_s))
     slowest = max(range(p), key=lambda r: sum(stages[r]))
-    forward_s, backward_s, tp_s = stages[slowest]
+    forward_s, backward_s, tp_s, cp_exposed_s = stages[slowest]
+    cp_s = cp_layer_s * stage_layers[slowest]
     p2p_s = 0.0
     if p > 1:
-        message = b * s * h * e / (t if t > 1 else 1)
+        message = b * (s // c) * h * e / (t if t > 1 else 1)
         p2p_s = 2 * v * message / cluster.group_bandwidth(cluster.num_gpus)
-    microbatch_s = forward_s + backward_s + tp_s + p2p_s
+    microbatch_s = forward_s + backward_s + tp_s + cp_exposed_s + p2p_s
     bubble_s = (p - 1) / v * microbatch_s
 
     dp_s = dp_exposed_s = 0.0
-    if d > 1:
-        bandwidth, share = cluster.group_bandwidth(t * d), (d - 1) / d
+    if d * c > 1:  # gradients are reduced (and the optimizer sharded) over DP x CP
+        bandwidth, share = cluster.group_bandwidth(t * c * d), (d * c - 1) / (d * c)
         per_stage = []  # (exposed, total) seconds of each stage's DP collectives
-        for stage, (forward_r, backward_r, _) in zip(memory.stages, stages):
+        for stage, (forward_r, backward_r, _, _) in zip(memory.stages, stages):
             grads, params = stage.state.grads, stage.state.params
             if layout.distributed_optimizer:
                 reduce_s, gather_s = share * grads / bandwidth, share * params / bandwidth
@@ -183,4 +216,5 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         bubble_fraction=theoretical_bubble(p, m, layout.virtual_pipeline),
         model_flops=model_flops,
         mfu=mfu(model_flops, step_s, cluster.num_gpus, cluster.peak_tflops),
-        tokens_per_s_per_gpu=layout.global_batch_size * s / (step_s * cluster.num_gpus))
+        tokens_per_s_per_gpu=layout.global_batch_size * s / (step_s * cluster.num_gpus),
+        context_parallel_s=cp_s, context_parallel_exposed_s=cp_exposed_s)

@@ -8,10 +8,12 @@ from typing import List, Optional, Sequence
 from megatron.training.arguments import get_parser, parse_args
 from megatron.training.training_config import ConfigError
 
-# The parsed fields the planner decides: parallel layout, batch split, recomputation, optimizer
-# sharding and precision. Their flags are removed from the input and set per layout.
+# The parsed fields the planner decides: parallel layout (CP included), batch split,
+# recomputation, optimizer sharding and precision. Their flags are removed from the input and
+# set per layout.
 LAYOUT_DESTS = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+    "context_parallel_size", "cp_comm_type",
     "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",

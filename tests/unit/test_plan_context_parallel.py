@@ -1,0 +1,118 @@
+"""The planner with context parallelism: for a long sequence its best row splits the sequence
+(and prints --context-parallel-size with --cp-comm-type p2p, flags that parse back to the
+planned config and memory); for a short one it does not, unless nothing fits without CP; the
+step time's CP terms by hand. Pure Python: no model is built."""
+import shlex
+
+import pytest
+
+from megatron.training.memory_activations import ActivationSetup, cp_kv_in_flight_bytes
+from megatron.training.planner import Cluster, Layout, estimate_step_time, plan, workload_from_flags
+from megatron.training.planner.layouts import CP_MIN_SEQ_LENGTH
+from megatron.training.planner.plan import layout_config, layout_memory
+from megatron.training.planner.report import format_table, row_dict
+from megatron.training.theoretical_memory import estimate_from_configs
+from tests.unit.test_plan_parallelism import LLAMA2_7B, TINY_LLAMA, configs_of, table_rows
+
+
+def with_seq_length(flags, seq_length):
+    flags = list(flags)
+    for name in ("--seq-length", "--max-position-embeddings"):
+        flags[flags.index(name) + 1] = str(seq_length)
+    return flags
+
+
+@pytest.fixture(scope="module")
+def llama_64k():
+    """LLaMA-2 7B at 64K tokens a sequence on one node of 8 A100-80GB."""
+    workload = workload_from_flags(with_seq_length(LLAMA2_7B, 65536), global_batch_size=16)
+    cluster = Cluster(num_gpus=8)
+    return workload, cluster, plan(workload, cluster)
+
+
+def test_long_sequence_top_row_splits_the_sequence(llama_64k):
+    workload, cluster, result = llama_64k
+    top = result.rows[0]
+    cp = top.layout.context_parallel
+    assert cp > 1 and 65536 % (2 * cp) == 0
+    assert shlex.join(["--context-parallel-size", str(cp), "--cp-comm-type", "p2p"]) in \
+        shlex.join(top.flags)
+    # The flags build the planned config, and its estimate (optimizer sharded over DP x CP).
+    configs = configs_of(workload.flags + top.flags, 8, 32000)
+    assert configs.transformer == top.config
+    assert (top.config.context_parallel_size, top.config.cp_comm_type) == (cp, "p2p")
+    assert configs.training.data_parallel_size == top.layout.data_parallel
+    assert estimate_from_configs(configs, 65536).max_total == top.memory.max_total
+    # The ring's K/V block in flight is in the memory column.
+    setup = ActivationSetup(65536, top.layout.micro_batch_size, 2, top.padded_vocab_size)
+    in_flight = cp_kv_in_flight_bytes(top.config, setup)
+    assert in_flight > 0
+    assert all(s.activations.cp_kv_in_flight_bytes == in_flight for s in top.memory.stages)
+    # The table prints the CP column and the flag.
+    text = format_table(result, cluster, workload)
+    assert table_rows(text)[0][2] == str(cp)
+    assert f"#1: {shlex.join(top.flags)}" in text and "--context-parallel-size" in text
+    assert row_dict(top, workload)["context_parallel"] == cp
+    # Without CP the best this model can do here is slower (more recomputation or TP).
+    no_cp = [r for r in result.rows if r.layout.context_parallel == 1]
+    assert not no_cp or no_cp[0].step.mfu < top.step.mfu
+
+
+def test_short_sequences_are_planned_without_context_parallelism():
+    """Below CP_MIN_SEQ_LENGTH CP is not tried where layouts fit without it."""
+    workload = workload_from_flags(TINY_LLAMA, global_batch_size=16)
+    assert workload.seq_length < CP_MIN_SEQ_LENGTH
+    result = plan(workload, Cluster(num_gpus=8), top=None)
+    assert result.rows and {r.layout.context_parallel for r in result.rows} == {1}
+    assert not any("--context-parallel-size" in r.flags for r in result.rows)
+
+
+def test_context_parallelism_is_tried_when_nothing_fits_without_it():
+    """At 4096 tokens (< CP_MIN_SEQ_LENGTH) TINY_LLAMA needs 0.0222 GiB a GPU at best without
+    CP (TP <= 4: its 4 query groups), 0.0193 GiB with CP 2: a 0.021 GiB budget fits only CP."""
+    workload = workload_from_flags(with_seq_length(TINY_LLAMA, 4096), global_batch_size=16)
+    roomy = plan(workload, Cluster(num_gpus=8), top=None)
+    assert {r.layout.context_parallel for r in roomy.rows} == {1}
+    tight = plan(workload, Cluster(num_gpus=8, gpu_memory_gib=1.0, memory_reserve_gib=0.979),
+                 top=None)
+    assert tight.rows and all(r.layout.context_parallel > 1 for r in tight.rows)
+    assert "--context-parallel-size" in tight.rows[0].flags
+
+
+def test_step_time_by_hand_with_context_parallelism():
+    """LLaMA-2 7B at 16K tokens, TP 2 x CP 2 x DP 2 on 4 nodes of 2 GPUs (the CP group of 4
+    ranks crosses nodes: 10 GB/s), micro batch 1, 8 microbatches, distributed optimizer."""
+    s = 16384
+    workload = workload_from_flags(with_seq_length(LLAMA2_7B, s), global_batch_size=16)
+    cluster = Cluster(num_gpus=8, gpus_per_node=2, peak_tflops=312, compute_efficiency=0.6,
+                      intra_node_bandwidth_gbs=300, inter_node_bandwidth_gbs=10)
+    lay = Layout(2, 1, None, 2, 1, 16, None, True, context_parallel=2)
+    config = layout_config(workload, lay)
+    memory = layout_memory(workload, lay, config)
+    step = estimate_step_time(config, lay, cluster, memory, s, 32000)
+
+    macs_per_token = (4096 * 3 * 4096 + 2 * s * 4096 + 4096 * 4096 + 3 * 4096 * 11008)
+    work = 32 * 6 * s * macs_per_token + 6 * s * 4096 * 32000  # layers and logits
+    rate = 2 * 2 * 312e12 * 0.6  # the microbatch is spread over TP x CP = 4 GPUs
+    forward, backward = work / 3 / rate, 2 * work / 3 / rate
+    tp = 32 * 3 * 2 * (1 / 2) * (s // 2) * 4096 * 2 / 300e9  # on s/CP tokens
+    # Ring: one K/V block of s/2 tokens, 16 heads a TP rank, bf16, from the other CP rank;
+    # forward once, backward twice; hidden behind the attention blocks where it can be.
+    block = 2 * (s // 2) * 16 * 128 * 2 / 10e9
+    attention = 4 * s * s * 32 * 128 / 4 / (312e12 * 0.6)
+    assert block > attention  # across nodes the ring is partly exposed
+    assert step.context_parallel_s == pytest.approx(32 * 3 * block, rel=1e-12)
+    assert step.context_parallel_exposed_s == pytest.approx(32 * 3 * (block - attention),
+                                                            rel=1e-12)
+    assert step.compute_s == pytest.approx(forward + backward, rel=1e-12)
+    assert step.tensor_parallel_s == pytest.approx(tp, rel=1e-12)
+    microbatch = forward + backward + tp + 32 * 3 * (block - attention)
+    assert step.microbatch_s == pytest.approx(microbatch, rel=1e-12)
+    # Gradients reduce-scattered and params all-gathered over DP x CP = 4 ranks across nodes.
+    stage = memory.stages[0]
+    exposed = max(0, 0.75 * stage.state.grads / 10e9 - backward) + \
+        max(0, 0.75 * stage.state.params / 10e9 - forward)
+    assert step.data_parallel_exposed_s == pytest.approx(exposed, rel=1e-12)
+    assert step.step_s == pytest.approx(8 * microbatch + exposed, rel=1e-12)
+    assert step.model_flops == 16 * work  # Megatron's count: unchanged by CP
+    assert step.mfu == pytest.approx(16 * work / (step.step_s * 8 * 312e12), rel=1e-12)
