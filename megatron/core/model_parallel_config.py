@@ -12,6 +12,10 @@ class ModelParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     # Shard LayerNorm/dropout activations along the sequence across TP ranks (Korthikanti et al.).
     sequence_parallel: bool = False
+    # Split each sequence over this many ranks (load-balanced chunks, ring attention), and
+    # how attention sees the other ranks' keys/values: "p2p" (a ring) or "all_gather".
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     params_dtype: torch.dtype = torch.float32
     # False when weights will be loaded anyway (skips the master-weight init).
     perform_initialization: bool = True
@@ -36,7 +40,11 @@ class ModelParallelConfig:
     grad_scale_func: Optional[Callable] = None
 
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if self.cp_comm_type not in ("p2p", "all_gather"):
+            raise ValueError(f"cp_comm_type must be 'p2p' or 'all_gather', got "
+                             f"{self.cp_comm_type!r}.")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         vpp = self.virtual_pipeline_model_parallel_size

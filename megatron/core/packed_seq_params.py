@@ -6,7 +6,7 @@ onto its math kernel), attention gets the cumulative document lengths over the b
 flattened sample by sample, and attends within each document (see attention.py).
 """
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -16,6 +16,16 @@ class PackedSeqParams:
     cu_seqlens: torch.Tensor  # int32 [documents + 1], on the model's device: 0, ends..., b * s
     max_seqlen: int  # longest document
     seqlens: Tuple[int, ...]  # document lengths (host copy, for the per-document path)
+    # Document number of every position [b, s] (of the whole sequence, also when context
+    # parallelism shards it: the ring masks blocks by it).
+    document_ids: Optional[torch.Tensor] = None
+
+
+def document_ids_from_eod(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """[b, s] document number of each position: EODs strictly before it (an EOD ends its
+    document), on the tokens' device without a host sync."""
+    is_eod = (tokens == eod_token).long()
+    return torch.cumsum(is_eod, dim=1) - is_eod
 
 
 def packed_seq_params_from_eod(tokens: torch.Tensor, eod_token: int) -> PackedSeqParams:
@@ -29,4 +39,4 @@ def packed_seq_params_from_eod(tokens: torch.Tensor, eod_token: int) -> PackedSe
     cu = torch.cat((cu.new_zeros(1), cu))
     seqlens = tuple((cu[1:] - cu[:-1]).tolist())
     return PackedSeqParams(cu.to(device=tokens.device, dtype=torch.int32), max(seqlens),
-                           seqlens)
+                           seqlens, document_ids_from_eod(tokens, eod_token))

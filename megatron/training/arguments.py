@@ -129,6 +129,13 @@ def _add_parallel_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Split each sequence over this many ranks (ring attention); the "
+                        "world is TP x CP x DP x PP.")
+    g.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p",
+                   help="How context-parallel attention sees the other ranks' keys and "
+                        "values: p2p passes blocks around a ring, overlapped with compute; "
+                        "all_gather gathers them once (simpler, more memory).")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
@@ -449,7 +456,28 @@ def _check_flags(args):
           "--sequence-parallel needs --tensor-model-parallel-size > 1 (Megatron silently turns "
           "it off); drop the flag or raise the TP size.")
     _check_positions(args)
+    _check_context_parallel(args)
     args.virtual_pipeline_model_parallel_size = _virtual_pipeline_size(args)
+
+
+def _check_context_parallel(args):
+    """CP cuts each sequence into 2 x CP chunks (rank r holds r and 2CP-1-r); under SP each
+    rank's s / CP tokens are split again over TP."""
+    cp, seq, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    _need(seq % (2 * cp) == 0,
+          f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} "
+          f"(each sequence is cut into 2 x CP equal chunks); use a sequence length that is a "
+          f"multiple of {2 * cp} or another CP size.")
+    _need(not args.sequence_parallel or (seq // cp) % tp == 0,
+          f"--sequence-parallel with --context-parallel-size {cp} splits each rank's "
+          f"{seq // cp} tokens over --tensor-model-parallel-size {tp}, which does not divide "
+          f"them; use a sequence length that is a multiple of {cp * tp * 2}.")
+    _need(not args.allow_math_attention,
+          "--allow-math-attention asks for SDPA's math kernel, which cannot be split over "
+          "--context-parallel-size ranks (context parallelism runs its own blocked attention "
+          "with log-sum-exp merging); drop one of the two flags.")
 
 
 def _check_positions(args):

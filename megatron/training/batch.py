@@ -4,6 +4,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.context_parallel import shard_sequence
 from megatron.training.token_guard import get_token_guard
 
 
@@ -103,6 +104,18 @@ def get_batch(data_iterator: Optional[Iterator[Dict[str, torch.Tensor]]], eod_to
     if not parallel_state.is_pipeline_last_stage():
         labels = loss_mask = None
     return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def shard_for_context_parallel(*tensors: Optional[torch.Tensor]
+                               ) -> Tuple[Optional[torch.Tensor], ...]:
+    """This CP rank's part of each [b, s] tensor (None stays None): chunks r and 2CP-1-r of
+    the sequence cut into 2 x CP (the load-balanced layout attention expects); unchanged at
+    CP 1."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return tensors
+    rank = parallel_state.get_context_parallel_rank()
+    return tuple(None if t is None else shard_sequence(t, 1, cp, rank) for t in tensors)
 
 
 def get_batch_from_config(data_iterator, config, micro_batch_size: Optional[int] = None

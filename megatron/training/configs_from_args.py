@@ -31,17 +31,21 @@ def _need(ok: bool, message: str):
 def _check_world(args, world_size: int) -> int:
     """The data-parallel size; checks the batch and head counts against it and TP."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     _need(tp >= 1 and pp >= 1, "--tensor- and --pipeline-model-parallel-size must be >= 1.")
-    _need(world_size >= 1 and world_size % (tp * pp) == 0,
+    _need(world_size >= 1 and world_size % (tp * cp * pp) == 0,
           f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes.")
-    dp = world_size // (tp * pp)
+          + (f"--context-parallel-size {cp} x " if cp > 1 else "")
+          + f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * cp * pp} "
+          f"processes.")
+    dp = world_size // (tp * cp * pp)
     mbs = args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
     _need(mbs >= 1 and args.global_batch_size % (mbs * dp) == 0,
           f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-          f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); make it "
+          f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x "
+          + (f"CP {cp} x " if cp > 1 else "") + f"PP {pp})); make it "
           f"a multiple of {mbs * dp}.")
     _need(args.train_samples is None or args.train_samples >= args.global_batch_size,
           f"--train-samples {args.train_samples} is less than one global batch "
@@ -145,6 +149,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=params_dtype_of(args),
+        context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         torch_compile=args.torch_compile,
         num_layers=args.num_layers, hidden_size=args.hidden_size,

@@ -51,6 +51,7 @@ FLAG_RANGES = {
         "loss_scale_window", "max_consecutive_nan_iterations", "distributed_timeout_minutes")},
     "tensor_model_parallel_size": (_AT_LEAST_1, "1 = no tensor parallelism"),
     "pipeline_model_parallel_size": (_AT_LEAST_1, "1 = no pipeline parallelism"),
+    "context_parallel_size": (_AT_LEAST_1, "1 = no context parallelism"),
     "reduce_bucket_size": (_AT_LEAST_1, "elements per bucket"),
     "ddp_bucket_size": (_AT_LEAST_1, "elements per bucket"),
     **{dest: (_NON_NEGATIVE, "") for dest in (

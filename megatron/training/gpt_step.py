@@ -4,10 +4,12 @@ reported loss is this rank's, averaged over DP once per iteration by train_step/
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.packed_seq_params import packed_seq_params_from_eod
-from megatron.training.batch import get_batch_from_config
+from megatron.training.batch import get_batch_from_config, shard_for_context_parallel
 from megatron.training.timers import get_timers
 
 
@@ -26,10 +28,20 @@ def train_valid_test_datasets_provider(num_samples: Sequence[int], configs):
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """The masked mean over the microbatch's tokens. Under context parallelism each rank has
+    2 of the 2 x CP chunks of every sequence: the sum and count are summed over CP (one small
+    all-reduce), and the loss to differentiate is this rank's sum over the global count,
+    times CP, because DDP averages gradients over DP x CP (Megatron's convention)."""
     mask = loss_mask.float()
-    loss = (per_token_loss.float() * mask).sum() / mask.sum()
-    # Detached and local: no collective, no host sync per microbatch (train_step reduces).
-    return loss, {"lm loss": loss.detach()}
+    total, count = (per_token_loss.float() * mask).sum(), mask.sum()
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        loss = total / count
+        # Detached and local: no collective, no host sync per microbatch (train_step reduces).
+        return loss, {"lm loss": loss.detach()}
+    both = torch.stack((total.detach(), count))
+    dist.all_reduce(both, group=parallel_state.get_context_parallel_group())
+    return total * cp / both[1], {"lm loss": both[0] / both[1]}
 
 
 def forward_step(data_iterator, model, configs):
@@ -38,12 +50,16 @@ def forward_step(data_iterator, model, configs):
     timer.start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch_from_config(
         data_iterator, data, configs.training.micro_batch_size)
-    timer.stop()
     # Packed documents attend within themselves: boundaries, not a [b, 1, s, s] mask (one
-    # host copy of the EOD positions per microbatch).
+    # host copy of the EOD positions per microbatch), from the whole sequence.
     packed = packed_seq_params_from_eod(tokens, data.eod_token) \
         if data.reset_attention_mask and tokens is not None else None
+    context_parallel = parallel_state.get_context_parallel_world_size() > 1
+    tokens, labels, loss_mask, position_ids = shard_for_context_parallel(
+        tokens, labels, loss_mask, position_ids)
+    timer.stop()
+    # Under CP the positions are not 0..s-1: the model needs them (RoPE, learned positions).
     per_token_loss = model(
-        tokens, position_ids=position_ids if data.reset_position_ids else None,
-        labels=labels, packed_seq_params=packed)
+        tokens, position_ids=position_ids if data.reset_position_ids or context_parallel
+        else None, labels=labels, packed_seq_params=packed)
     return per_token_loss, lambda output: loss_func(loss_mask, output)

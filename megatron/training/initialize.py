@@ -83,21 +83,20 @@ def initialize_megatron(tensor_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1,
                         virtual_pipeline_model_parallel_size: Optional[int] = None,
                         seed: int = 1234, device_type: Optional[str] = None,
-                        distributed_timeout_minutes: float = 10.0) -> None:
+                        distributed_timeout_minutes: float = 10.0,
+                        context_parallel_size: int = 1) -> None:
     if device_type not in (None, "auto"):
         device.set_device_type(device_type)
     # Before any CUDA work: CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when its context starts.
     device.check_max_connections(tensor_model_parallel_size)
     initialize_distributed(device_type, distributed_timeout_minutes)
-    world = dist.get_world_size()
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
-    if world % model_parallel:
-        raise ValueError(f"the world size ({world}) is not divisible by tensor x pipeline "
-                         f"model-parallel size ({tensor_model_parallel_size} x "
-                         f"{pipeline_model_parallel_size}); change the sizes or the number "
-                         f"of processes.")
+    try:
+        parallel_state.check_world_size(dist.get_world_size(), tensor_model_parallel_size,
+                                        pipeline_model_parallel_size, context_parallel_size)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
     parallel_state.initialize_model_parallel(tensor_model_parallel_size,
                                              pipeline_model_parallel_size,
                                              virtual_pipeline_model_parallel_size,
-                                             distributed_timeout_minutes)
+                                             distributed_timeout_minutes, context_parallel_size)
     set_random_seeds(seed)

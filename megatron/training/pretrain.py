@@ -186,7 +186,7 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     device.check_requested_device(t.device, source=f"--device {t.device}")
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device,
-                        t.distributed_timeout_minutes)
+                        t.distributed_timeout_minutes, args.context_parallel_size)
     model = build_model(_with_configs(model_provider, configs), configs.transformer,
                         configs.ddp, t.seed)
     optimizer = get_megatron_optimizer(configs.optimizer, model)

@@ -38,7 +38,8 @@ def test_layout_that_does_not_divide_the_world_is_refused():
         initialize_megatron(tensor_model_parallel_size=2)
     """)
     assert result.returncode != 0
-    assert "world size (1) is not divisible by tensor x pipeline" in result.stderr
+    assert ("world size 1 is not divisible by tensor-model-parallel-size 2 x "
+            "context-parallel-size 1 x pipeline-model-parallel-size 1 = 2" in result.stderr)
 
 
 def _seeds(seed):

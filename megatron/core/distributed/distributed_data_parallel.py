@@ -42,8 +42,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
-        self.data_parallel_group = parallel_state.get_data_parallel_group()
-        dp_size = parallel_state.get_data_parallel_world_size()
+        # Context-parallel ranks hold the same weights and other tokens of the same
+        # sequences: gradients are averaged over DP x CP (the loss is scaled by CP).
+        self.data_parallel_group = parallel_state.get_data_parallel_group(
+            with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         bucket_size = bucket_size_for(ddp_config, dp_size)
         self.is_last_microbatch = True
 
@@ -164,7 +167,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self) -> None:
         """Make every DP replica start from DP rank 0's parameters."""
-        src = parallel_state.get_data_parallel_ranks()[0]
+        src = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
         with torch.no_grad():
             for param in self.module.parameters():
                 dist.broadcast(param.data, src=src, group=self.data_parallel_group)

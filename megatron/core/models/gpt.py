@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.models.embedding import LanguageModelEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from megatron.core.transformer.context_parallel import load_balanced_positions
 from megatron.core.transformer.init_rng import (
     EMBEDDING_OFFSET,
     OUTPUT_LAYER_OFFSET,
@@ -73,6 +74,18 @@ class GPTModel(torch.nn.Module):
         """Hidden states from the previous pipeline stage (used when not pre_process)."""
         self.input_tensor = input_tensor
 
+    def _local_positions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Global positions of this rank's tokens: 0..s-1, or under context parallelism its two
+        chunks of the load-balanced layout."""
+        seq_len = hidden.shape[0]
+        if self.config.sequence_parallel:
+            seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp == 1:
+            return torch.arange(seq_len, device=hidden.device)
+        return load_balanced_positions(seq_len * cp, cp, parallel_state.get_context_parallel_rank(),
+                                       device=hidden.device)
+
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         if self.pre_process:
             return self.embedding.word_embeddings.weight
@@ -92,11 +105,8 @@ class GPTModel(torch.nn.Module):
             hidden = self.input_tensor
         cos = sin = None
         if self.rotary is not None:
-            if position_ids is None:
-                seq_len = hidden.shape[0]
-                if self.config.sequence_parallel:
-                    seq_len *= parallel_state.get_tensor_model_parallel_world_size()
-                position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+            if position_ids is None:  # a middle pipeline stage: this rank's positions
+                position_ids = self._local_positions(hidden).unsqueeze(0)
             cos, sin = self.rotary(position_ids)
         hidden = self.decoder(hidden, attention_mask, cos, sin, packed_seq_params)
         if not self.post_process:

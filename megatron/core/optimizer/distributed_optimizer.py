@@ -142,7 +142,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     step = float(self.optimizer.state[piece]["step"])
         self._step_slot.fill_(step)
         dist.all_reduce(self._step_slot, op=dist.ReduceOp.MAX,
-                        group=parallel_state.get_data_parallel_group())
+                        group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         return float(self._step_slot.item())
 
     def _gather_state(self, keys, host_tensor):
@@ -152,10 +152,10 @@ class DistributedOptimizer(MegatronOptimizer):
         before the next, into one device buffer: the whole bucket on DP rank 0, one shard
         elsewhere. That is the extra device memory of a save (every key of the whole model
         at once would not fit next to it)."""
-        group = parallel_state.get_data_parallel_group()
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp = parallel_state.get_data_parallel_world_size()
-        root = parallel_state.get_data_parallel_ranks()[0]
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        root = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
         params: Optional[Dict[str, Dict[str, torch.Tensor]]] = {} if dp_rank == 0 else None
         buffer = None
         if keys or not all(s.in_place for s in self.shards):

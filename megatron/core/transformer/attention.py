@@ -25,9 +25,9 @@ from megatron.core.tensor_parallel import (
     checkpoint,
     get_rng_tracker,
 )
+from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.rope import rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
-
 
 try:  # torch's variable-length flash attention (CUDA only)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -135,6 +135,9 @@ class SelfAttention(torch.nn.Module):
             query = self.apply_rotary(query, rotary_cos, rotary_sin)
             key = self.apply_rotary(key, rotary_cos, rotary_sin)
         dropout = self.config.attention_dropout if self.training else 0.0
+        if self.config.context_parallel_size > 1:
+            return self.linear_proj(self._context_parallel_attention(
+                query, key, value, attention_mask, packed_seq_params, dropout))
         kernel, _ = self._kernel(query, attention_mask if packed_seq_params is None else None,
                                  dropout)
         # Selective recomputation pays only where the kernel keeps the s x s softmax (math);
@@ -145,6 +148,34 @@ class SelfAttention(torch.nn.Module):
         else:
             context = self._core_attention(query, key, value, attention_mask, packed_seq_params)
         return self.linear_proj(context)
+
+    def _context_parallel_attention(self, query, key, value, attention_mask, packed_seq_params,
+                                    dropout: float):
+        """[b, s/CP, heads|groups, d] of this rank's two chunks -> [s/CP, b, heads * d]: causal
+        (per document with ``packed_seq_params``) over the whole sequence, the other chunks'
+        keys/values coming from the CP ranks (context_parallel.py). It saves what flash
+        attention saves (q, k, v, output, log-sum-exp), so selective recomputation has
+        nothing to do here."""
+        if attention_mask is not None:
+            raise ValueError("context parallelism cannot split an explicit [b, 1, s, s] "
+                             "attention mask; pass document boundaries (packed_seq_params) "
+                             "instead, as --reset-attention-mask does.")
+        b, s = query.shape[:2]
+        seed = None
+        if dropout > 0:
+            # One draw per call from the per-TP-rank stream (heads are sharded over TP; CP
+            # ranks share the stream); recomputation replays it. The mask is then a function
+            # of global positions and heads, the same on every rank that computes a block.
+            with get_rng_tracker().fork():
+                seed = int(torch.randint(0, 2 ** 62, (1,), device=query.device).item())
+        out = context_parallel_attention(
+            *(t.transpose(1, 2) for t in (query, key, value)),
+            group=parallel_state.get_context_parallel_group(),
+            comm_type=self.config.cp_comm_type, dropout_p=dropout, dropout_seed=seed,
+            head_offset=parallel_state.get_tensor_model_parallel_rank() * self.local_heads,
+            document_ids=None if packed_seq_params is None else packed_seq_params.document_ids,
+            softmax_scale=None)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
     def _kernel(self, query, attention_mask, dropout: float) -> Tuple[str, bool]:
         return sdpa_kernel_for(query.device.type, query.dtype, self.head_dim,

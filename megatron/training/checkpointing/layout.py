@@ -18,7 +18,10 @@ def current_layout(model_chunks, configs) -> Dict:
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size":
             parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        # The ranks that hold the same weights (DP x CP): the optimizer's shards, RNG states.
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "num_layers": tc.num_layers,
         "layer_ranges": [chunk_layer_range(c) for c in model_chunks],
         "vocab_size": first.vocab_size,

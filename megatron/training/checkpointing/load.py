@@ -190,8 +190,9 @@ def _read(model_chunks, configs) -> Optional[_Read]:
     if not (t.finetune or t.no_load_rng or release):
         states = probe.get("rng_state")
         if states and same_model_cut(saved_layout, layout) and \
-                len(states) == layout["data_parallel_size"]:
-            rng = states[parallel_state.get_data_parallel_rank()]
+                len(states) == layout["data_parallel_size"] and \
+                saved_layout.get("context_parallel_size", 1) == layout["context_parallel_size"]:
+            rng = states[parallel_state.get_data_parallel_rank(with_context_parallel=True)]
         else:
             notes.append("random-generator state not restored (another layout, or none saved)")
     return _result(t, release, probe, iteration, iteration_dir, notes, rng, models, optimizer,

@@ -76,7 +76,7 @@ def probe_writable(path: str) -> Optional[str]:
 def estimated_checkpoint_bytes(model_chunks, configs) -> int:
     """This rank's share of one checkpoint (weights + optimizer state); 0 where it writes none
     (data-parallel ranks > 0)."""
-    if parallel_state.get_data_parallel_rank() != 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
         return 0
     weights, numel = 0, 0
     for chunk in model_chunks:
@@ -109,7 +109,7 @@ def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
         created = _missing_ancestors(save)
         problem = create_save_directory(save)
     problem = _agree(problem)
-    if problem is None and parallel_state.get_data_parallel_rank() == 0:
+    if problem is None and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         problem = probe_writable(save)  # the ranks that will write
     problem = _agree(problem)
     needed = [0] * dist.get_world_size()

@@ -54,9 +54,9 @@ def _map_tensors(tree, fn):
 
 
 def _gather_rng_states() -> List[Dict]:
-    states = [None] * parallel_state.get_data_parallel_world_size()
+    states = [None] * parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     dist.all_gather_object(states, capture_rng_state(),
-                           group=parallel_state.get_data_parallel_group())
+                           group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return states
 
 
@@ -105,7 +105,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         snapshot = host.snapshot
     else:
         snapshot = lambda tree, name: _map_tensors(tree, lambda x: x.detach())
-    dp_root = parallel_state.get_data_parallel_rank() == 0
+    dp_root = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     optimizer_state = None
     if not t.no_save_optim and (configs.optimizer.sharded or dp_root):
         if configs.optimizer.sharded and host is not None:  # gathers straight into them

@@ -164,8 +164,8 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
         if finish_param_sync is not None:
             finish_param_sync()
     layout = current_layout(model_chunks, configs)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     shard = _Shard(dist.get_rank())
     _add_weights(shard, model_chunks, layout, dp_rank, dp_size)
     optimizer_meta = None
