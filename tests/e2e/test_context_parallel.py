@@ -1,7 +1,7 @@
 """Context parallelism through pretrain_llama.py / pretrain_gpt.py: the same global batches give
-the same per-iteration losses as one process, with TP + SP + the distributed optimizer, with
-PP (interleaved) + full recomputation + packed documents, and at CP = 4 on long sequences; a
-checkpoint saved at CP = 2 resumes at CP = 1 and CP = 4.
+the same per-iteration losses and gradient norms as one process, with TP + SP + the
+distributed optimizer, with PP (1F1B; interleaved + full recomputation + packed documents), and
+at CP = 4 on long sequences; a checkpoint saved at CP = 2 resumes at CP = 1 and CP = 4.
 
 Tolerance 1e-5 (the issue's): under CP each rank sums the loss of its own chunks and the
 ranks' sums are added (a different association than one process's sum over the sequence), and
@@ -68,6 +68,12 @@ def test_cp4_at_sequence_256_on_4_ranks_equals_one_process():
     # GPT: learned absolute positions, looked up at each rank's own (non-contiguous) positions.
     _assert_equal_to_single("pretrain_gpt.py", flags, ["--context-parallel-size", "4"],
                             nproc=4)
+
+
+def test_cp2_pp2_1f1b_with_distributed_optimizer_equals_one_process():
+    flags = BASE + LLAMA + ["--use-distributed-optimizer"]  # the checkpoint test's reference
+    _assert_equal_to_single("pretrain_llama.py", flags, [
+        "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"], nproc=4)
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
