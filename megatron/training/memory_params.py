@@ -4,7 +4,8 @@ Exact for this code base, not a rule of thumb: the parameter list of each model 
 derived in registration order (so DDP's buckets and the distributed optimizer's shards, with
 their padding, come out as the real run lays them out), and each kind of tensor is counted at
 its dtype. Per parameter the totals reduce to the table in Megatron's distributed-optimizer
-documentation (bytes/param; d = data-parallel size):
+documentation (bytes/param; d = data-parallel size, times the context-parallel size under
+CP: gradients are reduced and the optimizer sharded over DP x CP, ``OptimizerSetup``):
 
     params / grads       plain optimizer    distributed optimizer
     fp16 / fp16          20                 4 + 16/d

@@ -96,6 +96,7 @@ def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_mi
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0)
     model_class = GPTModel if arch == "gpt" else LlamaModel
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, bucket_size=bucket_size,
@@ -111,18 +112,19 @@ def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_mi
     _, skipped, _, _ = train_step(_forward_step, iterators, model, optimizer, None,
                                   num_microbatches, SEQ, MBS)
     assert not skipped
-    setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(),
+    # Gradients are reduced, and the optimizer sharded, over DP x CP.
+    setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(True),
                            use_distributed_optimizer=distributed, grad_reduce_in_fp32=grad_fp32,
                            bucket_size=bucket_size)
     estimate = rank_state_bytes(config, VOCAB, setup, ps.get_pipeline_model_parallel_rank(),
                                 torch.empty((), dtype=dtype).element_size(),
-                                ps.get_data_parallel_rank(),
+                                ps.get_data_parallel_rank(True),
                                 share_embeddings_and_output_weights=arch == "gpt")
     return dataclasses.asdict(_measured_state(model, optimizer)), dataclasses.asdict(estimate)
 
 
 STATE_CASES = [
-    # world, tp, pp, vpp, arch, dtype, distributed optimizer, fp32 grads, bucket size
+    # world, tp, pp, vpp, arch, dtype, distributed optimizer, fp32 grads, bucket size, cp
     (8, 2, 2, None, "gpt", torch.float32, False, False, None),
     (8, 2, 2, None, "gpt", torch.float32, True, False, 1000),
     (8, 1, 2, 2, "llama", torch.float32, True, False, None),
@@ -130,14 +132,15 @@ STATE_CASES = [
     (4, 2, 2, None, "gpt", torch.bfloat16, False, False, None),
     (4, 1, 2, None, "llama", torch.bfloat16, True, True, 1500),
     (2, 1, 1, None, "gpt", torch.bfloat16, False, True, None),
+    (4, 1, 1, None, "llama", torch.bfloat16, True, False, 700, 2),  # sharded over DP 2 x CP 2
 ]
 
 
-@pytest.mark.parametrize("world,tp,pp,vpp,arch,dtype,distributed,grad_fp32,bucket",
-                         STATE_CASES)
+@pytest.mark.parametrize("world,tp,pp,vpp,arch,dtype,distributed,grad_fp32,bucket,cp",
+                         [case + (1,) * (10 - len(case)) for case in STATE_CASES])
 def test_state_estimate_equals_the_tensors_of_a_real_step(world, tp, pp, vpp, arch, dtype,
-                                                          distributed, grad_fp32, bucket):
-    results = run_distributed(_state_after_a_step, world_size=world, tp=tp, pp=pp, vpp=vpp,
+                                                          distributed, grad_fp32, bucket, cp):
+    results = run_distributed(_state_after_a_step, world_size=world, tp=tp, pp=pp, vpp=vpp, cp=cp,
                               arch=arch, dtype=dtype, distributed=distributed,
                               grad_fp32=grad_fp32, bucket_size=bucket, num_microbatches=4)
     for rank, (measured, estimate) in enumerate(results):
