@@ -81,3 +81,22 @@ def test_model_gradients_under_cp_equal_one_process(tp, cp, sp, comm_type, packe
             assert scale > 0, name
             err = (grad - want[name]).abs().max().item()
             assert err <= TOL * scale, (name, err, scale)
+
+
+def _explicit_mask_under_cp():
+    config = _config(1, 2, False, "p2p")
+    model = LlamaModel(config, VOCAB)
+    tokens, _, _, positions = _batch(packed=False)
+    tokens, positions = shard_for_context_parallel(tokens, positions)
+    mask = torch.ones(1, 1, SEQ // 2, SEQ // 2, dtype=torch.bool).triu(1)
+    try:
+        model(tokens, position_ids=positions, attention_mask=mask)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_explicit_attention_mask_under_cp_is_a_clear_error():
+    messages = run_distributed(_explicit_mask_under_cp, world_size=2, cp=2)
+    assert messages == ["context parallelism cannot split an explicit [b, 1, s, s] attention "
+                        "mask; pass document boundaries (packed_seq_params) instead, as "
+                        "--reset-attention-mask does."] * 2
