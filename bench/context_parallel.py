@@ -6,11 +6,12 @@ on one process (torch SDPA) at the same sequence length.
     torchrun --nproc-per-node 2 bench/context_parallel.py [...]      (same, under torchrun)
 
 Two processes (gloo, one thread each). One attention core, fp32, causal, GQA: q [b, hq, s, d],
-k/v [b, hkv, s, d] -> out, forward + backward (``out.backward(dout)``). Every rank builds the
-same full q, k, v, dout (fixed seed); CP=2 ranks take their load-balanced shards
-(``shard_sequence``) and run ``context_parallel_attention`` over the world group; CP=1 is what
-the model runs at CP=1, ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on
-the full sequence, on rank 0 while rank 1 waits. After warmup the three alternate step by
+k/v [b, hkv, s, d] -> out, forward + backward (``torch.autograd.grad(out, (q, k, v), dout)``).
+Every rank builds the same full q, k, v, dout (fixed seed); CP=2 ranks take their
+load-balanced shards (``shard_sequence``) and run ``context_parallel_attention`` over the
+world group; CP=1 is what the model runs at CP=1,
+``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on the full sequence, on
+rank 0 while rank 1 waits. After warmup the three alternate step by
 step, each step after a barrier; a CP=2 step lasts until the slower rank is done. Medians.
 
 Memory (a separate, untimed step of each): bytes saved for backward (autograd's
@@ -101,8 +102,10 @@ def step_fns(args, seq, rank):
         out = attention(*leaves)
         if after_forward is not None:
             after_forward()
-        out.backward(tensors[3])
-        return out.detach(), [t.grad for t in leaves]
+        # autograd.grad, not backward: no AccumulateGrad copy into .grad (q, k, v are not
+        # leaves in a model), so the memory figures are attention's own
+        grads = torch.autograd.grad(out, leaves, tensors[3])
+        return out.detach(), list(grads)
 
     def cp1(after_forward=None):
         if rank != 0:

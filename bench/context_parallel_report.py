@@ -1,4 +1,5 @@
 """The printed table of bench/context_parallel.py (rank 0, from every rank's measurements)."""
+import os
 import statistics
 
 import torch
@@ -41,12 +42,14 @@ def _mib(x):
 def print_times(args, per_rank):
     times = {n: step_times(per_rank, n, args.steps) for n in ("cp1", "p2p", "all_gather")}
     med = {n: statistics.median(t) for n, t in times.items()}
-    print("  step (fwd+bwd), ms: median (min-max) | CPU ms/step, ranks working summed")
+    print("  step (fwd+bwd), ms: median (min-max) | CPU ms/step, ranks working summed | cores "
+          "the step got = CPU / wall (CP=2 ranks sharing one core when the machine is busy: ~1)")
     for name, label in (("cp1", "CP=1 SDPA, 1 proc"), ("p2p", "CP=2 p2p"),
                         ("all_gather", "CP=2 all_gather")):
         ts = sorted(times[name])
+        cpu = cpu_time(per_rank, name, args.steps)
         print(f"    {label:>18}: {_ms(med[name]):>8} ({_ms(ts[0])}-{_ms(ts[-1])}) | "
-              f"CPU {_ms(cpu_time(per_rank, name, args.steps))}")
+              f"CPU {_ms(cpu)} | cores {cpu / med[name]:.2f}")
     print("  ratios (median/median; median of per-round ratios):")
     for a, b in (("cp1", "p2p"), ("cp1", "all_gather"), ("all_gather", "p2p")):
         rounds = statistics.median(x / y for x, y in zip(times[a], times[b]))
@@ -75,8 +78,7 @@ def print_memory(args, seq, per_rank):
     for name in ("p2p", "all_gather"):
         worst = {k: max_over_ranks(per_rank, name, k) for k in cp1}
         print(f"    {name}/cp1, larger rank: saved {worst['saved'] / cp1['saved']:.3f}, "
-              f"peak fwd+bwd {worst['step_peak'] / cp1['step_peak']:.3f}, transient peak "
-              f"{worst['transient_peak'] / cp1['transient_peak']:.3f}")
+              f"peak fwd+bwd {worst['step_peak'] / cp1['step_peak']:.3f}")
 
 
 def _median_field(traces, phase, key):
@@ -96,7 +98,8 @@ def print_overlap(args, per_rank):
                   f"exposed {f['exposed'] * 1e3:.2f} ms, compute {_ms(f['compute'])} of "
                   f"{_ms(f['span'])} ms; arrived before wait {int(f['arrived_before_wait'])}/"
                   f"{int(f['exchanges'])}; with no compute in window "
-                  f"{int(f['unhidden_exchanges'])}")
+                  f"{int(f['unhidden_exchanges'])} (exposed {f['unhidden_exposed'] * 1e3:.2f} "
+                  f"ms)")
         print(f"    rank {r['rank']} one hop alone ({_mib(nbytes)} MiB each way, post+wait, "
               f"no compute): {hop * 1e3:.2f} ms")
     for r in per_rank:
@@ -112,24 +115,32 @@ def summary(args, seq, per_rank, med):
     mem = {n: {k: max_over_ranks(per_rank, n, k) for k in cp1} for n in ("p2p", "all_gather")}
     exposed = max(statistics.median(t["forward"]["exposed"] + t["backward"]["exposed"]
                                     for t in r["ring"]) for r in per_rank)
+    final_hop = max(statistics.median(t["backward"]["unhidden_exposed"] for t in r["ring"])
+                    for r in per_rank)
+    hop = max(r["exchange"][0] for r in per_rank)
     hidden = min(statistics.median(
         (t["forward"]["hidden"] + t["backward"]["hidden"])
         / max(t["forward"]["window"] + t["backward"]["window"], 1e-12) for t in r["ring"])
         for r in per_rank)
+    cores = {n: cpu_time(per_rank, n, args.steps) / med[n] for n in ("p2p", "all_gather")}
     print(f"SUMMARY seq={seq} | ms cp1 {_ms(med['cp1'])} p2p {_ms(med['p2p'])} all_gather "
-          f"{_ms(med['all_gather'])} | cp1/p2p {med['cp1'] / med['p2p']:.3f} cp1/ag "
+          f"{_ms(med['all_gather'])} | cores p2p {cores['p2p']:.2f} ag "
+          f"{cores['all_gather']:.2f} | cp1/p2p {med['cp1'] / med['p2p']:.3f} cp1/ag "
           f"{med['cp1'] / med['all_gather']:.3f} ag/p2p {med['all_gather'] / med['p2p']:.3f} | "
           + " | ".join(f"{label} MiB cp1 {_mib(cp1[k])} p2p {_mib(mem['p2p'][k])} ag "
                        f"{_mib(mem['all_gather'][k])}" for k, label in
                        (("saved", "saved"), ("step_peak", "peak"),
                         ("transient_peak", "transient")))
-          + f" | ring hidden {hidden:.1%} exposed {exposed * 1e3:.2f} ms")
+          + f" | ring hidden {hidden:.1%} exposed {exposed * 1e3:.2f} ms (final dK/dV hop "
+          f"{final_hop * 1e3:.2f}) | one hop alone {hop * 1e3:.2f} ms")
 
 
 def report(args, results):
     print("=" * 78)
     print(f"context parallel bench: CP={CP} (2 processes) vs CP=1 (1 process), gloo, 1 thread/"
           f"rank, torch {torch.__version__}")
+    print("load average (1, 5, 15 min) at the end: "
+          + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"attention core: b={args.batch} heads={args.heads} kv heads={args.kv_heads} "
           f"d={args.head_dim} fp32 causal, forward + backward; {args.steps} timed steps each "
           f"(after {args.warmup} warmup), alternating")

@@ -116,23 +116,27 @@ def _overlap(a: Tuple[float, float], b: Tuple[float, float]) -> float:
 def ring_overlap(trace: RingTrace, phase: str) -> dict:
     """Sums over this phase's exchanges (seconds): window (post .. wait return), hidden (the
     window's time under block compute; computes never overlap each other on one rank),
-    exposed (blocked in wait), compute (the phase's block computes), and counts."""
+    exposed (blocked in wait; unhidden_exposed: of exchanges with no compute in their window),
+    compute (the phase's block computes), and counts."""
     exchanges = [e for e in trace.exchanges if e.phase == phase]
     span = trace.phases.get(phase, (0.0, 0.0))
     computes = [(s, e) for _, s, e in trace.computes if span[0] <= s and e <= span[1]]
-    window = hidden = exposed = 0.0
+    window = hidden = exposed = bare_exposed = 0.0
+    bare = 0
     for ex in exchanges:
         interval = (ex.post, ex.wait_end)
+        under_compute = sum(_overlap(interval, c) for c in computes)
         window += interval[1] - interval[0]
-        hidden += sum(_overlap(interval, c) for c in computes)
+        hidden += under_compute
         exposed += ex.wait_end - ex.wait_start
+        if under_compute == 0.0:  # the ring's final dK/dV hop: no block left to compute
+            bare += 1
+            bare_exposed += ex.wait_end - ex.wait_start
     return {"exchanges": len(exchanges), "window": window, "hidden": hidden,
             "exposed": exposed, "compute": sum(e - s for s, e in computes),
             "span": span[1] - span[0],
             "arrived_before_wait": sum(bool(e.arrived_before_wait) for e in exchanges),
-            "unhidden_exchanges": sum(
-                1 for e in exchanges
-                if sum(_overlap((e.post, e.wait_end), c) for c in computes) == 0.0)}
+            "unhidden_exchanges": bare, "unhidden_exposed": bare_exposed}
 
 
 class _TimedCollectives:

@@ -101,7 +101,8 @@ def test_overlap_arithmetic():
     assert forward["compute"] == pytest.approx(4.0)
     assert (forward["exchanges"], forward["unhidden_exchanges"]) == (1, 0)
     assert forward["arrived_before_wait"] == 1
+    assert forward["unhidden_exposed"] == 0.0
     backward = ring_overlap(trace, "backward")
     assert backward["hidden"] == 0.0 and backward["unhidden_exchanges"] == 1
-    assert backward["exposed"] == pytest.approx(0.8)
+    assert backward["exposed"] == backward["unhidden_exposed"] == pytest.approx(0.8)
     assert backward["compute"] == pytest.approx(0.3)
