@@ -13,6 +13,7 @@ from megatron.training.tokenizer.sentencepiece_tokenizer import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron.training.tokenizer.tiktoken_tokenizer import TikTokenizer
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -22,6 +23,7 @@ __all__ = [
     "MegatronTokenizer",
     "NullTokenizer",
     "SentencePieceTokenizer",
+    "TikTokenizer",
     "add_tokenizer_args",
     "build_tokenizer",
     "build_tokenizer_from_args",

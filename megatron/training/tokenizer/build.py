@@ -1,7 +1,7 @@
 """Megatron's tokenizer flags, and the one function that turns them into a tokenizer."""
 import argparse
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron.core.utils import vocab_size_with_padding  # torch-free: keeps tool start-up fast
 from megatron.training.tokenizer.base import MegatronTokenizer
@@ -12,6 +12,11 @@ from megatron.training.tokenizer.sentencepiece_tokenizer import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron.training.tokenizer.tiktoken_tokenizer import (
+    DEFAULT_NUM_SPECIAL_TOKENS,
+    PATTERNS,
+    TikTokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +26,7 @@ TOKENIZER_TYPES = (
     "Llama2Tokenizer",
     "HuggingFaceTokenizer",
     "PretrainedFromHF",  # Megatron-DeepSpeed's name for HuggingFaceTokenizer
+    "TikTokenizer",
     "NullTokenizer",
 )
 
@@ -36,12 +42,26 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="SentencePieceTokenizer, Llama2Tokenizer: the sentencepiece .model "
                             "file. HuggingFaceTokenizer: accepted instead of "
-                            "--tokenizer-name-or-path, as in Megatron.")
+                            "--tokenizer-name-or-path, as in Megatron. TikTokenizer: the "
+                            "tiktoken BPE file ('base64 rank' lines, as LLaMA-3's "
+                            "tokenizer.model) or Megatron's vocabulary JSON.")
     group.add_argument("--tokenizer-name-or-path", type=str, default=None,
                        help="HuggingFaceTokenizer: a local directory written by "
                             "save_pretrained() (hub names are not downloaded).")
     group.add_argument("--vocab-size", type=int, default=None,
-                       help="NullTokenizer: ids 0..N-1; the end-of-document id is N.")
+                       help="NullTokenizer: ids 0..N-1; the end-of-document id is N. "
+                            "TikTokenizer: optional total vocabulary; the file's ranks are cut "
+                            "to N minus the special tokens.")
+    group.add_argument("--tiktoken-pattern", type=str, default=None, choices=tuple(PATTERNS),
+                       help="TikTokenizer: the pre-tokenizer regex the file was trained with: "
+                            "llama3 (LLaMA-3), cl100k (GPT-4), o200k (GPT-4o), v1/v2 "
+                            "(Megatron-LM's).")
+    group.add_argument("--tiktoken-num-special-tokens", type=int,
+                       default=DEFAULT_NUM_SPECIAL_TOKENS,
+                       help="TikTokenizer: ids 0..N-1 are special tokens; BPE rank r is id N+r.")
+    group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
+                       help="TikTokenizer: the first special tokens, in id order; must contain "
+                            "<unk> <s> </s> (the default list). The rest are <SPECIAL_i>.")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary to a multiple of this times the tensor-parallel "
                             "size, for equal TP shards and efficient GEMMs.")
@@ -52,7 +72,10 @@ def build_tokenizer(tokenizer_type: Optional[str], *, vocab_file: Optional[str] 
                     merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
                     tokenizer_name_or_path: Optional[str] = None,
                     vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
-                    tensor_model_parallel_size: int = 1) -> MegatronTokenizer:
+                    tensor_model_parallel_size: int = 1, tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: int = DEFAULT_NUM_SPECIAL_TOKENS,
+                    tiktoken_special_tokens: Optional[Sequence[str]] = None
+                    ) -> MegatronTokenizer:
     """Build the tokenizer and set its ``padded_vocab_size`` (the embedding's row count)."""
     if tokenizer_type not in TOKENIZER_TYPES:
         problem = ("--tokenizer-type is required" if tokenizer_type is None
@@ -80,6 +103,13 @@ def build_tokenizer(tokenizer_type: Optional[str], *, vocab_file: Optional[str] 
             tokenizer = HuggingFaceTokenizer(need(
                 tokenizer_name_or_path, "--tokenizer-name-or-path",
                 "a local directory written by save_pretrained()"))
+    elif tokenizer_type == "TikTokenizer":
+        tokenizer = TikTokenizer(
+            need(tokenizer_model, "--tokenizer-model", "a tiktoken BPE file"),
+            need(tiktoken_pattern, "--tiktoken-pattern",
+                 f"the regex the file was trained with: one of {', '.join(PATTERNS)}"),
+            num_special_tokens=tiktoken_num_special_tokens,
+            special_tokens=tiktoken_special_tokens, vocab_size=vocab_size)
     else:
         tokenizer = NullTokenizer(need(vocab_size, "--vocab-size", "ids 0..N-1, eod N"))
 
@@ -104,4 +134,8 @@ def build_tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
         tensor_model_parallel_size=(1 if tensor_model_parallel_size is None
                                     else tensor_model_parallel_size),
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens",
+                                            DEFAULT_NUM_SPECIAL_TOKENS),
+        tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
     )
