@@ -66,6 +66,7 @@ _TOKENIZER_FILES = {
     "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
     "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
     "Llama2Tokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "TikTokenizer": (("--tokenizer-model", "tokenizer_model"),),
 }
 
 
