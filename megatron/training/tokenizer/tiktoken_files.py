@@ -14,10 +14,13 @@ tiktoken's byte-level BPE cannot encode a byte it has no token for.
 import base64
 import binascii
 import json
+import re
 from typing import Dict, Iterator, Tuple
 
 FORMAT_HINT = ("a tiktoken BPE file has one 'base64(token bytes) rank' per line (as LLaMA-3's "
                "tokenizer.model)")
+# Base64, digits and whitespace are all a tiktoken file holds; anything else is another format.
+NOT_TEXT = re.compile(rb"[^\x20-\x7e\t\n\r]")
 
 
 def load_ranks(path: str) -> Dict[bytes, int]:
@@ -36,17 +39,16 @@ def load_ranks(path: str) -> Dict[bytes, int]:
 
 
 def _numbered_lines(path: str, data: bytes) -> Iterator[Tuple[int, str]]:
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        try:
-            line = raw.decode("ascii").strip()
-        except UnicodeDecodeError:
-            raise ValueError(
-                f"--tokenizer-model {path} line {lineno} is not text: this is not a tiktoken "
-                f"BPE file (a sentencepiece .model, e.g. LLaMA-2's tokenizer.model, needs "
-                f"--tokenizer-type Llama2Tokenizer or SentencePieceTokenizer); "
-                f"{FORMAT_HINT}.") from None
-        if line:
-            yield lineno, line
+    binary = NOT_TEXT.search(data)
+    if binary:
+        lineno = data.count(b"\n", 0, binary.start()) + 1
+        raise ValueError(
+            f"--tokenizer-model {path} line {lineno} is not text: this is not a tiktoken "
+            f"BPE file (a sentencepiece .model, e.g. LLaMA-2's tokenizer.model, needs "
+            f"--tokenizer-type Llama2Tokenizer or SentencePieceTokenizer); {FORMAT_HINT}.")
+    for lineno, line in enumerate(data.decode("ascii").split("\n"), start=1):
+        if line.strip():
+            yield lineno, line.strip()
 
 
 def _ranks_from_lines(path: str, data: bytes) -> Dict[bytes, int]:
