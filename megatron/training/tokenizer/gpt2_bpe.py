@@ -1,19 +1,28 @@
-"""GPT-2's byte-level BPE from vocab.json + merges.txt, run by the Rust ``tokenizers`` library."""
+"""GPT-2's byte-level BPE from vocab.json + merges.txt, run by tiktoken's Rust encoder where its
+ids are provably the same (see tiktoken_bpe.py), else by the Rust ``tokenizers`` library."""
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import Dict, Iterable, List, Sequence
 
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from megatron.training.tokenizer.unit_cache import UnitCache
 from megatron.training.tokenizer.base import (
     MegatronTokenizer,
     as_id_list,
     check_batch,
     require_file,
 )
+from megatron.training.tokenizer.tiktoken_bpe import tiktoken_encoder
+from megatron.training.tokenizer.unit_cache import UnitCache
+
+logger = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
+# tokenizers' own spellings of "no" for TOKENIZERS_PARALLELISM, which we honour for threads too.
+PARALLELISM_OFF = ("", "0", "false", "f", "off", "no", "n")
 
 
 class GPT2BPETokenizer(MegatronTokenizer):
@@ -25,9 +34,14 @@ class GPT2BPETokenizer(MegatronTokenizer):
     (transformers' GPT2Tokenizer matches that with ``split_special_tokens=True``.)
     ``eod`` = ``bos`` = ``eos`` = the id of ``<|endoftext|>`` (GPT-2's only special token, which
     transformers also reports as bos/eos); ``pad`` is None.
+
+    Encoding runs on tiktoken when ``tiktoken_encoder`` proves its ids equal (a log line says
+    when it cannot, and why); ``use_tiktoken=False`` forces the ``tokenizers`` path.
+    ``tokenize_batch`` spreads a batch over one thread per core unless TOKENIZERS_PARALLELISM
+    says no (preprocessing workers set it), as the ``tokenizers`` batch encoder does.
     """
 
-    def __init__(self, vocab_file: str, merge_file: str):
+    def __init__(self, vocab_file: str, merge_file: str, use_tiktoken: bool = True):
         require_file(vocab_file, "--vocab-file")
         require_file(merge_file, "--merge-file")
         try:
@@ -52,6 +66,11 @@ class GPT2BPETokenizer(MegatronTokenizer):
         # Rust's batch encoder without offset tracking where the installed version has it.
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self._unit_cache = UnitCache(self._encode_ids)
+        self._fast, reason = tiktoken_encoder(tokenizer) if use_tiktoken else (None, "")
+        if reason:
+            logger.warning("GPT2BPETokenizer: not using tiktoken for %s (%s); encoding with "
+                           "tokenizers instead (same ids, slower)", vocab_file, reason)
+        self._pool, self._pool_pid = None, None
 
     @property
     def vocab_size(self) -> int:
@@ -61,12 +80,55 @@ class GPT2BPETokenizer(MegatronTokenizer):
     def vocab(self) -> Dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
+    @property
+    def uses_tiktoken(self) -> bool:
+        return self._fast is not None
+
     def tokenize(self, text: str) -> List[int]:
+        if self._fast is not None:
+            return self._tiktoken_ids(text)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        # Same ids as tokenize() per text; repeated words are looked up, not re-encoded.
-        return self._unit_cache.tokenize_batch(check_batch(texts))
+        texts = check_batch(texts)
+        if self._fast is None:
+            # Same ids as tokenize() per text; repeated words are looked up, not re-encoded
+            # (a cache that pays on the tokenizers path; tiktoken is faster without it).
+            return self._unit_cache.tokenize_batch(texts)
+        threads = self._threads()
+        if threads == 1 or len(texts) < 2 * threads:
+            return [self._tiktoken_ids(text) for text in texts]
+        # tiktoken releases the GIL while it encodes: contiguous slices, one per thread.
+        size = -(-len(texts) // threads)
+        slices = [texts[i:i + size] for i in range(0, len(texts), size)]
+        out: List[List[int]] = []
+        for ids in self._thread_pool(threads).map(self._tiktoken_many, slices):
+            out += ids
+        return out
+
+    def _tiktoken_ids(self, text: str) -> List[int]:
+        try:
+            return self._fast.encode_ordinary(text)
+        except UnicodeEncodeError:
+            # A lone surrogate: let tokenizers raise its own error, as without tiktoken.
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _tiktoken_many(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self._tiktoken_ids(text) for text in texts]
+
+    @staticmethod
+    def _threads() -> int:
+        setting = os.environ.get("TOKENIZERS_PARALLELISM")
+        if setting is not None and setting.strip().lower() in PARALLELISM_OFF:
+            return 1
+        return max(1, min(os.cpu_count() or 1, 16))
+
+    def _thread_pool(self, threads: int) -> ThreadPoolExecutor:
+        # A pool made before a fork has no threads in the child: make one per process.
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gpt2-bpe")
+            self._pool_pid = os.getpid()
+        return self._pool
 
     def _encode_ids(self, texts: List[str]) -> List[List[int]]:
         return [e.ids for e in self._encode_batch(texts, add_special_tokens=False)]
