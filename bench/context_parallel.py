@@ -39,6 +39,7 @@ from bench.context_parallel_report import report  # noqa: E402
 from bench.context_parallel_trace import (  # noqa: E402
     KV_TAG,
     RingTrace,
+    final_hop,
     ring_overlap,
     timed_all_gather,
     traced_ring,
@@ -207,7 +208,8 @@ def traced(fns, args):
         dist.barrier()
         with traced_ring(trace):
             fns["p2p"]()
-        ring.append({phase: ring_overlap(trace, phase) for phase in ("forward", "backward")})
+        summary = {phase: ring_overlap(trace, phase) for phase in ("forward", "backward")}
+        ring.append({**summary, "final_hop": final_hop(trace)})
         spans = []
         dist.barrier()
         with timed_all_gather(spans):

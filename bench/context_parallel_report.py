@@ -4,6 +4,8 @@ import statistics
 
 import torch
 
+from bench.context_parallel_trace import peer_wait
+
 MIB = 2 ** 20
 CP = 2
 
@@ -100,6 +102,12 @@ def print_overlap(args, per_rank):
                   f"{int(f['exchanges'])}; with no compute in window "
                   f"{int(f['unhidden_exchanges'])} (exposed {f['unhidden_exposed'] * 1e3:.2f} "
                   f"ms)")
+        waits = [peer_wait(t["final_hop"], peer["final_hop"])
+                 for t, peer in zip(r["ring"], per_rank[1 - r["rank"]]["ring"])]
+        print(f"    rank {r['rank']} final dK/dV hop's wait (median): "
+              f"{statistics.median(w[0] for w in waits) * 1e3:.2f} ms before the peer posted "
+              f"it (the peer still computing), {statistics.median(w[1] for w in waits) * 1e3:.2f}"
+              f" ms after")
         print(f"    rank {r['rank']} one hop alone ({_mib(nbytes)} MiB each way, post+wait, "
               f"no compute): {hop * 1e3:.2f} ms")
     for r in per_rank:

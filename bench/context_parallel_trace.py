@@ -139,6 +139,22 @@ def ring_overlap(trace: RingTrace, phase: str) -> dict:
             "unhidden_exchanges": bare, "unhidden_exposed": bare_exposed}
 
 
+def final_hop(trace: RingTrace) -> Tuple[float, float, float]:
+    """Absolute perf_counter times (post, wait start, wait return) of the backward's last
+    exchange, the final dK/dV hop. perf_counter is CLOCK_MONOTONIC, the same clock in every
+    process of this machine, so the ranks' timelines can be compared."""
+    last = [e for e in trace.exchanges if e.phase == "backward"][-1]
+    return tuple(trace.origin + t for t in (last.post, last.wait_start, last.wait_end))
+
+
+def peer_wait(mine: Tuple[float, float, float], peer: Tuple[float, float, float]):
+    """(seconds of my wait spent before the peer had even posted its hop, seconds after)."""
+    _, wait_start, wait_end = mine
+    peer_post = peer[0]
+    before = min(max(0.0, peer_post - wait_start), wait_end - wait_start)
+    return before, wait_end - wait_start - before
+
+
 class _TimedCollectives:
     """Stands in for megatron.core.collectives inside cp_all_gather: times each call."""
 
