@@ -26,6 +26,11 @@ class CorruptInput(Exception):
     """A file that cannot be read to the end: truncated or corrupt (exit code 1)."""
 
 
+def one_line(error: BaseException) -> str:
+    """A library's message on one line (pyarrow's may hold newlines)."""
+    return " ".join(str(error).split())
+
+
 @dataclass
 class InputFile:
     path: str
@@ -124,8 +129,8 @@ def check_parquet(files: List[InputFile], keys: List[str]) -> None:
                 meta = parquet.metadata
                 f.row_groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         except (OSError, pyarrow.ArrowException) as e:
-            raise CorruptInput(f"{f.path}: not a readable Parquet file ({e}); the file is "
-                               f"truncated or corrupt: re-create or re-download it") from None
+            raise CorruptInput(f"{f.path}: not a readable Parquet file ({one_line(e)}); the file "
+                               f"is truncated or corrupt: re-create or re-download it") from None
         missing = [key for key in keys if key not in columns]
         if missing:
             shown = " ".join(columns[:20]) + (" ..." if len(columns) > 20 else "")

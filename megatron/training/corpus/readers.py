@@ -12,7 +12,14 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
-from megatron.training.corpus.inputs import GZIP, PARQUET, PLAIN, CorruptInput, InputFile
+from megatron.training.corpus.inputs import (
+    GZIP,
+    PARQUET,
+    PLAIN,
+    CorruptInput,
+    InputFile,
+    one_line,
+)
 
 BATCH_LINES = 1024  # lines (or rows) per task: enough to amortize IPC, small enough to stream
 CHUNK = 1 << 20  # compressed bytes read at a time
@@ -188,7 +195,8 @@ class TaskReader:
         except _read_errors() as e:
             codec = "gzip" if file.kind == GZIP else "zstd"
             raise CorruptInput(f"{file.label}: {codec} data is truncated or corrupt after line "
-                               f"{last_line} ({e}); re-create or re-download the file") from None
+                               f"{last_line} ({one_line(e)}); re-create or re-download the "
+                               f"file") from None
 
     @staticmethod
     def _row_groups(file):
@@ -220,5 +228,5 @@ def read_row_group(task: RowGroupTask, keys: List[str]) -> Iterator:
                 row += batch.num_rows
     except (OSError, pyarrow.ArrowException) as e:
         raise CorruptInput(f"{task.label}: cannot read row group index {task.row_group} (rows "
-                           f"from {row}): {e}; the file is truncated or corrupt: re-create or "
-                           f"re-download it") from None
+                           f"from {row}): {one_line(e)}; the file is truncated or corrupt: "
+                           f"re-create or re-download it") from None

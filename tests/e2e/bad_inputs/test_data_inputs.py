@@ -3,6 +3,7 @@ full disk on a real tiny tmpfs, unusable paths), training data (a damaged or mis
 .bin/.idx, the default --split on a small corpus, blend mistakes) and tokenizers (a directory
 or file that holds no tokenizer). Each case: the exit code, one ``error:`` line saying what is
 wrong and the fix, no traceback, no training iteration, and no output left behind."""
+import base64
 import json
 import os
 
@@ -282,6 +283,27 @@ TOKENIZER_IDS = ["tok-empty-dir", "tok-model-dir-without-tokenizer", "tok-missin
                  "tok-missing-merges-file", "tok-merges-given-as-vocab", "tok-not-sentencepiece"]
 
 
+def _tiktoken_bad_line(tmp_path, tokenizer_dir, corpus):
+    lines = [f"{base64.b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    (tmp_path / "bad.tiktoken").write_text("\n".join(lines[:2] + ["QQ==x 2"] + lines[3:]))
+    return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tmp_path / "bad.tiktoken",
+            "--tiktoken-pattern", "llama3"], [
+        f"--tokenizer-model {tmp_path / 'bad.tiktoken'} line 3: 'QQ==x' is not a token in base64",
+        "one 'base64(token bytes) rank' per line"]
+
+
+def _tiktoken_given_hf_json(tmp_path, tokenizer_dir, corpus):
+    model = os.path.join(tokenizer_dir, "tokenizer.json")
+    return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", model,
+            "--tiktoken-pattern", "llama3"], [
+        f"--tokenizer-model {model} is a JSON object, not a tiktoken BPE file",
+        "needs --tokenizer-type HuggingFaceTokenizer"]
+
+
+TOKENIZERS += [_tiktoken_bad_line, _tiktoken_given_hf_json]
+TOKENIZER_IDS += ["tok-tiktoken-bad-base64-line", "tok-tiktoken-given-hf-tokenizer-json"]
+
+
 @pytest.mark.parametrize("make", TOKENIZERS, ids=TOKENIZER_IDS)
 def test_bad_tokenizer_in_pretrain(tmp_path, tokenizer, make):
     prefix = write_dataset(tmp_path / "data", 30)
@@ -302,3 +324,106 @@ def test_bad_tokenizer_in_preprocessing(tmp_path, tokenizer, make):
                             *flags])
     assert_clean_error(proc, 2, *fragments)
     assert listing(tmp_path) == before
+
+
+# ---- preprocessing: compressed and Parquet inputs, directories and globs --------------------
+
+def _numbers_jsonl(n):
+    return b"".join(b'{"text": "%d %d"}\n' % (i % 60, i % 7) for i in range(n))
+
+
+def _truncated_gz(tmp_path):
+    import gzip
+
+    data = gzip.compress(_numbers_jsonl(20000))
+    (tmp_path / "in.jsonl.gz").write_bytes(data[:len(data) * 2 // 3])
+    return tmp_path / "in.jsonl.gz", [], 1, [
+        f"{tmp_path / 'in.jsonl.gz'}: gzip data is truncated or corrupt after line",
+        "re-create or re-download the file", "no output written"]
+
+
+def _truncated_zst(tmp_path):
+    import zstandard  # a cut inside the last frame: zstandard's own reader would just stop
+
+    data = zstandard.ZstdCompressor().compress(_numbers_jsonl(20000))
+    (tmp_path / "in.jsonl.zst").write_bytes(data[:-5])
+    return tmp_path / "in.jsonl.zst", [], 1, [
+        f"{tmp_path / 'in.jsonl.zst'}: zstd data is truncated or corrupt after line",
+        "the file ends inside a zstd frame", "no output written"]
+
+
+def _parquet(path, rows=5000, row_group_size=1000):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"{i % 60} {i % 7}" for i in range(rows)]
+    pq.write_table(pa.table({"id": list(range(rows)), "text": texts}), path,
+                   row_group_size=row_group_size, compression="none")
+    return pq.ParquetFile(path).metadata
+
+
+def _truncated_parquet(tmp_path):
+    _parquet(tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    os.remove(tmp_path / "whole.parquet")
+    (tmp_path / "in.parquet").write_bytes(data[:len(data) // 2])
+    return tmp_path / "in.parquet", [], 1, [
+        f"{tmp_path / 'in.parquet'}: not a readable Parquet file", "truncated or corrupt",
+        "no output written"]
+
+
+def _damaged_parquet_row_group(tmp_path):
+    # Footer intact, row group 2's page header overwritten: found by the worker reading it.
+    offset = _parquet(tmp_path / "in.parquet").row_group(2).column(1).data_page_offset
+    with open(tmp_path / "in.parquet", "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * 40)
+    return tmp_path / "in.parquet", ["--workers", "2"], 1, [
+        f"{tmp_path / 'in.parquet'}: cannot read row group index 2 (rows from 2001)",
+        "truncated or corrupt", "no output written"]
+
+
+def _parquet_without_the_column(tmp_path):
+    _parquet(tmp_path / "in.parquet", rows=10)
+    return tmp_path / "in.parquet", ["--json-keys", "content"], 2, [
+        f"--json-keys content: {tmp_path / 'in.parquet'} has no column 'content'",
+        "its columns are: id text", "pass --json-keys with the column(s) holding the text"]
+
+
+def _glob_matching_nothing(tmp_path):
+    return tmp_path / "shard-*.parquet", [], 2, [
+        f"--input {tmp_path / 'shard-*.parquet'}: the pattern matches no file",
+        "a glob of JSONL (.jsonl, .json or .ndjson, optionally compressed as .gz or .zst) "
+        "and Parquet (.parquet) files"]
+
+
+def _unsupported_file_type(tmp_path):
+    (tmp_path / "in.csv").write_text("text\n1 2\n")
+    return tmp_path / "in.csv", [], 2, [f"{tmp_path / 'in.csv'} is not a supported file type",
+                                        "supported: JSONL"]
+
+
+def _directory_without_data(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("x")
+    return tmp_path / "data", [], 2, ["the directory holds no supported file (it has: "
+                                      "notes.txt)", "supported: JSONL"]
+
+
+FILES = [_truncated_gz, _truncated_zst, _truncated_parquet, _damaged_parquet_row_group,
+         _parquet_without_the_column, _glob_matching_nothing, _unsupported_file_type,
+         _directory_without_data]
+FILE_IDS = ["pp-truncated-gz", "pp-truncated-zst", "pp-truncated-parquet",
+            "pp-damaged-parquet-row-group", "pp-parquet-missing-column",
+            "pp-glob-matches-nothing", "pp-unsupported-file-type", "pp-directory-without-data"]
+
+
+@pytest.mark.parametrize("make", FILES, ids=FILE_IDS)
+def test_preprocessing_bad_input_files(tmp_path, make):
+    input_path, flags, code, fragments = make(tmp_path)
+    (tmp_path / "out").mkdir()
+    before = listing(tmp_path)
+    proc = run(PREPROCESS, ["--input", input_path, "--output-prefix", tmp_path / "out" / "x",
+                            *NULL, *flags])
+    assert_clean_error(proc, code, *fragments)
+    assert listing(tmp_path) == before  # no .bin/.idx, no temporaries
