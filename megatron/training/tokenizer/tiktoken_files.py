@@ -29,6 +29,11 @@ def load_ranks(path: str) -> Dict[bytes, int]:
         data = f.read()
     if not data.strip():
         raise ValueError(f"--tokenizer-model {path} is empty; {FORMAT_HINT}.")
+    if data.lstrip()[:1] == b"{":
+        raise ValueError(f"--tokenizer-model {path} is a JSON object, not a tiktoken BPE file "
+                         f"(a Hugging Face tokenizer.json needs --tokenizer-type "
+                         f"HuggingFaceTokenizer with its directory); {FORMAT_HINT}, or Megatron's "
+                         f"vocabulary JSON is a list.")
     if data.lstrip()[:1] == b"[":
         ranks = _ranks_from_json(path, data)
     else:
