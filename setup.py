@@ -18,6 +18,8 @@ setup(
         "safetensors>=0.4",
         "tensorboard>=2.10",  # training logs (torch.utils.tensorboard writes, tests read back)
         "matplotlib>=3.7",  # tools/plot_pipeline.py draws pipeline timelines (Agg, no display)
+        "pyarrow>=14",  # Parquet corpora in tools/preprocess_data.py (row group by row group)
+        "zstandard>=0.21",  # .jsonl.zst corpora in tools/preprocess_data.py (streamed)
     ],
     extras_require={"dev": ["pytest>=7.4"]},
 )
