@@ -250,3 +250,15 @@ def test_inputs_that_name_nothing_to_read(tmp_path, spec, fragment):
         resolve_inputs(str(tmp_path / spec))
     assert str(info.value).startswith(f"--input {tmp_path / spec}: ")
     assert fragment in str(info.value)
+
+
+def test_a_parquet_file_is_one_task_per_row_group(corpus):
+    """The main process sends row group indices, never cells: each worker reads its own."""
+    from megatron.training.corpus.inputs import check_parquet
+    from megatron.training.corpus.readers import RowGroupTask, TaskReader, plan_partitions
+
+    files = resolve_inputs(str(corpus["root"] / "all.parquet"))
+    check_parquet(files, KEYS)
+    tasks = list(TaskReader().tasks(plan_partitions(files, 3)[0]))
+    assert all(isinstance(t, RowGroupTask) for t in tasks)
+    assert [(t.row_group, t.first_row) for t in tasks] == [(i, 1 + 128 * i) for i in range(6)]
