@@ -20,6 +20,7 @@ setup(
         "matplotlib>=3.7",  # tools/plot_pipeline.py draws pipeline timelines (Agg, no display)
         "pyarrow>=14",  # Parquet corpora in tools/preprocess_data.py (row group by row group)
         "zstandard>=0.21",  # .jsonl.zst corpora in tools/preprocess_data.py (streamed)
+        "tiktoken>=0.7",  # TikTokenizer, and the GPT-2 BPE fast path (same ids, checked)
     ],
     extras_require={"dev": ["pytest>=7.4"]},
 )

@@ -21,7 +21,7 @@ if ! PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet --disable-pip-
     # A machine without a package index (a lent GPU machine) cannot even build the editable
     # install; the checkout still runs from its root when every requirement is already there.
     NEEDED="torch, numpy, tokenizers, sentencepiece, transformers, safetensors, tensorboard, matplotlib"
-    NEEDED="$NEEDED, pyarrow, zstandard"  # tools/preprocess_data.py: Parquet, .zst
+    NEEDED="$NEEDED, pyarrow, zstandard, tiktoken"  # preprocessing: Parquet, .zst, tiktoken
     [ "$EXTRAS" = dev ] && NEEDED="$NEEDED, pytest"
     if "$PYTHON" -c "import $NEEDED" >/dev/null 2>&1; then
         echo "[install] pip could not install (no package index?); every requirement is" \
