@@ -1,26 +1,25 @@
-"""Benchmark tools/preprocess_data.py against a plain per-document loop, side by side.
+"""Benchmark tools/preprocess_data.py against two peers on real text that does not repeat.
 
-    python bench/preprocess.py [--work-dir DIR] [--tinyshakespeare PATH] [--trials 3]
+    python bench/preprocess.py [--work-dir DIR] [--trials 3] [--workers 1,2]
 
-Builds the reference input of ../shared/data/README.md in the work directory: tinyshakespeare
-split on blank lines into documents, one `{"text": paragraph}` per line, the whole set repeated
-20 times (144,440 documents, ~24 MB), and the 8,000-token byte-level BPE trained on the file
-(`ByteLevelBPETokenizer`, special token `<|endoftext|>`, saved as vocab.json + merges.txt).
-
-Then times, each as a fresh process (so interpreter and import start-up count for everyone):
-  - ours, --workers 1 with TOKENIZERS_PARALLELISM=false (strictly one core),
-  - ours, --workers 1 as shipped (the Rust batch encoder may use every core),
-  - ours, --workers 2 (and any others given with --workers),
-  - the baseline: what Megatron's preprocess_data does per document, in one process:
-    json.loads + transformers.GPT2TokenizerFast(vocab, merges).encode(text) + eod, written with
-    our IndexedDatasetBuilder.
-Reports MB/s of JSONL input and documents/s (best of --trials) and the speed-up over the
-baseline, for the whole process and for the work after start-up (each program's own timer from
-after its tokenizer is built to the finalized dataset), and checks that every run wrote
-byte-identical .bin/.idx files.
+Builds (bench/preprocess_corpus.py) a JSONL of ~31 MB of documents from the Python standard
+library's .py files, deduplicated, and a 32,000-token GPT-2-style byte-level BPE trained on it.
+Then times, each as a fresh process on the same input (start-up and imports count for all):
+  - peer "python-bpe": Megatron-LLaMA's method, a per-document pure-Python GPT-2 BPE with a
+    word cache (bench/python_bpe.py); one process, it has no workers;
+  - peer "tokenizers": a per-document `tokenizers.Tokenizer.encode` loop; one process;
+  - ours, --workers 1 with TOKENIZERS_PARALLELISM=false (one core, one thread);
+  - ours, --workers 1 as shipped (tokenize_batch spreads a batch over a thread per core);
+  - ours, --workers N for each N in --workers above 1;
+  - ours, --workers 2 with tiktoken turned off (the tokenizers BPE + unit cache of before),
+    to show what the tiktoken encoder brings.
+Trials go round-robin over the configurations (background load hits all alike); the table
+has the best trial, the spread of MB/s over trials, and ratios against both peers, for the
+whole process and for the work after start-up (each program's own "Done: in Xs" timer, from
+after its tokenizer is built to the finalized dataset). Every run's .bin/.idx must be
+byte-identical to the python-bpe peer's, or the benchmark fails.
 """
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -28,53 +27,27 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(BENCH, os.pardir))
 sys.path.insert(0, REPO)
+sys.path.insert(0, BENCH)
 
-DEFAULT_TEXT = os.path.join(REPO, os.pardir, "shared", "data", "tinyshakespeare.txt")
-
-
-def build_inputs(text_path, work_dir, repeat):
-    """The reference JSONL and tokenizer; returns (jsonl path, documents, vocab, merges)."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    with open(text_path, encoding="utf-8") as f:
-        paragraphs = [p for p in f.read().split("\n\n") if p.strip()]
-    jsonl = os.path.join(work_dir, "tinyshakespeare.jsonl")
-    with open(jsonl, "w", encoding="utf-8") as f:
-        lines = "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
-        for _ in range(repeat):
-            f.write(lines)
-    tokenizer = ByteLevelBPETokenizer()
-    tokenizer.train([text_path], vocab_size=8000, special_tokens=["<|endoftext|>"],
-                    show_progress=False)
-    vocab, merges = tokenizer.save_model(work_dir)
-    return jsonl, len(paragraphs) * repeat, vocab, merges
+from preprocess_corpus import build_corpus  # noqa: E402
 
 
-def baseline(jsonl, vocab, merges, output_prefix):
-    """Megatron's per-document loop: parse, encode, append eod, add to the builder."""
-    import transformers
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype
+def without_tiktoken(argv):
+    """tools/preprocess_data.py with GPT2BPETokenizer forced onto its tokenizers path (worker
+    processes are forked and inherit the patch)."""
+    from megatron.training.tokenizer import gpt2_bpe
 
-    transformers.logging.set_verbosity_error()  # no "longer than model_max_length" warnings
-    # Positional: transformers 4 names these vocab_file/merges_file, 5 names them vocab/merges
-    # (and silently ignores the old keywords, leaving an empty vocabulary).
-    tokenizer = transformers.GPT2TokenizerFast(vocab, merges)
-    if len(tokenizer) < 2:
-        sys.exit(f"GPT2TokenizerFast did not load {vocab} and {merges}")
-    eod = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    dtype = best_fitting_dtype(len(tokenizer))
-    start = time.perf_counter()
-    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=dtype)
-    with open(jsonl, encoding="utf-8") as f:
-        for line in f:
-            ids = tokenizer.encode(json.loads(line)["text"])
-            if ids:
-                builder.add_item(ids + [eod])
-                builder.end_document()
-    builder.finalize(output_prefix + ".idx")
-    print(f"Done: in {time.perf_counter() - start:.3f}s")  # the same line ours prints
+    init = gpt2_bpe.GPT2BPETokenizer.__init__
+    gpt2_bpe.GPT2BPETokenizer.__init__ = (
+        lambda self, vocab, merges, use_tiktoken=True: init(self, vocab, merges, False))
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import preprocess_data
+
+    sys.argv[0] = "preprocess_data.py"
+    sys.exit(preprocess_data.main(argv))
 
 
 def timed(cmd, env=None):
@@ -83,7 +56,7 @@ def timed(cmd, env=None):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     work = re.search(r"^Done:.* in ([\d.]+)s", proc.stdout + proc.stderr, re.MULTILINE)
     return elapsed, float(work.group(1))
 
@@ -93,6 +66,53 @@ def same_files(prefix_a, prefix_b):
         with open(path, "rb") as f:
             return f.read()
     return all(read(prefix_a + ext) == read(prefix_b + ext) for ext in (".bin", ".idx"))
+
+
+def configurations(jsonl, vocab, merges, work_dir, workers):
+    """(name, processes, command, environment, output prefix) of every run, peers first."""
+    peers = os.path.join(BENCH, "preprocess_peers.py")
+    out = lambda name: os.path.join(work_dir, name)  # noqa: E731
+    configs = [
+        (f"peer: {peer}", "1", [sys.executable, peers, peer, jsonl, vocab, merges, out(peer)],
+         None, out(peer))
+        for peer in ("python-bpe", "tokenizers")]
+    ours = ["--input", jsonl, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+            "--merge-file", merges, "--append-eod", "--log-interval", "100000000"]
+    tool = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py")] + ours
+    one_thread = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    shipped = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    configs.append(("ours --workers 1, TOKENIZERS_PARALLELISM=false", "1",
+                    tool + ["--workers", "1", "--output-prefix", out("w1_1thread")],
+                    one_thread, out("w1_1thread_text_document")))
+    configs.append(("ours --workers 1 (threads as shipped)", "1",
+                    tool + ["--workers", "1", "--output-prefix", out("w1")],
+                    shipped, out("w1_text_document")))
+    for n in workers:
+        if n > 1:
+            configs.append((f"ours --workers {n}", f"1+{n}",
+                            tool + ["--workers", str(n), "--output-prefix", out(f"w{n}")],
+                            shipped, out(f"w{n}_text_document")))
+    configs.append(("ours --workers 2, tiktoken off (before)", "1+2",
+                    [sys.executable, os.path.abspath(__file__), "--without-tiktoken"] + ours
+                    + ["--workers", "2", "--output-prefix", out("w2_hf")],
+                    shipped, out("w2_hf_text_document")))
+    return configs
+
+
+def report(results, megabytes, n_docs):
+    """Markdown table: best whole-process and work-only figures, spread, ratios to peers."""
+    best = {name: (min(w for w, _ in runs), min(k for _, k in runs))
+            for name, _, runs in results}
+    python_bpe, hf = best["peer: python-bpe"], best["peer: tokenizers"]
+    print("| configuration | processes | whole process: s | MB/s (spread) | docs/s "
+          "| vs python-bpe | vs tokenizers | work only: MB/s | vs python-bpe | vs tokenizers |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, processes, runs in results:
+        wall, work = best[name]
+        spread = f"{megabytes / max(w for w, _ in runs):.2f}-{megabytes / wall:.2f}"
+        print(f"| {name} | {processes} | {wall:.2f} | {megabytes / wall:.2f} ({spread}) "
+              f"| {n_docs / wall:,.0f} | {python_bpe[0] / wall:.2f}x | {hf[0] / wall:.2f}x "
+              f"| {megabytes / work:.2f} | {python_bpe[1] / work:.2f}x | {hf[1] / work:.2f}x |")
 
 
 def python_sample_index(lengths, document_index, seq_length):
@@ -142,58 +162,36 @@ def time_gpt_dataset_indices(prefix, target_tokens=100_000_000, seq_length=2048)
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--without-tiktoken":
+        without_tiktoken(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", default=None, help="default: a fresh temporary directory")
-    parser.add_argument("--tinyshakespeare", default=DEFAULT_TEXT)
-    parser.add_argument("--repeat", type=int, default=20, help="copies of the document set")
     parser.add_argument("--workers", default="1,2", help="comma-separated --workers to time")
-    parser.add_argument("--trials", type=int, default=3, help="runs per configuration; best kept")
-    parser.add_argument("--baseline-run", nargs=4, metavar=("JSONL", "VOCAB", "MERGES", "OUT"),
-                        help=argparse.SUPPRESS)  # internal: the baseline in its own process
+    parser.add_argument("--trials", type=int, default=3, help="runs per configuration")
     args = parser.parse_args()
-    if args.baseline_run:
-        baseline(*args.baseline_run)
-        return
-    if not os.path.isfile(args.tinyshakespeare):
-        sys.exit(f"--tinyshakespeare {args.tinyshakespeare}: no such file")
     work_dir = args.work_dir or tempfile.mkdtemp(prefix="bench_preprocess_")
     os.makedirs(work_dir, exist_ok=True)
-    jsonl, n_docs, vocab, merges = build_inputs(args.tinyshakespeare, work_dir, args.repeat)
+    jsonl, vocab, merges, n_docs, description = build_corpus(work_dir)
     megabytes = os.path.getsize(jsonl) / 1e6
-    print(f"input: {jsonl}: {n_docs} documents, {megabytes:.2f} MB; tokenizer: 8000-token "
-          f"byte-level BPE; {os.cpu_count()} CPUs; best of {args.trials}")
 
-    ours = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", jsonl,
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file",
-            merges, "--append-eod", "--log-interval", "100000000"]
-    single_core = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    configs = [("baseline (json.loads + GPT2TokenizerFast.encode per doc)",
-                [sys.executable, os.path.abspath(__file__), "--baseline-run", jsonl, vocab,
-                 merges, os.path.join(work_dir, "baseline")], None, "baseline"),
-               ("ours --workers 1, TOKENIZERS_PARALLELISM=false",
-                ours + ["--workers", "1", "--output-prefix", os.path.join(work_dir, "w1_1core")],
-                single_core, "w1_1core_text_document")]
-    for w in args.workers.split(","):
-        configs.append((f"ours --workers {w}", ours + ["--workers", w, "--output-prefix",
-                                                       os.path.join(work_dir, f"w{w}")],
-                        None, f"w{w}_text_document"))
+    from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
-    results = []
-    for name, cmd, env, out in configs:
-        wall, work = min(timed(cmd, env) for _ in range(args.trials))
-        results.append((name, wall, work, out))
-    _, base_wall, base_work, _ = results[0]
-    print("whole process (start-up and imports included) | work only (after start-up)")
-    print(f"{'configuration':56s} {'s':>6s} {'MB/s':>6s} {'docs/s':>7s} {'ratio':>6s} | "
-          f"{'s':>6s} {'MB/s':>6s} {'docs/s':>7s} {'ratio':>6s}")
-    for name, wall, work, out in results:
-        print(f"{name:56s} {wall:6.2f} {megabytes / wall:6.2f} {n_docs / wall:7.0f} "
-              f"{base_wall / wall:5.2f}x | {work:6.2f} {megabytes / work:6.2f} "
-              f"{n_docs / work:7.0f} {base_work / work:5.2f}x")
-    for name, _, _, out in results[1:]:
-        if not same_files(os.path.join(work_dir, out), os.path.join(work_dir, "baseline")):
-            sys.exit(f"MISMATCH: {name} wrote different .bin/.idx bytes than the baseline")
-    print("all outputs byte-identical to the baseline's")
+    encoder = "tiktoken" if GPT2BPETokenizer(vocab, merges).uses_tiktoken else "tokenizers"
+    print(f"input: {jsonl}: {megabytes:.2f} MB of JSONL, {description}; tokenizer: 32,000-token "
+          f"byte-level BPE (ours encodes with {encoder}); {os.cpu_count()} CPUs; "
+          f"best of {args.trials} trials, round-robin")
+    configs = configurations(jsonl, vocab, merges, work_dir,
+                             [int(w) for w in args.workers.split(",")])
+    runs = {name: [] for name, *_ in configs}
+    for _ in range(args.trials):
+        for name, _, cmd, env, _ in configs:
+            runs[name].append(timed(cmd, env))
+    report([(name, processes, runs[name]) for name, processes, *_ in configs], megabytes, n_docs)
+    reference = configs[0][4]
+    for name, _, _, _, out in configs[1:]:
+        if not same_files(out, reference):
+            sys.exit(f"MISMATCH: {name} wrote different .bin/.idx bytes than the python-bpe peer")
+    print(f"all {len(configs)} outputs byte-identical (.bin and .idx)")
     time_gpt_dataset_indices(os.path.join(work_dir, "w1_text_document"))
 
 

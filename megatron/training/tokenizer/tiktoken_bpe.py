@@ -116,10 +116,20 @@ def regex_classes_agree() -> bool:
     return agree
 
 
-def mergeable_ranks(model: dict, self_encodings: List[List[int]]
+def _byte_table() -> Dict[int, int]:
+    """For str.translate: GPT-2 character -> its byte as a code point below 256; any other
+    code point below 0x144 -> U+FFFF, so that encoding the result as Latin-1 fails for them
+    (as it does for code points the table leaves alone, all above 0x143)."""
+    table = {cp: 0xFFFF for cp in range(0x144)}
+    table.update({ord(char): byte for char, byte in byte_alphabet().items()})
+    return table
+
+
+def mergeable_ranks(model: dict, self_encoded: List[int]
                     ) -> Tuple[Optional[Dict[bytes, int]], str]:
     """(R, "") when C1-C4 hold for the tokenizers BPE ``model`` (its JSON: vocab, merges, ...),
-    given HF's ids of each merge result's own text; else (None, the first failed condition)."""
+    given HF's ids for the merge results' own texts, concatenated; else (None, the first
+    failed condition)."""
     for field, want in PLAIN_BPE.items():
         if model.get(field, want) != want:
             return None, f"the BPE model sets {field}={model[field]!r}"
@@ -128,24 +138,37 @@ def mergeable_ranks(model: dict, self_encodings: List[List[int]]
     if missing:
         return None, f"{len(missing)} byte token(s) not in the vocabulary (e.g. {missing[0]!r})"
     ranks = {bytes([byte]): vocab[char] for char, byte in alphabet.items()}
-    previous_id = -1
-    for rank, (pair, ids) in enumerate(zip(model["merges"], self_encodings)):
-        left, right = pair.split(" ", 1) if isinstance(pair, str) else pair
-        token = left + right
-        if any(char not in alphabet for char in token):
-            return None, f"merge {rank} ({left!r} {right!r}) uses characters outside the bytes"
-        key = bytes(alphabet[char] for char in token)
+    tokens = merge_results(model)
+    ids = [vocab[token] for token in tokens]  # tokenizers has checked they are all there
+    if self_encoded != ids:  # C4, found one token at a time only when it fails
+        return None, not_self_reachable(tokens, ids, self_encoded)
+    table, previous_id = _byte_table(), -1
+    for rank, (token, token_id) in enumerate(zip(tokens, ids)):
+        try:
+            key = token.translate(table).encode("latin-1")
+        except UnicodeEncodeError:
+            return None, f"merge {rank} makes {token!r}, which has characters outside the bytes"
         if key in ranks:
             return None, f"merge {rank} makes {token!r}, which another merge makes too"
-        if vocab[token] <= previous_id:
-            return None, (f"merge {rank} makes {token!r} with id {vocab[token]}, not above the "
+        if token_id <= previous_id:
+            return None, (f"merge {rank} makes {token!r} with id {token_id}, not above the "
                           f"previous merge's id {previous_id}: ids do not follow merge order")
-        if ids != [vocab[token]]:
-            return None, f"token {token!r} (merge {rank}) does not encode to itself but to {ids}"
-        ranks[key] = previous_id = vocab[token]
+        ranks[key] = previous_id = token_id
     if len(set(ranks.values())) != len(ranks):
         return None, "two mergeable tokens share an id"
     return ranks, ""
+
+
+def merge_results(model: dict) -> List[str]:
+    return ["".join(p.split(" ", 1) if isinstance(p, str) else p) for p in model["merges"]]
+
+
+def not_self_reachable(tokens: List[str], ids: List[int], self_encoded: List[int]) -> str:
+    """Which token fails C4: the first whose ids in ``self_encoded`` are not its own."""
+    for rank, (token, token_id) in enumerate(zip(tokens, ids)):
+        if rank >= len(self_encoded) or self_encoded[rank] != token_id:
+            return f"token {token!r} (merge {rank}) does not encode to itself"
+    return "the merge results do not encode to themselves"
 
 
 def tiktoken_encoder(hf_tokenizer) -> Tuple[Optional[object], str]:
@@ -156,17 +179,18 @@ def tiktoken_encoder(hf_tokenizer) -> Tuple[Optional[object], str]:
         import tiktoken
     except ImportError:
         return None, "tiktoken is not installed"
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, pre_tokenizers
 
     model = json.loads(hf_tokenizer.to_str())["model"]
     if model.get("type") != "BPE":
         return None, f"the model is {model.get('type')}, not BPE"
-    # C4: HF's ids for each merge result's own characters, without any pre-tokenizer.
+    # C4: HF's BPE of each merge result's own characters, all in one call: the results are
+    # joined by spaces and split there (no GPT-2 byte character is whitespace).
     bare = Tokenizer(hf_tokenizer.model)
-    results = ["".join(p.split(" ", 1) if isinstance(p, str) else p) for p in model["merges"]]
+    bare.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     encode = getattr(bare, "encode_batch_fast", bare.encode_batch)
-    self_encodings = [e.ids for e in encode(results, add_special_tokens=False)]
-    ranks, reason = mergeable_ranks(model, self_encodings)
+    self_encoded = encode([" ".join(merge_results(model))], add_special_tokens=False)[0].ids
+    ranks, reason = mergeable_ranks(model, self_encoded)
     if ranks is None:
         return None, reason
     if not regex_classes_agree():
