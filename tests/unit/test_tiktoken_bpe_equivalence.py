@@ -143,9 +143,9 @@ REFUSED = {
 def test_vocabulary_breaking_a_condition_is_refused(tmp_path, caplog, case):
     merges, ids, text, reason = REFUSED[case]
     vocab_file, merge_file, vocab = write_bpe(tmp_path, merges, ids)
+    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     with caplog.at_level(logging.WARNING):
-        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
-    assert not tokenizer.uses_tiktoken
+        assert not tokenizer.uses_tiktoken
     assert "not using tiktoken" in caplog.text and reason in caplog.text
     reference = PythonGPT2BPE(vocab_file, merge_file).encode(text)
     assert tokenizer.tokenize(text) == tokenizer.tokenize_batch([text])[0] == reference

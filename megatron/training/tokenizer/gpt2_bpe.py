@@ -35,8 +35,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
     ``eod`` = ``bos`` = ``eos`` = the id of ``<|endoftext|>`` (GPT-2's only special token, which
     transformers also reports as bos/eos); ``pad`` is None.
 
-    Encoding runs on tiktoken when ``tiktoken_encoder`` proves its ids equal (a log line says
-    when it cannot, and why); ``use_tiktoken=False`` forces the ``tokenizers`` path.
+    Encoding runs on tiktoken when ``tiktoken_encoder`` proves its ids equal (checked at the
+    first encoding; a log line says when it cannot, and why); ``use_tiktoken=False`` forces
+    the ``tokenizers`` path.
     ``tokenize_batch`` spreads a batch over one thread per core unless TOKENIZERS_PARALLELISM
     says no (preprocessing workers set it), as the ``tokenizers`` batch encoder does.
     """
@@ -66,10 +67,10 @@ class GPT2BPETokenizer(MegatronTokenizer):
         # Rust's batch encoder without offset tracking where the installed version has it.
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self._unit_cache = UnitCache(self._encode_ids)
-        self._fast, reason = tiktoken_encoder(tokenizer) if use_tiktoken else (None, "")
-        if reason:
-            logger.warning("GPT2BPETokenizer: not using tiktoken for %s (%s); encoding with "
-                           "tokenizers instead (same ids, slower)", vocab_file, reason)
+        # Built on first use: a process that never encodes (preprocessing's parent, training)
+        # skips the checks' tenth of a second.
+        self._fast, self._fast_built = None, not use_tiktoken
+        self._vocab_file = vocab_file
         self._pool, self._pool_pid = None, None
 
     @property
@@ -82,16 +83,25 @@ class GPT2BPETokenizer(MegatronTokenizer):
 
     @property
     def uses_tiktoken(self) -> bool:
-        return self._fast is not None
+        return self._tiktoken() is not None
+
+    def _tiktoken(self):
+        if not self._fast_built:
+            self._fast, reason = tiktoken_encoder(self._tokenizer)
+            self._fast_built = True
+            if reason:
+                logger.warning("GPT2BPETokenizer: not using tiktoken for %s (%s); encoding with "
+                               "tokenizers instead (same ids, slower)", self._vocab_file, reason)
+        return self._fast
 
     def tokenize(self, text: str) -> List[int]:
-        if self._fast is not None:
+        if self._tiktoken() is not None:
             return self._tiktoken_ids(text)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         texts = check_batch(texts)
-        if self._fast is None:
+        if self._tiktoken() is None:
             # Same ids as tokenize() per text; repeated words are looked up, not re-encoded
             # (a cache that pays on the tokenizers path; tiktoken is faster without it).
             return self._unit_cache.tokenize_batch(texts)
