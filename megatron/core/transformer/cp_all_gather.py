@@ -18,7 +18,7 @@ from megatron.core.transformer.cp_blocks import (
     CPLayout,
     block_backward,
     block_forward,
-    merge_partial,
+    merge_partial_,
 )
 
 
@@ -81,8 +81,8 @@ def all_gather_forward(q, k, v, layout: CPLayout, st: BlockSettings):
     for rows, cols, causal in _blocks(layout, q.shape[2]):
         part_out, part_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                            q_pos[rows], key_pos[cols], causal, st)
-        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
-                                                         part_out, part_lse)
+        merge_partial_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+        del part_out, part_lse  # before the next block allocates its own
     return out.to(q.dtype), lse, kv
 
 
@@ -98,6 +98,7 @@ def all_gather_backward(dout, q, kv, out, lse, layout: CPLayout, st: BlockSettin
         dq[:, :, rows] += dq_part
         dkv[0][:, :, cols] += dk_part
         dkv[1][:, :, cols] += dv_part
+        del dq_part, dk_part, dv_part  # before the next block allocates its own
     if layout.size > 1:
         per_rank = _to_rank_order(dkv, layout.size).contiguous()
         mine = torch.empty(per_rank.shape[1:], dtype=dkv.dtype, device=dkv.device)

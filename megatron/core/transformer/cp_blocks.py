@@ -231,11 +231,13 @@ def block_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal: bool, st: Bloc
     return _run(_BACKWARD, st.kernel, *args)
 
 
-def merge_partial(out, lse, block_out, block_lse):
-    """Combine two softmax-normalised partial results by their log-sum-exps (stable: weights
-    are exp(lse_i - lse_new) <= 1). Rows where both are -inf stay (0, -inf)."""
+def merge_partial_(out, lse, block_out, block_lse) -> None:
+    """Fold a block's softmax-normalised partial result into (``out``, ``lse``) in place, by
+    their log-sum-exps (stable: weights are exp(lse_i - lse_new) <= 1); ``block_out`` is
+    consumed. In place because the accumulator is as big as the queries: an out-of-place merge
+    held three more such tensors at every step. Rows where both are -inf stay (0, -inf)."""
     new_lse = torch.logaddexp(lse, block_lse)
     ref = _finite(new_lse)
-    w_old = torch.exp(lse - ref)[..., None]
-    w_new = torch.exp(block_lse - ref)[..., None]
-    return out * w_old + block_out * w_new, new_lse
+    out.mul_(torch.exp(lse - ref)[..., None])
+    out.add_(block_out.mul_(torch.exp(block_lse - ref)[..., None]))
+    lse.copy_(new_lse)

@@ -21,7 +21,7 @@ from megatron.core.transformer.cp_blocks import (
     CPLayout,
     block_backward,
     block_forward,
-    merge_partial,
+    merge_partial_,
 )
 
 _KV_TAG, _DKV_TAG = 17, 18  # two streams between the same peers; tags keep them apart (gloo)
@@ -65,8 +65,8 @@ def ring_forward(q, k, v, layout: CPLayout, st: BlockSettings):
         part_out, part_lse = block_forward(
             q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
             layout.positions[layout.rank][rows], layout.positions[src][cols], causal, st)
-        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
-                                                         part_out, part_lse)
+        merge_partial_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+        del part_out, part_lse  # before the next block allocates its own
         if pending is not None:
             _wait(pending)
             kv = incoming
@@ -98,6 +98,7 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, st: BlockSettings):
             dkv = dkv_incoming
         dkv[0][:, :, cols] += dk_part
         dkv[1][:, :, cols] += dv_part
+        del dq_part, dk_part, dv_part  # before the next block allocates its own
         if layout.size > 1:  # one hop on; after the last step it reaches its owner
             dkv_incoming = torch.empty_like(dkv)
             dkv_pending = _exchange(dkv, dkv_incoming, layout, _DKV_TAG)
