@@ -170,3 +170,14 @@ def test_unreachable_extra_token_is_never_produced(tmp_path):
     assert ids == PythonGPT2BPE(vocab_file, merge_file).encode(text)
     assert vocab["xyz"] not in ids and vocab["Ġab"] in ids
     assert vocab["xyz"] in naive_tiktoken(vocab).encode_ordinary(text)
+
+
+def test_regex_engines_disagreeing_means_fallback(trained, monkeypatch, caplog):
+    monkeypatch.setattr("megatron.training.tokenizer.tiktoken_bpe.regex_classes_agree",
+                        lambda: False)
+    tokenizer = GPT2BPETokenizer(*trained)
+    with caplog.at_level(logging.WARNING):
+        assert not tokenizer.uses_tiktoken
+    assert "disagree on \\p{L}, \\p{N} or \\s" in caplog.text
+    text = "naïve 東京 don't  42\n"
+    assert tokenizer.tokenize(text) == PythonGPT2BPE(*trained).encode(text)

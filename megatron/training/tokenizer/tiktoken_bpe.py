@@ -20,7 +20,8 @@ Conditions (checked on the files):
   C4. Every merge result t is "self-reachable": HF's BPE of t's own bytes is [t].
   C5. The pre-tokenizers cut text the same way: the same GPT-2 regex, and the two regex
       engines (Oniguruma in tokenizers, fancy-regex in tiktoken) agree on \\p{L}, \\p{N} and \\s
-      for every code point (checked once per pair of library versions, the verdict cached).
+      for every code point (checked once per pair of library versions: about a second, the
+      verdict then cached in the temp directory).
 
 Why they suffice. Take a piece; suppose both algorithms have the same parts so far (true at
 the start: single bytes, which exist by C1), a state HF reaches.
@@ -101,9 +102,10 @@ def regex_classes_agree() -> bool:
 
     key = f"{tokenizers.__version__}-{tiktoken.__version__}"
     path = os.path.join(tempfile.gettempdir(), f"megatron-gpt2-regex-classes-{key}.txt")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read() == "agree"
+    try:  # only a verdict this user wrote: another user could plant one in a shared /tmp
+        if os.stat(path).st_uid == os.getuid():
+            with open(path, encoding="utf-8") as f:
+                return f.read() == "agree"
     except OSError:
         pass
     agree = _compute_classes_agree()
