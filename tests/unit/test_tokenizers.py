@@ -146,11 +146,17 @@ def test_gpt2_round_trip_and_batch(gpt2, texts):
 
 
 
-def test_gpt2_batch_unit_cache_equals_plain_encoding_on_adversarial_whitespace(gpt2):
-    """tokenize_batch cuts texts into whitespace units and caches their ids; random strings
-    dense in every kind of whitespace (Unicode White_Space, Python-only separators U+001C..1F,
-    runs, leading/trailing) must still give exactly tokenize()'s ids."""
+@pytest.mark.parametrize("use_tiktoken", [False, True])
+def test_gpt2_batch_unit_cache_equals_plain_encoding_on_adversarial_whitespace(
+        gpt2_files, use_tiktoken):
+    """Without tiktoken, tokenize_batch cuts texts into whitespace units and caches their ids;
+    with it, tiktoken encodes them in threads. Random strings dense in every kind of
+    whitespace (Unicode White_Space, Python-only separators U+001C..1F, runs,
+    leading/trailing) must still give exactly tokenize()'s ids, and the reference's."""
     import random
+
+    gpt2 = GPT2BPETokenizer(gpt2_files.vocab, gpt2_files.merges, use_tiktoken=use_tiktoken)
+    assert gpt2.uses_tiktoken == use_tiktoken
 
     alphabet = (list(" \t\n\r\v\f\x85\xa0\u1680\u2003\u2028\u2029\u202f\u3000")
                 + list("\x1c\x1d\x1e\x1f") + list("aZé中'sdtlmrv09!.,-?") + ["\U0001F600"])
@@ -161,6 +167,8 @@ def test_gpt2_batch_unit_cache_equals_plain_encoding_on_adversarial_whitespace(g
     assert gpt2.tokenize_batch(texts) == [gpt2.tokenize(t) for t in texts]
     # Twice: the second pass is served from the cache.
     assert gpt2.tokenize_batch(texts) == [gpt2.tokenize(t) for t in texts]
+    python_bpe = PythonGPT2BPE(gpt2_files.vocab, gpt2_files.merges)
+    assert gpt2.tokenize_batch(texts) == [python_bpe.encode(t) for t in texts]
 
 # ---- SentencePieceTokenizer and Llama2Tokenizer ----
 
