@@ -290,6 +290,12 @@ def _add_logging_args(parser):
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--wandb-project", default=None,
+                   help="Log the TensorBoard scalars to this W&B project too (from the last "
+                        "rank; offline when WANDB_MODE is unset and W&B cannot be reached).")
+    g.add_argument("--wandb-exp-name", default=None, help="The W&B run's name.")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Where the W&B run's files go (default: <--save>/wandb, else ./wandb).")
     g.add_argument("--pipeline-trace-dir", default=None,
                    help="Ours (Megatron has none): write each rank's pipeline schedule trace "
                         "(forward, backward, waits) of one iteration as DIR/trace_rankNNNNN.json;"

@@ -21,6 +21,7 @@ from megatron.training.training_config import (
     MegatronConfigs,
     TrainingConfig,
 )
+from megatron.training.wandb_log import wandb_missing_reason
 
 
 def _need(ok: bool, message: str):
@@ -188,6 +189,8 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     a tokenizer file will supply it) and eod 0."""
     dp = _check_world(args, world_size)
     _check_files(args)
+    missing = wandb_missing_reason(getattr(args, "wandb_project", None))  # saved args: no flag
+    _need(missing is None, missing)
     dtype = params_dtype_of(args)
     transformer = transformer_config_from_args(args)
     if not getattr(args, "allow_math_attention", False):  # saved args may predate the flag

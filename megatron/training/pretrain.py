@@ -50,6 +50,7 @@ from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
 from megatron.training.training_log import TrainingLogger
+from megatron.training.wandb_log import resolve_save_dir
 
 
 _SILENT_RANK_GRACE_S = 1.0
@@ -238,7 +239,10 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                             log_timers_to_tensorboard=t.log_timers_to_tensorboard,
                             log_batch_size_to_tensorboard=t.log_batch_size_to_tensorboard,
                             log_validation_ppl_to_tensorboard=t.log_validation_ppl_to_tensorboard,
-                            log_throughput=t.log_throughput, timers=timers)
+                            log_throughput=t.log_throughput, timers=timers,
+                            wandb_project=t.wandb_project, wandb_exp_name=t.wandb_exp_name,
+                            wandb_save_dir=resolve_save_dir(t.wandb_save_dir, t.save),
+                            wandb_config=vars(args))
     logger.start()
     checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args), token_guard,
                                progress)
@@ -302,7 +306,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
         _exit_with(exc, code=1)
     except CheckpointError as exc:  # seen by every rank at the same point
         _exit_with(exc, code=1)
-    logger.close()
+    finally:  # an error exit too: TensorBoard's queue written, the W&B run finished
+        logger.close()
     set_timers(None)
     return history
 

@@ -73,6 +73,11 @@ class TrainingConfig:
     log_loss_scale_to_tensorboard: bool = True
     log_params_norm: bool = False
     log_throughput: bool = False
+    # W&B (Megatron's flags): a run on the last rank when wandb_project is set; the files go
+    # under wandb_save_dir, by default <save>/wandb, else ./wandb.
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
     # Write each rank's pipeline schedule trace of one iteration here (None: no tracing).
     pipeline_trace_dir: Optional[str] = None
     pipeline_trace_iteration: int = 2

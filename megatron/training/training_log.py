@@ -1,4 +1,4 @@
-"""Console and TensorBoard logging of training and validation, in Megatron's formats.
+"""Console, TensorBoard and W&B logging of training and validation, in Megatron's formats.
 
 The console line keeps Megatron-LM's ``training_log`` fields, order and format specs, so
 log parsers written for Megatron keep working; our extra fields (tokens/s per device, MFU,
@@ -8,7 +8,8 @@ loss whose average is not > 0 is not printed, NaN/inf losses are counted only on
 iterations, the line is printed by the last rank, validation PPL is ``exp(min(20, loss))``.
 Two departures: an advanced iteration with a non-finite loss counts as a NaN iteration too
 (Megatron's --check-for-nan-in-loss-and-grad would have stopped there), and MFU is printed
-only when the devices' peak is known (``peak_tflops`` not None).
+only when the devices' peak is known (``peak_tflops`` not None). Scalars go to every writer
+alike (TensorBoard's, W&B's: see ``ScalarWriters``), so all hold the same tags and steps.
 """
 import math
 import resource
@@ -105,12 +106,34 @@ def memory_usage() -> Tuple[str, float]:
     return "max RSS (GiB)", rss_bytes / 2**30
 
 
+class ScalarWriters:
+    """The logger's one scalar sink: ``add_scalar(tag, value, step)``, ``flush``, ``close``
+    passed to each writer (TensorBoard's SummaryWriter, ``wandb_log.WandbWriter``, a test's
+    recorder); timers write through it too."""
+
+    def __init__(self, writers):
+        self.writers = list(writers)
+
+    def add_scalar(self, tag: str, value, step: int) -> None:
+        for writer in self.writers:
+            writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        for writer in self.writers:
+            writer.flush()
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
 def _as_float(value) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 class TrainingLogger:
-    """Accumulates per-iteration results; prints every ``log_interval``; writes TensorBoard.
+    """Accumulates per-iteration results; prints every ``log_interval``; writes scalars to
+    TensorBoard (``tensorboard_dir``), W&B (``wandb_project``) and any ``writers`` given.
 
     The loop calls ``start()`` before its first step, ``training_log(...)`` after each step
     and ``log_validation(...)`` after each evaluation. Interval time comes from ``clock``
@@ -131,7 +154,10 @@ class TrainingLogger:
                  print_fn: Callable[[str], None] = lambda s: print(s, flush=True),
                  clock: Callable[[], float] = time.perf_counter,
                  now: Callable[[], datetime] = datetime.now,
-                 memory_fn: Optional[Callable[[], Tuple[str, float]]] = memory_usage):
+                 memory_fn: Optional[Callable[[], Tuple[str, float]]] = memory_usage,
+                 wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
+                 wandb_save_dir: str = "wandb", wandb_config: Optional[dict] = None,
+                 writers: Sequence = ()):
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
         self.seq_length, self.num_devices = seq_length, num_devices
         self.flops_per_iteration, self.peak_tflops = flops_per_iteration, peak_tflops
@@ -144,10 +170,16 @@ class TrainingLogger:
         self.log_throughput, self.timers = log_throughput, timers
         self.timestamps, self.should_log, self.print_fn = timestamps, should_log, print_fn
         self.clock, self.now, self.memory_fn = clock, now, memory_fn
-        self.writer = None
+        writers = list(writers)
         if tensorboard_dir and should_log():
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=tensorboard_queue_size)
+            writers.append(SummaryWriter(log_dir=tensorboard_dir,
+                                         max_queue=tensorboard_queue_size))
+        if wandb_project and should_log():
+            from megatron.training.wandb_log import open_wandb_writer
+            writers.append(open_wandb_writer(wandb_project, wandb_exp_name, wandb_save_dir,
+                                             dict(wandb_config or {}), print_fn))
+        self.writer = ScalarWriters(writers) if writers else None
         self._loss_sums: Dict[str, float] = {}
         self._advanced = self._skipped = self._nan = 0
         self._interval_start = None
@@ -293,7 +325,8 @@ class TrainingLogger:
         return block
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer (events sit in a queue until then)."""
+        """Flush and close the writers (TensorBoard's events sit in a queue until then; W&B's
+        run is finished)."""
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
