@@ -63,13 +63,18 @@ def history_rows(path: str) -> List[Dict[str, float]]:
     return rows
 
 
-def run_config(path: str) -> Dict[str, object]:
-    """The run's config (``wandb.init(config=...)``), from its run record."""
+def run_record(path: str):
+    """The run's RunRecord (name, project, config)."""
     for record in records(path):
         if record.WhichOneof("record_type") == "run":
-            return {item.key: json.loads(item.value_json)
-                    for item in record.run.config.update if not item.key.startswith("_")}
+            return record.run
     raise AssertionError(f"{path}: no run record")
+
+
+def run_config(path: str) -> Dict[str, object]:
+    """The run's config (``wandb.init(config=...)``)."""
+    return {item.key: json.loads(item.value_json)
+            for item in run_record(path).config.update if not item.key.startswith("_")}
 
 
 def scalars(rows: List[Dict[str, float]], tag: str, axis: str = "iteration"):
