@@ -22,7 +22,7 @@ if ! PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet --disable-pip-
     # install; the checkout still runs from its root when every requirement is already there.
     NEEDED="torch, numpy, tokenizers, sentencepiece, transformers, safetensors, tensorboard, matplotlib"
     NEEDED="$NEEDED, pyarrow, zstandard, tiktoken"  # preprocessing: Parquet, .zst, tiktoken
-    [ "$EXTRAS" = dev ] && NEEDED="$NEEDED, pytest"
+    [ "$EXTRAS" = dev ] && NEEDED="$NEEDED, pytest, wandb"  # wandb: --wandb-project's tests
     if "$PYTHON" -c "import $NEEDED" >/dev/null 2>&1; then
         echo "[install] pip could not install (no package index?); every requirement is" \
              "already importable, so running from the checkout"
