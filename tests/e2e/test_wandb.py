@@ -8,7 +8,14 @@ import re
 import numpy as np
 
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
-from tests.wandb_records import history_rows, run_config, run_files, run_record, scalars
+from tests.wandb_records import (
+    history_rows,
+    records,
+    run_config,
+    run_files,
+    run_record,
+    scalars,
+)
 
 
 def _tensorboard(log_dir):
@@ -75,3 +82,15 @@ def test_last_pipeline_stage_logs_under_save_by_default(tmp_path, monkeypatch):
     config = run_config(path)
     assert config["wandb_exp_name"] == "pp2-run"
     assert config["pipeline_model_parallel_size"] == 2
+
+
+def test_an_error_exit_still_finishes_the_run_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MEGATRON_FAULT_INJECTION", "nan:0:2-4")  # NaN guard stops after 4
+    flags = TINY + LLAMA + ["--wandb-project", "p", "--wandb-save-dir", str(tmp_path)]
+    proc = run_script("pretrain_llama.py", flags)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [path] = run_files(str(tmp_path))
+    exits = [r.exit.exit_code for r in records(path) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
+    assert [step for step, _ in scalars(history_rows(path), "grad-norm")] == [1, 2, 3, 4]
