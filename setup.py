@@ -45,5 +45,7 @@ setup(
         "zstandard>=0.21",  # .jsonl.zst corpora in tools/preprocess_data.py (streamed)
         "tiktoken>=0.7",  # TikTokenizer, and the GPT-2 BPE fast path (same ids, checked)
     ],
-    extras_require={"dev": ["pytest>=7.4", WANDB], "wandb": [WANDB]},
+    # setuptools >= 70.1 builds wheels without the "wheel" package: tests/e2e/test_packaging.py
+    # runs `pip install --no-build-isolation .` with this Python's setuptools.
+    extras_require={"dev": ["pytest>=7.4", "setuptools>=70.1", WANDB], "wandb": [WANDB]},
 )

@@ -52,6 +52,7 @@ FLAG_RANGES = {
     "tensor_model_parallel_size": (_AT_LEAST_1, "1 = no tensor parallelism"),
     "pipeline_model_parallel_size": (_AT_LEAST_1, "1 = no pipeline parallelism"),
     "context_parallel_size": (_AT_LEAST_1, "1 = no context parallelism"),
+    "tiktoken_num_special_tokens": (_NON_NEGATIVE, "ids reserved below the BPE ranks"),
     "reduce_bucket_size": (_AT_LEAST_1, "elements per bucket"),
     "ddp_bucket_size": (_AT_LEAST_1, "elements per bucket"),
     **{dest: (_NON_NEGATIVE, "") for dest in (
