@@ -4,6 +4,9 @@ A sampler yields, per micro batch, the dataset indices of this data-parallel ran
 resumable: constructed with ``consumed_samples`` (the global samples already trained on, as
 saved in the checkpoint), they continue exactly where an uninterrupted run would be.
 """
+import atexit
+import functools
+import multiprocessing
 import signal
 from typing import Iterator, List, Optional
 
@@ -157,6 +160,8 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, dataloader_typ
     # Its own generator: each new iterator draws a worker seed, and drawing it from the global
     # generator would shift the dropout masks after a resume (the iterator starts later).
     generator = torch.Generator().manual_seed(seed)
+    if num_workers > 0:
+        _kill_workers_at_exit()
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=pin_memory, generator=generator,
                                        persistent_workers=num_workers > 0,
@@ -171,6 +176,20 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     still ends with its loader, or when the training process is gone."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@functools.lru_cache(maxsize=None)  # once per process
+def _kill_workers_at_exit() -> None:
+    """At interpreter exit, multiprocessing ends daemonic children (loader workers) with
+    SIGTERM and then joins them, and our workers ignore SIGTERM (ignore_stop_signals): an
+    exception that escapes the training loop, whose traceback keeps the loader alive past its
+    own shutdown, would hang the exit forever. Registered after multiprocessing's own exit
+    function, this runs first and ends them with SIGKILL (they hold nothing to save)."""
+    def kill_daemonic_children():
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+    atexit.register(kill_daemonic_children)
 
 
 def cyclic_iter(iterable):

@@ -32,3 +32,35 @@ def test_exit_interval_stops_after_that_iteration(runs):
 
 def test_exit_duration_stops_after_the_first_iteration(runs):
     assert parse_iterations(runs["exit_duration"]) == [(1, 10, 8)]
+
+
+_RAISE_AT_3 = """
+import os, sys
+sys.path.insert(0, {root!r})
+from megatron.training import fault_injection
+
+def boom(iteration):
+    if iteration == 3:
+        raise RuntimeError("unexpected failure at iteration 3")
+
+fault_injection.maybe_kill_at = boom
+import pretrain_llama
+sys.argv = ["pretrain_llama.py"] + sys.argv[1:]
+pretrain_llama.main()
+"""
+
+
+def test_an_unexpected_exception_in_the_loop_exits_with_loader_workers_running(tmp_path):
+    """A bug (not a user's mistake) raised inside the loop, with 2 loader workers (which
+    ignore SIGTERM): the traceback is printed and the process exits 1. It used to hang at
+    interpreter exit, multiprocessing waiting for workers that ignored its SIGTERM."""
+    from tests.e2e.runner import ROOT
+
+    script = tmp_path / "raise_at_3.py"
+    script.write_text(_RAISE_AT_3.format(root=ROOT))
+    proc = finish(start_script(str(script), BASE + ["--train-iters", "6", "--num-workers", "2"]),
+                  timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "RuntimeError: unexpected failure at iteration 3" in proc.stderr
+    assert " iteration        2/       6 |" in proc.stdout and "iteration        3/" not in \
+        proc.stdout
