@@ -1,0 +1,313 @@
+"""Megatron's flag definitions: the argparse parser, group by group (``get_parser``), and the
+flags accepted for compatibility that change nothing (``NOOP_FLAGS``). Parsing, the checks
+and the mapping onto configs are in arguments.py and configs_from_args.py."""
+import argparse
+import re
+
+from megatron.core.optimizer.optimizer_param_scheduler import (
+    LR_DECAY_STYLES,
+    WD_INCR_STYLES,
+    WSD_DECAY_STYLES,
+)
+from megatron.training.tokenizer.build import add_tokenizer_args
+from megatron.training.training_config import ConfigError
+
+# Flags accepted for compatibility that change nothing here: each only selects a CUDA kernel
+# (apex / Megatron fused ops) or states what is always true in this framework.
+NOOP_FLAGS = {
+    "--use-flash-attn": "attention always uses torch SDPA, which runs flash attention on CUDA",
+    "--causal-lm": "GPT and LLaMA models are always causal language models",
+    "--no-masked-softmax-fusion": "no fused softmax kernel; SDPA does masking and softmax",
+    "--no-bias-gelu-fusion": "no fused bias-GeLU kernel",
+    "--no-bias-swiglu-fusion": "no fused bias-SwiGLU kernel",
+    "--no-bias-dropout-fusion": "no fused bias-dropout-add kernel",
+    "--no-rope-fusion": "no fused RoPE kernel",
+    "--no-persist-layer-norm": "no persistent (apex) LayerNorm kernel",
+    "--no-async-tensor-model-parallel-allreduce": "the backward's TP all-reduce always overlaps "
+                                                  "the weight-gradient GEMM (no synchronous mode)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and calling sys.exit(2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A value like -1e-3 is a number, not a flag (Python 3.11's argparse knows only -1 and
+        # -.5 forms, and says "--lr: expected one argument").
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _int_from_float(text: str) -> int:
+    """Integers also written like '2e8' (Megatron-LLaMA's --reduce-bucket-size=2e8)."""
+    value = float(text)
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def _add_network_args(parser):
+    g = parser.add_argument_group("network size and architecture")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Default 4 * hidden; with --swiglu int(4 * hidden * 2/3 / 64) * 64.")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Default --seq-length. Learned absolute positions: the size of the "
+                        "position table, so it must be >= --seq-length. RoPE has no table "
+                        "(positions are computed): the value is only recorded as the model's "
+                        "context (an HF export's max_position_embeddings); a --seq-length "
+                        "beyond it trains anyway, with a warning.")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Old spelling of --position-embedding-type rope.")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="No learned absolute position embedding (rope if asked, else none).")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true", help="LLaMA-3.1 RoPE scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--rope-low-freq-factor", type=float, default=1.0,
+                   help="LLaMA-3.1 RoPE scaling (with --use-rope-scaling).")
+    g.add_argument("--rope-high-freq-factor", type=float, default=4.0,
+                   help="LLaMA-3.1 RoPE scaling (with --use-rope-scaling).")
+    g.add_argument("--rope-original-max-position-embeddings", type=int, default=8192,
+                   help="LLaMA-3.1 RoPE scaling: the context length before scaling (with "
+                        "--use-rope-scaling).")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--RMSNorm", action="store_true",
+                   help="Old spelling of --normalization RMSNorm.")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
+                   default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GeLU's tanh approximation (GPT-2's 'gelu_new') instead of the exact one.")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--allow-math-attention", action="store_true",
+                   help="On CUDA, accept a configuration in which SDPA would run its math "
+                        "kernel ([b, heads, s, s] scores per layer: slow, out of memory at long "
+                        "sequences); without it such a run stops at start saying why.")
+    for flag, why in NOOP_FLAGS.items():
+        g.add_argument(flag, action="store_true", help=f"Accepted, no effect: {why}.")
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Split each sequence over this many ranks (ring attention); the "
+                        "world is TP x CP x DP x PP.")
+    g.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p",
+                   help="How context-parallel attention sees the other ranks' keys and "
+                        "values: p2p passes blocks around a ring, overlapped with compute; "
+                        "all_gather gathers them once (simpler, more memory).")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlapped-distributed-optimizer", action="store_true",
+                   help="Megatron-LLaMA's: distributed optimizer, reduce-scatter and all-gather "
+                        "overlapped in buckets of --reduce-bucket-size elements.")
+    g.add_argument("--reduce-bucket-size", type=_int_from_float, default=500_000_000)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=_int_from_float, default=None)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Old spelling of --recompute-granularity selective.")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="full: recompute whole layers (see --recompute-method). selective: "
+                        "recompute the attention core only where it keeps the s x s softmax "
+                        "(the unfused kernel: CPU with attention dropout, or CUDA's math "
+                        "kernel); with flash / memory-efficient attention it is a no-op "
+                        "(nothing to save, no recompute cost).")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--distribute-saved-activations", action="store_true")
+
+
+def _add_mixed_precision_args(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 params; gradients are accumulated and reduced in fp32 (as in "
+                        "Megatron-LM) unless --grad-reduce-in-bf16.")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="With --bf16: accumulate and reduce gradients in bf16 (half the "
+                        "gradient memory and traffic, less exact sums).")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_optimizer_args(parser):
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=WSD_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=WD_INCR_STYLES)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Default micro batch x data-parallel size.")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM (Slurm, preemption): finish the iteration, save, exit 0.")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="Skip (and log) an update whose gradients are not finite (default).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
+    g.add_argument("--max-consecutive-nan-iterations", type=int, default=3,
+                   help="Stop (saving the last good state) after this many skipped updates in "
+                        "a row with non-finite gradients.")
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="How long a collective waits for the other ranks before the job fails "
+                        "(also how long ranks wait for rank 0 to build dataset indices).")
+    g.add_argument("--job-name", default=None)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="Per-device peak for MFU, in TFLOP/s. Default: 989 (H100 SXM dense "
+                        "BF16) on CUDA; on CPU none, and MFU is not printed.")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="Compute each weight gradient separately and add it to the DDP buffer "
+                        "(default: the weight-gradient GEMM accumulates into it directly).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each layer's element-wise regions (norms, residual adds, "
+                        "activation, RoPE); GEMMs, attention and TP collectives stay eager.")
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                   help="torch_dist (default): every rank writes its own shard (safetensors "
+                        "files and a JSON index), loadable at any TP/PP/VPP/DP; torch: "
+                        "Megatron's mp_rank_* files. Both load whatever the flag says.")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Timers printed at --log-interval: 1 adds forward-backward, optimizer "
+                        "and all-grads-sync; 2 also forward-compute and batch-generator.")
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+                   help="Timer report across ranks: the max, min and max, or every rank.")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                   action="store_false")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--wandb-project", default=None,
+                   help="Log the TensorBoard scalars to this W&B project too (from the last "
+                        "rank; offline when WANDB_MODE is unset and W&B cannot be reached).")
+    g.add_argument("--wandb-exp-name", default=None, help="The W&B run's name.")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Where the W&B run's files go (default: <--save>/wandb, else ./wandb).")
+    g.add_argument("--pipeline-trace-dir", default=None,
+                   help="Ours (Megatron has none): write each rank's pipeline schedule trace "
+                        "(forward, backward, waits) of one iteration as DIR/trace_rankNNNNN.json;"
+                        " draw it with tools/plot_pipeline.py DIR --out FILE.png.")
+    g.add_argument("--pipeline-trace-iteration", type=int, default=2,
+                   help="Ours: the iteration --pipeline-trace-dir traces (default 2, past the "
+                        "first iteration's warm-up).")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="'prefix' or 'w1 prefix1 w2 prefix2 ...' (one or many words).")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-impl", default="mmap", choices=["mmap"],
+                   help="Accepted, no effect: .bin/.idx mmap is the only format.")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = _Parser(description="Megatron arguments", allow_abbrev=False)
+    for add in (_add_network_args, _add_parallel_args, _add_mixed_precision_args,
+                _add_optimizer_args, _add_training_args, _add_checkpoint_args,
+                _add_logging_args, _add_data_args):
+        add(parser)
+    add_tokenizer_args(parser)
+    return parser
