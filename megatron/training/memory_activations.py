@@ -46,15 +46,6 @@ FP32, INT64 = 4, 8
 CP_KERNEL = "context_parallel"  # attention_kernel's name for the CP path (LSE-merging blocks)
 
 
-def context_parallel_size(config) -> int:
-    """CP size of ``config`` (1 for configs from before context parallelism)."""
-    return getattr(config, "context_parallel_size", 1) or 1
-
-
-def cp_comm_type(config) -> str:
-    return getattr(config, "cp_comm_type", "p2p")
-
-
 @dataclass(frozen=True)
 class ActivationSetup:
     seq_length: int
@@ -69,12 +60,12 @@ class ActivationSetup:
 
     def local_seq_length(self, config) -> int:
         """Tokens of each sequence on one rank: s / CP."""
-        return self.seq_length // context_parallel_size(config)
+        return self.seq_length // config.context_parallel_size
 
     def attention_kernel(self, config) -> Tuple[str, bool]:
         """(kernel, K/V expanded) as attention.sdpa_kernel_for picks them for this setup;
         under context parallelism the CP attention (blocks merged by their LSE)."""
-        if context_parallel_size(config) > 1:
+        if config.context_parallel_size > 1:
             return CP_KERNEL, False
         dtype = torch.float32 if self.activation_bytes == FP32 else torch.bfloat16
         return sdpa_kernel_for(self.device, dtype, config.kv_channels,
@@ -115,7 +106,7 @@ def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
     new_query = rope or heads != groups  # a new Q unless it is a plain view of the QKV output
     # all_gather keeps the gathered K/V, not the local ones: the QKV output (V's storage) and
     # RoPE's K are then freed, unless Q is a view of the QKV output.
-    gathered = context_parallel_size(config) > 1 and cp_comm_type(config) == "all_gather"
+    gathered = config.context_parallel_size > 1 and config.cp_comm_type == "all_gather"
     if not (gathered and new_query):
         add("QKV output (V is a view of it)", e * tokens * (heads + 2 * groups) * d)
     if new_query:
@@ -136,7 +127,7 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
     """What the attention kernel itself keeps (dropped by selective recomputation)."""
     s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
     d = config.kv_channels
-    if context_parallel_size(config) > 1:
+    if config.context_parallel_size > 1:
         return _cp_attention_core_terms(config, setup, heads, groups)
     if setup.flash_attention(config):
         # Its output is the storage the output projection keeps (a view: the projection's
@@ -164,7 +155,7 @@ def _cp_attention_core_terms(config, setup: ActivationSetup, heads: int, groups:
     s_local = setup.local_seq_length(config)
     terms = {"attention output (the CP attention's own)": e * b * heads * s_local * d,
              "attention log-sum-exp": FP32 * b * heads * s_local}
-    if cp_comm_type(config) == "all_gather":
+    if config.cp_comm_type == "all_gather":
         terms["gathered K, V (all_gather)"] = 2 * e * b * groups * setup.seq_length * d
     return terms
 
@@ -183,7 +174,7 @@ def attention_call_bytes(config, setup: ActivationSetup) -> int:
     s_local = setup.local_seq_length(config)
     query_and_output = 2 * e * b * heads * s_local * d
     lse = FP32 * b * heads * s_local
-    if context_parallel_size(config) > 1 and cp_comm_type(config) == "all_gather":
+    if config.context_parallel_size > 1 and config.cp_comm_type == "all_gather":
         return query_and_output + lse + 2 * e * b * groups * setup.seq_length * d
     return query_and_output + lse + 2 * e * b * groups * s_local * d
 
@@ -195,11 +186,11 @@ def cp_kv_in_flight_bytes(config, setup: ActivationSetup) -> int:
     one being received, and likewise the block's dK and dV travelling back, accumulated in
     fp32. all_gather: dK and dV of the whole sequence in fp32, and their rank-ordered copy for
     the reduce-scatter. 0 without CP."""
-    if context_parallel_size(config) == 1:
+    if config.context_parallel_size == 1:
         return 0
     groups = config.num_query_groups // config.tensor_model_parallel_size
     kv_tokens = 2 * setup.micro_batch_size * groups * config.kv_channels  # K and V, a token
-    if cp_comm_type(config) == "all_gather":
+    if config.cp_comm_type == "all_gather":
         return 2 * kv_tokens * setup.seq_length * FP32
     return 2 * kv_tokens * setup.local_seq_length(config) * (setup.activation_bytes + FP32)
 

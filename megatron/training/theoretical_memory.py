@@ -27,7 +27,6 @@ from megatron.core.distributed.distributed_data_parallel import bucket_size_for
 from megatron.training.memory_activations import (
     ActivationSetup,
     StageActivations,
-    context_parallel_size,
     layer_bytes,
     stage_activations,
 )
@@ -136,7 +135,7 @@ def estimate_from_configs(configs, seq_length: int, device: str = "cuda") -> Mem
     """The estimate of a parsed command line (``MegatronConfigs``)."""
     t = configs.training
     setup = optimizer_setup_from(configs.ddp, configs.optimizer, t.data_parallel_size,
-                                 context_parallel_size(configs.transformer))
+                                 configs.transformer.context_parallel_size)
     return estimate_memory(
         configs.transformer, padded_vocab_size=configs.model_kwargs["padded_vocab_size"],
         seq_length=seq_length, micro_batch_size=t.micro_batch_size,

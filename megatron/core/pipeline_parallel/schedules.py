@@ -185,7 +185,7 @@ def forward_backward_pipelining_with_interleaving(**kwargs) -> List:
 def activation_shape(config, seq_length: int, micro_batch_size: int):
     """[sequence, micro batch, hidden] as sent between stages (sequence split over CP, and
     again over TP under SP)."""
-    seq_length //= getattr(config, "context_parallel_size", 1)
+    seq_length //= config.context_parallel_size
     if config.sequence_parallel:
         seq_length //= parallel_state.get_tensor_model_parallel_world_size()
     return (seq_length, micro_batch_size, config.hidden_size)
