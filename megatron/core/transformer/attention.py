@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel import (
     get_rng_tracker,
 )
 from megatron.core.transformer.context_parallel import context_parallel_attention
+from megatron.core.transformer.cp_blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
 from megatron.core.transformer.rope import rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
@@ -35,8 +36,6 @@ try:  # torch's variable-length flash attention (CUDA only)
 except ImportError:
     _varlen_attn, _VARLEN_PARAMS = None, {}
 
-_HALF = (torch.float16, torch.bfloat16)
-FLASH_MAX_HEAD_DIM = 256
 
 
 def sdpa_kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool,
@@ -53,7 +52,7 @@ def sdpa_kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bo
     math, which keeps [b, heads, s, s] per layer."""
     if device_type != "cuda":
         return ("math" if dropout else "flash"), False
-    half = dtype in _HALF
+    half = dtype in HALF_DTYPES
     if half and head_dim <= FLASH_MAX_HEAD_DIM and not has_mask:
         return "flash", False
     if (half or dtype == torch.float32) and head_dim % (8 if half else 4) == 0:
@@ -72,7 +71,7 @@ def math_attention_reason(config, device_type: str) -> Optional[str]:
                                 config.attention_dropout > 0)
     if kernel != "math":
         return None
-    if dtype in _HALF:
+    if dtype in HALF_DTYPES:
         cause = (f"head dim {d} is above flash attention's {FLASH_MAX_HEAD_DIM} and not a "
                  f"multiple of 8 (memory-efficient attention's alignment)")
     else:
@@ -219,7 +218,7 @@ class SelfAttention(torch.nn.Module):
         query, key, value = (t.reshape(b * s, t.shape[2], self.head_dim)
                              for t in (query, key, value))
         if (_varlen_attn is not None and query.is_cuda and dropout == 0
-                and query.dtype in _HALF and self.head_dim <= FLASH_MAX_HEAD_DIM):
+                and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM):
             # One flash kernel over all documents (it has no dropout).
             kwargs = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else \
                 {"window_size": (-1, 0)}

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megatron.core.transformer.attention_dropout_hash import attention_dropout_keep
 
-_HALF = (torch.float16, torch.bfloat16)
+# Where torch's flash kernels apply (shared with attention.py's SDPA kernel choice).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 _CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 _CUDA_FLASH = "_scaled_dot_product_flash_attention"
@@ -69,7 +70,7 @@ def choose_block_kernel(device_type: str, dtype: torch.dtype, head_dim: int, has
         return "reference"
     if device_type == "cpu" and _has_aten_op(_CPU_FLASH) and "cpu_flash" not in _disabled_kernels:
         return "cpu_flash"
-    if (device_type == "cuda" and dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM
+    if (device_type == "cuda" and dtype in HALF_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM
             and not has_mask and _has_aten_op(_CUDA_FLASH)
             and "cuda_flash" not in _disabled_kernels):
         return "cuda_flash"
