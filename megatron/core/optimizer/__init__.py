@@ -5,6 +5,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core import device
+from megatron.core.optimizer.cpu_offload import offloaded_optimizer
 from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import (
@@ -67,6 +68,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                            ) -> MegatronOptimizer:
     """The optimizer for this rank's model chunks (wrapped in DDP or not)."""
     groups = get_param_groups(model_chunks, no_weight_decay_cond)
+    if config.optimizer_cpu_offload:  # main params and state on the host
+        return offloaded_optimizer(config, groups, model_chunks,
+                                   lambda g: _torch_optimizer(g, config), _grad_scaler(config))
     if config.sharded:
         return DistributedOptimizer(lambda g: _torch_optimizer(g, config), groups, config,
                                     _grad_scaler(config), model_chunks)

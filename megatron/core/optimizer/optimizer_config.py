@@ -33,6 +33,9 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
     # --overlapped-distributed-optimizer: ZeRO-1 with overlapped reduce-scatter / all-gather.
     overlapped_distributed_optimizer: bool = False
+    # --optimizer-cpu-offload: fp32 main params and optimizer state in host memory, the step
+    # on the host (see cpu_offload.py).
+    optimizer_cpu_offload: bool = False
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd"):
