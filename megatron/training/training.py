@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.fsdp import TorchFSDP2
 from megatron.core.pipeline_parallel import (
     PipelineTrace,
     build_model_chunks,
@@ -24,7 +25,8 @@ from megatron.training.timers import Timer, Timers
 
 def build_model(model_provider: Callable[..., torch.nn.Module], config, ddp_config,
                 seed: int) -> List[torch.nn.Module]:
-    """This rank's model chunks, wrapped in DDP, with the schedule hooks set on ``config``.
+    """This rank's model chunks, wrapped in DDP (FSDP2 for a ``TorchFSDP2Config``), with the
+    schedule hooks set on ``config``.
 
     Weights are drawn from ``seed`` on every rank, so they do not depend on the layout; the
     generator states are restored afterwards (dropout streams stay per rank). That includes
@@ -40,7 +42,9 @@ def build_model(model_provider: Callable[..., torch.nn.Module], config, ddp_conf
         torch.set_rng_state(cpu_state)
         get_rng_tracker().set_states(tracker_states)
     config.finalize_model_grads_func = finalize_model_grads
-    return [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    wrapper = TorchFSDP2 if getattr(ddp_config, "use_torch_fsdp2", False) \
+        else DistributedDataParallel
+    return [wrapper(config, ddp_config, chunk) for chunk in chunks]
 
 
 def _average_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:

@@ -3,6 +3,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
@@ -10,8 +11,11 @@ from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embed
 
 
 def _grad(param: torch.nn.Parameter):
+    """DDP's main_grad, else .grad; under FSDP2 this rank's shard of it (a DTensor's local
+    tensor: the same slice on every TP rank of the DP rank, so summing over TP is right)."""
     grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
+    grad = param.grad if grad is None else grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def allreduce_sequence_parallel_grads(model_chunks: List[torch.nn.Module]) -> None:

@@ -68,6 +68,11 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                            ) -> MegatronOptimizer:
     """The optimizer for this rank's model chunks (wrapped in DDP or not)."""
     groups = get_param_groups(model_chunks, no_weight_decay_cond)
+    from megatron.core.distributed import fsdp  # here: fsdp imports this package
+    if fsdp.is_fsdp2(model_chunks):  # fp32 shards are the main params
+        optimizer = fsdp.FSDP2Optimizer(_torch_optimizer(groups, config), config, None)
+        optimizer.set_param_names(model_chunks)
+        return optimizer
     if config.optimizer_cpu_offload:  # main params and state on the host
         return offloaded_optimizer(config, groups, model_chunks,
                                    lambda g: _torch_optimizer(g, config), _grad_scaler(config))

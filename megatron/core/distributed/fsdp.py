@@ -1,0 +1,167 @@
+"""ZeRO-2/3 through torch's FSDP2 (``fully_shard``) over the data-parallel group.
+
+    model = TorchFSDP2(config, TorchFSDP2Config(reshard_after_forward=True), model_chunk)
+
+Each transformer layer, then the whole chunk (embedding, final norm, output layer), is a
+``fully_shard`` unit over a 1-D mesh of this rank's DP group. Under tensor parallelism the
+tensor FSDP shards is this TP rank's local weight, so TP's collectives are untouched. After
+sharding every parameter is a DTensor split on dim 0 over DP, and backward leaves each rank the
+DP-averaged gradient of its own shard in ``.grad`` (a DTensor): there is no ``main_grad``, so
+gradient-accumulation fusion falls back to ordinary autograd by itself.
+
+``TorchFSDP2`` offers the loop what ``DistributedDataParallel`` does (``no_sync``,
+``zero_grad_buffer``, ``finish_grad_sync``); ``FSDP2Optimizer`` is the fp32 optimizer over the
+sharded parameters, with the gradient norm summed over shards (DP) and TP/PP as today.
+
+Mixed precision: the sharded parameters are fp32 (they are the main params); bf16 copies are
+all-gathered for compute and gradients are reduced in fp32 unless ``grad_reduce_in_fp32`` is
+off (--grad-reduce-in-bf16).
+
+Not composed yet (refused by the flags): pipeline parallelism, context parallelism, fp16 with
+loss scaling, the distributed optimizer, and checkpoints.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from megatron.core import device, parallel_state
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+_CHECKPOINTS_LATER = ("checkpoints with --use-torch-fsdp2 are not supported yet: train "
+                      "without --save/--load, or use DDP / the distributed optimizer.")
+
+
+@dataclass
+class TorchFSDP2Config(DistributedDataParallelConfig):
+    """--use-torch-fsdp2. ``reshard_after_forward``: free each layer's gathered parameters after
+    its forward and gather them again for backward (ZeRO-3); False keeps them until backward
+    (ZeRO-2: sharded gradients and optimizer state, more memory, one all-gather less)."""
+    use_torch_fsdp2: bool = True
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.use_distributed_optimizer or self.overlap_grad_reduce or \
+                self.overlap_param_gather or self.bucket_size is not None:
+            raise ValueError("--use-torch-fsdp2 shards the optimizer and overlaps its own "
+                             "collectives: drop --use-distributed-optimizer, "
+                             "--overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size.")
+
+
+def is_fsdp2(model_chunks: List[torch.nn.Module]) -> bool:
+    return any(isinstance(chunk, TorchFSDP2) for chunk in model_chunks)
+
+
+def _parallel_attrs(module: torch.nn.Module) -> dict:
+    """Our attributes on each parameter (tensor_model_parallel, sequence_parallel, ...):
+    ``fully_shard`` replaces the parameters and drops them."""
+    return {name: dict(vars(p)) for name, p in module.named_parameters()}
+
+
+def _restore_parallel_attrs(module: torch.nn.Module, attrs: dict) -> None:
+    for name, param in module.named_parameters():
+        for key, value in attrs[name].items():
+            if not hasattr(param, key):
+                setattr(param, key, value)
+
+
+class TorchFSDP2(torch.nn.Module):
+    def __init__(self, config, fsdp_config: TorchFSDP2Config, module: torch.nn.Module):
+        super().__init__()
+        self.config = config
+        self.ddp_config = fsdp_config
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self._broadcast_params(module, group)
+        # Named after the group: meshes over the same ranks compare equal otherwise, and
+        # DTensor's caches would hand back one holding a destroyed group (parallel_state
+        # initialised again in the same process).
+        mesh = DeviceMesh.from_group(group, device.device_type(),
+                                     mesh_dim_names=(f"dp_{group.group_name}",))
+        compute_dtype = config.params_dtype
+        if compute_dtype == torch.float16:
+            raise ValueError("--use-torch-fsdp2 with --fp16 (loss scaling) is not supported "
+                             "yet; use --bf16 or fp32.")
+        # fp32 shards are the main params (as Float16Optimizer's fp32 copies of bf16 weights).
+        attrs = _parallel_attrs(module)
+        module.float()
+        reduce_dtype = torch.float32 if fsdp_config.grad_reduce_in_fp32 else compute_dtype
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        for layer in module.modules():
+            if isinstance(layer, TransformerLayer):
+                fully_shard(layer, mesh=mesh, mp_policy=policy,
+                            reshard_after_forward=fsdp_config.reshard_after_forward)
+        fully_shard(module, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=fsdp_config.reshard_after_forward)
+        _restore_parallel_attrs(module, attrs)
+        self.module = module
+
+    @staticmethod
+    def _broadcast_params(module: torch.nn.Module, group) -> None:
+        """Every DP replica shards DP rank 0's weights (as DDP starts from them)."""
+        src = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
+        with torch.no_grad():
+            for param in module.parameters():
+                dist.broadcast(param.data, src=src, group=group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients without reduce-scattering (all microbatches but the
+        last): the sum is reduced once per iteration, as with DDP."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def zero_grad_buffer(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+
+    def finish_grad_sync(self) -> None:
+        """Nothing to wait for: FSDP's end-of-backward callback has waited for the last
+        reduce-scatter before backward returned."""
+
+    def state_dict(self, *args, **kwargs):
+        raise NotImplementedError(_CHECKPOINTS_LATER)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        raise NotImplementedError(_CHECKPOINTS_LATER)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class FSDP2Optimizer(FP32Optimizer):
+    """The torch optimizer steps the fp32 DTensor shards with their DTensor gradients. Norms,
+    clipping and the inf check work on the local shards; their sums are added over every rank
+    (DP shards x the model-parallel ranks, duplicates excluded as today)."""
+
+    def _main_params_and_grads(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(p, _local(p.grad)) for group in self.optimizer.param_groups
+                for p in group["params"] if p.grad is not None]
+
+    def _reduction_group(self):
+        return dist.group.WORLD
+
+    def state_dict(self):
+        raise NotImplementedError(_CHECKPOINTS_LATER)
+
+    def sharded_state(self):
+        raise NotImplementedError(_CHECKPOINTS_LATER)
+
+    def load_state_dict(self, state):
+        raise NotImplementedError(_CHECKPOINTS_LATER)

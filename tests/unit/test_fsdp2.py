@@ -1,0 +1,88 @@
+"""--use-torch-fsdp2: torch's fully_shard over DP, against one process on the same global batch.
+
+The reference is test_data_parallel's: plain torch, the whole global batch with gradient
+accumulation, fused torch AdamW. FSDP2 reduce-scatters each rank's accumulated gradient
+(averaged over DP: a power of two, exact), so as with DDP the only difference is the order of
+the sums (microbatch gradients summed per rank, then over ranks) and, with clipping, the
+global norm summed shard by shard: parameters agree to 1e-6 after Adam (REASSOCIATION_TOL,
+the DDP tests' bound).
+"""
+import pytest
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed.fsdp import TorchFSDP2Config
+from megatron.core.models import LlamaModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.training.training import build_model, train_step
+from tests.distributed import run_distributed
+from tests.unit.test_data_parallel import (
+    ADAM,
+    MBS,
+    REASSOCIATION_TOL,
+    SEQ,
+    VOCAB,
+    _assert_params,
+    _config,
+    _forward_step,
+    _global_batches,
+    _reference,
+)
+
+STEPS = 3
+
+
+def _fsdp_train(num_microbatches, reshard, clip_grad=0.0):
+    config = _config()
+    model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
+                        TorchFSDP2Config(reshard_after_forward=reshard), seed=42)
+    optimizer = get_megatron_optimizer(OptimizerConfig(clip_grad=clip_grad, **ADAM), model)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = num_microbatches // dp
+    shards, history = {}, []
+    for batch in _global_batches(num_microbatches, STEPS):
+        mine = batch[rank * local:(rank + 1) * local]
+        _, skipped, norm, _ = train_step(_forward_step, iter(mine), model, optimizer, None,
+                                         local, SEQ, MBS)
+        assert not skipped
+        # full_tensor() all-gathers: every rank calls it in the same order
+        history.append(({n: p.full_tensor().detach().clone()
+                         for n, p in model[0].module.named_parameters()}, norm))
+    for name, param in model[0].module.named_parameters():
+        shards[name] = (tuple(param.to_local().shape), tuple(param.shape))
+    return dict(history=history, shards=shards)
+
+
+def _check_against_reference(ranks, reference, dp):
+    for rank in ranks:
+        for (params, norm), (want, want_norm) in zip(rank["history"], reference):
+            _assert_params(params, want, REASSOCIATION_TOL)
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+        for name, (local, full) in rank["shards"].items():
+            # sharded on dim 0: this rank holds ceil(rows / DP) rows or fewer
+            assert local[1:] == full[1:] and local[0] <= -(-full[0] // dp), name
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_fsdp2_dp2_steps_equal_single_process(reshard):
+    reference = run_distributed(_reference, world_size=1, tp=1, num_microbatches=4)[0]
+    ranks = run_distributed(_fsdp_train, world_size=2, tp=1, num_microbatches=4,
+                            reshard=reshard)
+    _check_against_reference(ranks, reference, dp=2)
+
+
+def test_fsdp2_clips_by_the_global_norm():
+    """clip_grad small enough to clip every step: the norm summed over shards must be the
+    whole model's (no double counting over DP)."""
+    reference = run_distributed(_reference, world_size=1, tp=1, num_microbatches=4,
+                                clip_grad=0.05)[0]
+    ranks = run_distributed(_fsdp_train, world_size=2, tp=1, num_microbatches=4,
+                            reshard=True, clip_grad=0.05)
+    assert all(norm > 0.05 for _, norm in reference)
+    _check_against_reference(ranks, reference, dp=2)
+
+
+def test_fsdp2_config_refuses_ddp_only_settings():
+    with pytest.raises(ValueError, match="drop --use-distributed-optimizer"):
+        TorchFSDP2Config(use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="--overlap-grad-reduce"):
+        TorchFSDP2Config(overlap_grad_reduce=True)
