@@ -207,7 +207,8 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlapped_distributed_optimizer=args.overlapped_distributed_optimizer))
+        overlapped_distributed_optimizer=args.overlapped_distributed_optimizer,
+        optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False)))  # saved args
     ddp = _built("data-parallel flags", lambda: ddp_config_for_optimizer(
         optimizer, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,

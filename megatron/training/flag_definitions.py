@@ -190,6 +190,10 @@ def _add_optimizer_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="fp32 main params and optimizer state (the distributed optimizer's "
+                        "shard of them) in host memory, the step on the host (torch's fused "
+                        "CPU AdamW): gradients go to the host and params back every step.")
 
 
 def _add_training_args(parser):

@@ -200,3 +200,12 @@ def _sharded_cross_load(dtype):
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_sharded_offload_checkpoint_loads_into_plain_distributed(name):
     assert all(run_distributed(_sharded_cross_load, world_size=2, tp=1, dtype=DTYPES[name]))
+
+
+def test_flag_maps_to_the_optimizer_config():
+    from megatron.training.arguments import build_configs, parse_args
+    from tests.unit.test_arguments import small
+    assert not build_configs(parse_args(small())).optimizer.optimizer_cpu_offload
+    configs = build_configs(parse_args(small("--optimizer-cpu-offload",
+                                             "--use-distributed-optimizer")), world_size=2)
+    assert configs.optimizer.optimizer_cpu_offload and configs.optimizer.sharded
