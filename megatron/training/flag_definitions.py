@@ -128,10 +128,25 @@ def _add_parallel_args(parser):
                    help="Megatron-LLaMA's: distributed optimizer, reduce-scatter and all-gather "
                         "overlapped in buckets of --reduce-bucket-size elements.")
     g.add_argument("--reduce-bucket-size", type=_int_from_float, default=500_000_000)
+    g.add_argument("--shard-gradients", action="store_true",
+                   help="ZeRO-2 for the distributed optimizer (needs "
+                        "--use-distributed-optimizer or --overlapped-distributed-optimizer): "
+                        "the optimizer step keeps only this rank's 1/DP of the reduced fp32 "
+                        "gradients and frees the full gradient buffer until the next "
+                        "iteration (still reduced once per iteration; the forward/backward "
+                        "peak is unchanged).")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=_int_from_float, default=None)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Shard parameters, gradients and optimizer state over DP with torch's "
+                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, not "
+                        "yet with PP, CP, --fp16, checkpoints or --optimizer-cpu-offload.")
+    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                   action="store_false",
+                   help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
+                        "forward to backward (ZeRO-2; default: free them, ZeRO-3).")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Old spelling of --recompute-granularity selective.")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],

@@ -7,6 +7,8 @@ backward. Gradients are reduced once per iteration: with ``no_sync()`` held for 
 microbatch but the last (the schedules do this), either by ``finish_grad_sync()`` or, with
 ``overlap_grad_reduce``, by each bucket's asynchronous all-reduce launched from the backward
 hooks the moment the bucket's last gradient arrives; ``finish_grad_sync()`` then only waits.
+With ``shard_gradients`` (ZeRO-2) the distributed optimizer's step keeps only this rank's
+shard of the reduced gradients; ``zero_grad_buffer()`` gives the full buffers back.
 """
 import contextlib
 from typing import Dict, List, Optional
@@ -58,7 +60,8 @@ class DistributedDataParallel(torch.nn.Module):
         # Reverse registration order ~ the order backward produces gradients.
         self.buffers = [GradBuffer(params[::-1], grad_dtype, bucket_size,
                                    self.data_parallel_group, 1.0 / dp_size,
-                                   shard=ddp_config.use_distributed_optimizer)
+                                   shard=ddp_config.use_distributed_optimizer,
+                                   shard_grads=ddp_config.shard_gradients)
                         for (_, grad_dtype), params in by_dtype.items()]
         self._bucket_of = {p: bucket for b in self.buffers for p, bucket in b.bucket_of.items()}
         # The sharded buckets in forward order (by their first parameter's registration),
@@ -119,11 +122,19 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.wait_param_gather()
 
     def forward(self, *args, **kwargs):
+        if self.ddp_config.shard_gradients and torch.is_grad_enabled() and \
+                any(b.full_grad_released for b in self._buckets()):
+            raise RuntimeError(self._RELEASED)
         return self.module(*args, **kwargs)
+
+    _RELEASED = ("the optimizer step freed the full gradient buffers (--shard-gradients): "
+                 "call zero_grad_buffer() before the next forward with gradients.")
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         """Move the fresh gradient into the buffer; launch the bucket's reduction if it is the
         last microbatch and the bucket is now complete."""
+        if self.ddp_config.shard_gradients and self._bucket_of[param].full_grad_released:
+            raise RuntimeError(self._RELEASED)
         if getattr(param, "grad_added_to_main_grad", False):
             # Gradient-accumulation fusion: the layer's backward already added it to main_grad
             # and .grad is only a placeholder (see tensor_parallel.LinearWithGradAllReduce).

@@ -18,6 +18,10 @@ class DistributedDataParallelConfig:
     # With the distributed optimizer: all-gather updated parameters in the background after
     # the step; each module's forward waits only for its own bucket.
     overlap_param_gather: bool = False
+    # With the distributed optimizer: once the optimizer takes the reduced gradients, keep
+    # only this rank's shard of each bucket and free the full bucket until the next
+    # iteration's zero_grad_buffer() (ZeRO-2, --shard-gradients; see param_and_grad_buffer).
+    shard_gradients: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -25,22 +29,29 @@ class DistributedDataParallelConfig:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlapping the parameter all-gather needs the distributed "
                              "optimizer (--use-distributed-optimizer).")
+        if self.shard_gradients and not self.use_distributed_optimizer:
+            raise ValueError("--shard-gradients needs --use-distributed-optimizer or "
+                             "--overlapped-distributed-optimizer (only the distributed "
+                             "optimizer reduce-scatters gradients into shards).")
 
 
 def ddp_config_for_optimizer(optimizer_config, grad_reduce_in_fp32: bool = False,
                              overlap_grad_reduce: bool = False,
                              bucket_size: Optional[int] = None,
-                             reduce_bucket_size: int = 500_000_000
+                             reduce_bucket_size: int = 500_000_000,
+                             shard_gradients: bool = False
                              ) -> DistributedDataParallelConfig:
     """The DDP settings an optimizer config implies. ``--overlapped-distributed-optimizer``
     (Megatron-LLaMA's) is the distributed optimizer with the gradient reduce-scatter and the
-    parameter all-gather both overlapped, in buckets of ``--reduce-bucket-size`` elements."""
+    parameter all-gather both overlapped, in buckets of ``--reduce-bucket-size`` elements.
+    ``shard_gradients`` (ZeRO-2) composes with either distributed optimizer."""
     if optimizer_config.overlapped_distributed_optimizer:
         return DistributedDataParallelConfig(
             grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=True,
             bucket_size=reduce_bucket_size, use_distributed_optimizer=True,
-            overlap_param_gather=True)
+            overlap_param_gather=True, shard_gradients=shard_gradients)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
-        use_distributed_optimizer=optimizer_config.use_distributed_optimizer)
+        use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
+        shard_gradients=shard_gradients)

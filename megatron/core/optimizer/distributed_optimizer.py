@@ -10,6 +10,11 @@ After the step, the shards are all-gathered into every rank's parameters: at onc
 (``overlap_param_gather``) in the background, each module's next forward waiting for its own
 bucket.
 
+With ``shard_gradients`` (ZeRO-2) taking the reduced gradients at the start of the step keeps
+only this rank's shard of each bucket's gradients and frees the full bucket (see
+param_and_grad_buffer): gradients then take N / DP elements per rank too, between the step and
+the next iteration's ``zero_grad_buffer()``.
+
 ``state_dict()`` is independent of the DP size: it holds, per model parameter, the full fp32
 main param and optimizer state, gathered on DP rank 0 (None elsewhere); ``load_state_dict``
 takes that dict on every rank and keeps its own slices.
@@ -51,7 +56,8 @@ class _Shard:
                 self.pieces.append((piece, param, lo - p_begin, hi - p_begin, lo - self.begin))
 
     def main_grads(self) -> torch.Tensor:
-        grads = self.bucket.grad_data[self.begin:self.end]
+        # With sharded gradients (ZeRO-2) this frees the bucket's full gradient storage.
+        grads = self.bucket.reduced_grad_shard()
         return grads if grads.dtype == torch.float32 else grads.float()
 
 
@@ -159,7 +165,7 @@ class DistributedOptimizer(MegatronOptimizer):
         params: Optional[Dict[str, Dict[str, torch.Tensor]]] = {} if dp_rank == 0 else None
         buffer = None
         if keys or not all(s.in_place for s in self.shards):
-            buffer = device.empty(max(s.bucket.grad_data.numel() if dp_rank == 0 else
+            buffer = device.empty(max(s.bucket.numel if dp_rank == 0 else
                                       s.end - s.begin for s in self.shards),
                                   dtype=torch.float32)
         for shard in self.shards:
