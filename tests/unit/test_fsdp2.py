@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.models import LlamaModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.training.arguments import ConfigError, build_configs, parse_args
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import (
@@ -86,3 +87,31 @@ def test_fsdp2_config_refuses_ddp_only_settings():
         TorchFSDP2Config(use_distributed_optimizer=True)
     with pytest.raises(ValueError, match="--overlap-grad-reduce"):
         TorchFSDP2Config(overlap_grad_reduce=True)
+
+
+SMALL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--max-position-embeddings 16 --micro-batch-size 1 --train-iters 2 --lr 1e-3 "
+         "--mock-data --tokenizer-type NullTokenizer --vocab-size 64 --use-torch-fsdp2").split()
+
+
+@pytest.mark.parametrize("extra,reshard,reduce_fp32", [  # fp32 runs reduce in their dtype
+    ([], True, False), (["--no-reshard-after-forward"], False, False),
+    (["--bf16"], True, True), (["--bf16", "--grad-reduce-in-bf16"], True, False)])
+def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
+    ddp = build_configs(parse_args(SMALL + extra), world_size=2).ddp
+    assert isinstance(ddp, TorchFSDP2Config)
+    assert (ddp.reshard_after_forward, ddp.grad_reduce_in_fp32) == (reshard, reduce_fp32)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
+    (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--fp16"], "--fp16"),
+    (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
+    (["--overlap-grad-reduce"], "drop --overlap-grad-reduce"),
+    (["--load", "ckpt"], "checkpoints"),
+])
+def test_fsdp2_refuses_what_does_not_compose_yet(extra, words):
+    with pytest.raises(ConfigError, match="--use-torch-fsdp2") as info:
+        build_configs(parse_args(SMALL + extra), world_size=4)
+    assert words in str(info.value)

@@ -95,7 +95,9 @@ class TorchFSDP2(torch.nn.Module):
         attrs = _parallel_attrs(module)
         module.float()
         reduce_dtype = torch.float32 if fsdp_config.grad_reduce_in_fp32 else compute_dtype
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        # Inputs as the unsharded model gets them (rotary cos/sin stay fp32, as under DDP).
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                                      cast_forward_inputs=False)
         for layer in module.modules():
             if isinstance(layer, TransformerLayer):
                 fully_shard(layer, mesh=mesh, mp_policy=policy,
