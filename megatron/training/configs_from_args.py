@@ -12,7 +12,6 @@ from megatron.core import device
 from megatron.core.datasets.config import GPTDatasetConfig, parse_data_path
 from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
 from megatron.core.distributed.fsdp import TorchFSDP2Config
-from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.attention import math_attention_reason
@@ -63,34 +62,6 @@ def _check_world(args, world_size: int) -> int:
               f"--tensor-model-parallel-size {tp}.")
     args.data_parallel_size = dp
     return dp
-
-
-def _fsdp2_config(args, ddp):
-    """--use-torch-fsdp2: refuse what does not compose with it yet, one message each."""
-    flag = "--use-torch-fsdp2"
-    _need(args.pipeline_model_parallel_size == 1,
-          f"{flag} does not compose with pipeline parallelism yet; drop "
-          "--pipeline-model-parallel-size.")
-    _need(args.context_parallel_size == 1,
-          f"{flag} with --context-parallel-size is not supported yet.")
-    _need(not args.fp16, f"{flag} with --fp16 (loss scaling) is not supported yet; use "
-          "--bf16 or fp32.")
-    _need(not (args.use_distributed_optimizer or args.overlapped_distributed_optimizer
-               or getattr(args, "shard_gradients", False)),
-          f"{flag} shards the optimizer state and gradients itself; drop "
-          "--use-distributed-optimizer / --overlapped-distributed-optimizer / "
-          "--shard-gradients.")
-    _need(not getattr(args, "optimizer_cpu_offload", False),
-          f"{flag} with --optimizer-cpu-offload is not supported yet.")
-    _need(not (args.overlap_grad_reduce or args.overlap_param_gather
-               or args.ddp_bucket_size is not None),
-          f"{flag} overlaps its own collectives per layer; drop --overlap-grad-reduce, "
-          "--overlap-param-gather and --ddp-bucket-size.")
-    _need(args.save is None and args.load is None,
-          f"{flag}: checkpoints (--save/--load) are not supported yet.")
-    return _built("data-parallel flags", lambda: TorchFSDP2Config(
-        grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
-        reshard_after_forward=args.reshard_after_forward))
 
 
 def _fsdp2_config(args, ddp):
@@ -275,8 +246,6 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     if args.overlap_param_gather and not ddp.overlap_param_gather:
         ddp = _built("data-parallel flags", lambda: dataclasses.replace(
             ddp, overlap_param_gather=True))
-    if getattr(args, "use_torch_fsdp2", False):  # saved args may lack it
-        ddp = _fsdp2_config(args, ddp)
     if getattr(args, "use_torch_fsdp2", False):  # saved args may lack it
         ddp = _fsdp2_config(args, ddp)
     scheduler_kwargs = _scheduler_kwargs(args)

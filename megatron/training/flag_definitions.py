@@ -147,14 +147,6 @@ def _add_parallel_args(parser):
                    action="store_false",
                    help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
                         "forward to backward (ZeRO-2; default: free them, ZeRO-3).")
-    g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="Shard parameters, gradients and optimizer state over DP with torch's "
-                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, not "
-                        "yet with PP, CP, --fp16, checkpoints or --optimizer-cpu-offload.")
-    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
-                   action="store_false",
-                   help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
-                        "forward to backward (ZeRO-2; default: free them, ZeRO-3).")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Old spelling of --recompute-granularity selective.")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
