@@ -85,8 +85,9 @@ def _fsdp2_config(args, ddp):
                or args.ddp_bucket_size is not None),
           f"{flag} overlaps its own collectives per layer; drop --overlap-grad-reduce, "
           "--overlap-param-gather and --ddp-bucket-size.")
-    _need(args.save is None and args.load is None,
-          f"{flag}: checkpoints (--save/--load) are not supported yet.")
+    _need(args.ckpt_format != "torch" or (args.save is None and args.load is None),
+          f"{flag} saves and loads the sharded checkpoint format only: use --ckpt-format "
+          "torch_dist (the default), not --ckpt-format torch.")
     return _built("data-parallel flags", lambda: TorchFSDP2Config(
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
         reshard_after_forward=args.reshard_after_forward))

@@ -9,6 +9,13 @@ last printed digit (7 significant digits, values near 4), i.e. at most one unit 
 import pytest
 
 from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script
+from tests.e2e.test_checkpoint_resume import (
+    _assert_bitwise,
+    _flags,
+    _is_sharded,
+    _iteration_losses,
+    _straight_then_resume,
+)
 
 TOL = 1e-6 + 1e-12  # one unit in the printed 7th digit, and the float error of the subtraction
 FLAGS = TINY + LLAMA + ["--train-iters", "10"]
@@ -54,9 +61,67 @@ def test_fsdp2_bf16_equals_ddp_bf16_at_dp2():
         assert abs(a - b) <= TOL, (want, got)
 
 
-def test_fsdp2_refuses_checkpoints_at_start():
+# --- checkpoints (the sharded format) --------------------------------------------------------
+# Bitwise: a resumed FSDP2 run repeats the uninterrupted run's arithmetic (same layout, data
+# order and saved RNG streams): losses and every saved tensor are equal, not close. Across
+# layouts (FSDP2 <-> the distributed optimizer at another DP, or one process) the sums are
+# ordered differently: the resumed losses are within RESHARD_TOL (1e-5, the resharding
+# tests' bound) of an uninterrupted run of the target layout.
+RESHARD_TOL = 1e-5
+FSDP2 = ["--use-torch-fsdp2"]
+DISTRIBUTED = ["--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("mode", [[], ZERO2], ids=["zero3", "zero2"])
+def test_fsdp2_resume_at_dp2_is_bitwise(tmp_path, mode):
+    first, second, straight, resumed = _straight_then_resume(
+        tmp_path, _flags(*FSDP2, *mode), nproc=2)
+    want, got = _iteration_losses(first), _iteration_losses(second)
+    assert sorted(want) == ["1", "2", "3", "4"] and sorted(got) == ["3", "4"]
+    assert [got[i] for i in "34"] == [want[i] for i in "34"]
+    _assert_bitwise(straight, resumed, 4)  # weights, Adam state, scheduler, RNG
+    assert _is_sharded(straight / "iter_0000004", 2)
+
+
+def _reshard_flags():
+    return _flags(dropout="0", loader="single")  # masks and sample order independent of DP
+
+
+LAYOUTS = {"fsdp2 dp2 zero3": (2, FSDP2), "fsdp2 dp2 zero2": (2, FSDP2 + ZERO2),
+           "distributed dp4": (4, DISTRIBUTED), "plain dp1": (1, [])}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Each layout uninterrupted for 4 iterations, saving at 2 (started together)."""
+    root = tmp_path_factory.mktemp("fsdp2_reshard")
+    started = {name: start_script("pretrain_llama.py", _reshard_flags() + extra + [
+        "--save", root / name.replace(" ", "_"), "--save-interval", "2"], nproc=nproc)
+        for name, (nproc, extra) in LAYOUTS.items()}
+    return {name: (root / name.replace(" ", "_"), _iteration_losses(finish(popen, timeout=600)))
+            for name, popen in started.items()}
+
+
+@pytest.mark.parametrize("saved,target", [
+    ("fsdp2 dp2 zero3", "distributed dp4"), ("distributed dp4", "fsdp2 dp2 zero2"),
+    ("fsdp2 dp2 zero2", "plain dp1"), ("plain dp1", "fsdp2 dp2 zero3"),
+])
+def test_fsdp2_checkpoint_loads_into_another_layout(straight_runs, tmp_path, saved, target):
+    root, _ = straight_runs[saved]
+    nproc, extra = LAYOUTS[target]
+    proc = run_script("pretrain_llama.py", _reshard_flags() + extra + [
+        "--load", root, "--ckpt-step", "2", "--save", tmp_path / "again"], nproc)
+    got, want = _iteration_losses(proc), straight_runs[target][1]
+    assert "resharded from" in proc.stdout
+    assert sorted(got) == ["3", "4"]
+    for i in "34":
+        assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
+
+
+def test_fsdp2_refuses_the_torch_checkpoint_format_at_start():
     """One message, exit 2, before any work (the other refusals: tests/unit/test_fsdp2.py)."""
-    proc = run_script("pretrain_llama.py", FLAGS + ["--use-torch-fsdp2", "--save", "ckpt"])
+    proc = run_script("pretrain_llama.py", FLAGS + FSDP2 + ["--save", "ckpt", "--ckpt-format",
+                                                            "torch"])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "--use-torch-fsdp2: checkpoints" in proc.stderr, proc.stderr
+    assert "sharded checkpoint format only" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "iteration" not in proc.stdout

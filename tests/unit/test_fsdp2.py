@@ -109,7 +109,7 @@ def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
     (["--fp16"], "--fp16"),
     (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "drop --overlap-grad-reduce"),
-    (["--load", "ckpt"], "checkpoints"),
+    (["--load", "ckpt", "--ckpt-format", "torch"], "sharded checkpoint format only"),
 ])
 def test_fsdp2_refuses_what_does_not_compose_yet(extra, words):
     with pytest.raises(ConfigError, match="--use-torch-fsdp2") as info:

@@ -17,8 +17,12 @@ Mixed precision: the sharded parameters are fp32 (they are the main params); bf1
 all-gathered for compute and gradients are reduced in fp32 unless ``grad_reduce_in_fp32`` is
 off (--grad-reduce-in-bf16).
 
+Checkpoints: the sharded format only (fsdp_checkpoint.py): each rank writes its own rows of
+every weight and optimizer state, readable by any layout (DDP, the distributed optimizer, FSDP2
+at any DP), and reads its own rows of any layout's checkpoint.
+
 Not composed yet (refused by the flags): pipeline parallelism, context parallelism, fp16 with
-loss scaling, the distributed optimizer, and checkpoints.
+loss scaling, the distributed optimizer, and the torch checkpoint format.
 """
 import contextlib
 from dataclasses import dataclass
@@ -27,18 +31,28 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron.core import device, parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
+from megatron.core.distributed.fsdp_checkpoint import local_rows
+from megatron.core.optimizer.named_state import (
+    check_covers,
+    check_numel,
+    load_scaler_and_counters,
+    load_torch_state,
+    saved_range,
+    state_keys,
+    wrap_state,
+)
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-_CHECKPOINTS_LATER = ("checkpoints with --use-torch-fsdp2 are not supported yet: train "
-                      "without --save/--load, or use DDP / the distributed optimizer.")
+_SHARDED_ONLY = ("--use-torch-fsdp2 saves and loads the sharded checkpoint format only "
+                 "(--ckpt-format torch_dist): there is no whole state dict to gather.")
 
 
 @dataclass
@@ -136,11 +150,18 @@ class TorchFSDP2(torch.nn.Module):
         """Nothing to wait for: FSDP's end-of-backward callback has waited for the last
         reduce-scatter before backward returned."""
 
+    def finish_param_sync(self) -> None:
+        """Before a save: every parameter back to its shard (a forward without backward, as
+        in evaluation, leaves ZeRO-2's layers gathered), so the state dict holds DTensors."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def state_dict(self, *args, **kwargs):
-        raise NotImplementedError(_CHECKPOINTS_LATER)
+        raise NotImplementedError(_SHARDED_ONLY)
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        raise NotImplementedError(_CHECKPOINTS_LATER)
+        raise NotImplementedError(_SHARDED_ONLY)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,10 +181,54 @@ class FSDP2Optimizer(FP32Optimizer):
         return dist.group.WORLD
 
     def state_dict(self):
-        raise NotImplementedError(_CHECKPOINTS_LATER)
+        raise NotImplementedError(_SHARDED_ONLY)
+
+    # --- the sharded checkpoint format (named_state.py's names, this rank's rows) ------------
+    def _saves_main_copy(self) -> bool:
+        """Under bf16 the fp32 shards are also saved as the fp32 main params ("param"), so a
+        mixed-precision DDP run resumes from them and not from rounded weights."""
+        return bool(self.config.bf16 or self.config.fp16)
 
     def sharded_state(self):
-        raise NotImplementedError(_CHECKPOINTS_LATER)
+        """([(name, begin, end, {key: 1-D local tensor})], the rest of the state): this rank's
+        rows of every parameter's state, nothing gathered (as the distributed optimizer's)."""
+        keys = state_keys(self.optimizer, lambda p, v: v.shape == p.shape)
+        parts, step = [], None
+        for main in self._main_params():
+            begin, local = local_rows(main)
+            values = {"param": local.detach().reshape(-1)} if self._saves_main_copy() else {}
+            state = self.optimizer.state.get(main, {})
+            values.update({k: _local(state[k]).detach().reshape(-1) for k in keys if k in state})
+            if "step" in state:  # every rank steps every parameter: the same value everywhere
+                step = float(state["step"])
+            parts.append((self._names[main], begin, begin + local.numel(), values))
+        return parts, wrap_state(self.optimizer, {}, step, keys, self.num_skipped_steps, None)
 
     def load_state_dict(self, state):
-        raise NotImplementedError(_CHECKPOINTS_LATER)
+        """Named state of any optimizer at any layout (tensors or SavedTensors): this rank
+        reads only its rows. The model's weights are loaded first (they are the main params
+        where the checkpoint holds no separate fp32 copy)."""
+        mains = self._main_params()
+        check_covers(state, [self._names[m] for m in mains])
+        per_param = {}
+        with torch.no_grad():
+            for main in mains:
+                name, (begin, local) = self._names[main], local_rows(main)
+                saved = state["params"][name]
+
+                def rows(value, local=local, begin=begin):
+                    return saved_range(value, begin, begin + local.numel()).view_as(local)
+
+                if "param" in saved:
+                    check_numel(name, saved["param"], main)
+                    local.copy_(rows(saved["param"]))
+                if state["step"] is not None:
+                    per_param[main] = {"step": torch.tensor(state["step"])}
+                    for key in state["state_keys"]:
+                        if key in saved:
+                            check_numel(name, saved[key], main)
+                            value = torch.zeros_like(main)  # a DTensor sharded as the param
+                            _local(value).copy_(rows(saved[key]))
+                            per_param[main][key] = value
+        load_torch_state(self.optimizer, per_param, state["param_groups"])
+        load_scaler_and_counters(self, state)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.layout import current_layout, model_key, same_model_cut
 from megatron.training.checkpointing.paths import (
@@ -146,6 +147,10 @@ def _read(model_chunks, configs) -> Optional[_Read]:
                               f"with --ckpt-step.")
     if is_sharded_checkpoint(iteration_dir):
         return _read_sharded(model_chunks, configs, iteration_dir, iteration, release)
+    if is_fsdp2(model_chunks):
+        raise CheckpointError(f"{iteration_dir} is in the torch format; --use-torch-fsdp2 loads "
+                              f"the sharded format only: resume it once without "
+                              f"--use-torch-fsdp2 and save with --ckpt-format torch_dist.")
     rank_dirs = saved_rank_dirs(iteration_dir)
     layout = current_layout(model_chunks, configs)
     own_coords = (parallel_state.get_tensor_model_parallel_rank(),

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.optimizer.named_state import SavedTensor
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.boxes import Placement, copy_overlap, placement_of
@@ -131,8 +132,11 @@ class ModelReads:
             for chunk, names in zip(model_chunks, self.names):
                 state = unwrap_model(chunk).state_dict(keep_vars=True)
                 for local, (name, placement) in names.items():
-                    target = state[local]
-                    target.copy_(self.reader.read(f"model/{name}", placement,
+                    target, begin = state[local], 0
+                    if is_sharded(target):  # FSDP2: only the rows this rank holds
+                        begin, target = local_rows(target)
+                    target.copy_(self.reader.read(f"model/{name}", placement, begin,
+                                                  begin + target.numel(),
                                                   dtype=target.dtype).view_as(target))
 
 

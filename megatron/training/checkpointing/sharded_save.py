@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.distributed.fsdp import is_fsdp2
+from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.boxes import placement_of
 from megatron.training.checkpointing.layout import current_layout
@@ -91,11 +93,16 @@ def _add_weights(shard: _Shard, model_chunks, layout, dp_rank: int, dp_size: int
             if tied and local == "output_layer.weight" and not module.pre_process:
                 continue  # the first stage saves the embedding it copies
             entries.append((f"model/{global_name(local, offset, tied)}", local, tensor))
-    owner = _balanced({n: t.numel() * t.element_size() for n, _, t in entries}, dp_size)
+    owner = _balanced({n: t.numel() * t.element_size() for n, _, t in entries
+                       if not is_sharded(t)}, dp_size)
     for name, local, tensor in entries:
-        if owner[name] == dp_rank:
-            shard.add(name, tensor.detach(), placement_of(
-                local, tensor.shape, layout["gated_mlp"], tp, tp_rank, layout["vocab_size"]))
+        placement = placement_of(local, tensor.shape, layout["gated_mlp"], tp, tp_rank,
+                                 layout["vocab_size"])
+        if is_sharded(tensor):  # FSDP2: each DP rank writes the rows it holds
+            begin, rows = local_rows(tensor)
+            shard.add(name, rows.detach(), placement, begin)
+        elif owner[name] == dp_rank:
+            shard.add(name, tensor.detach(), placement)
 
 
 def _add_optimizer(shard: _Shard, optimizer, model_chunks, layout, replicated: bool,
@@ -170,8 +177,9 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
     _add_weights(shard, model_chunks, layout, dp_rank, dp_size)
     optimizer_meta = None
     if not t.no_save_optim:
-        optimizer_meta = _add_optimizer(shard, optimizer, model_chunks, layout,
-                                        not configs.optimizer.sharded, dp_rank, dp_size)
+        replicated = not (configs.optimizer.sharded or is_fsdp2(model_chunks))
+        optimizer_meta = _add_optimizer(shard, optimizer, model_chunks, layout, replicated,
+                                        dp_rank, dp_size)
     header = {} if t.no_save_rng else _rng_header(shard)
     if writer.async_save:  # host copies now; the thread writes them while training goes on
         writer.host.start()

@@ -1,0 +1,36 @@
+"""Where an FSDP2 shard lies in its tensor-parallel tensor, for the sharded checkpoint format.
+
+``fully_shard`` splits each parameter (this TP rank's local tensor) on dim 0 over the DP
+group as ``torch.chunk`` does: rank r holds rows ``[r * ceil(R / DP), ...)``, the last ranks
+fewer or none. Rows of a row-major tensor are a contiguous flat range, so a shard is the
+flat range ``[begin, begin + numel)`` of the TP-local tensor: the same (name, begin, end)
+pieces the distributed optimizer writes, which the checkpoint reader serves to any layout
+(DDP at any TP/PP/DP, the distributed optimizer at any DP, FSDP2 at any DP).
+"""
+import math
+from typing import Tuple
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+
+def is_sharded(tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local_rows(tensor: DTensor) -> Tuple[int, torch.Tensor]:
+    """(first flat element of this rank's shard in the TP-local tensor, the shard itself: a
+    view of the DTensor's storage, so copying into it writes the parameter/state)."""
+    if tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(f"an FSDP2 shard split on dim 0 over one mesh dimension was "
+                         f"expected, not {tensor.placements}")
+    local = tensor.to_local()
+    rows = tensor.shape[0]
+    ways = tensor.device_mesh.size()
+    rank = tensor.device_mesh.get_local_rank()
+    per_rank = -(-rows // ways)
+    first = min(rank * per_rank, rows)
+    if local.shape[0] != min(per_rank, rows - first) or local.shape[1:] != tensor.shape[1:]:
+        raise ValueError(f"FSDP2 shard of shape {tuple(local.shape)} on rank {rank} of {ways} "
+                         f"is not rows [{first}, ...) of {tuple(tensor.shape)}")
+    return first * math.prod(tensor.shape[1:]), local
