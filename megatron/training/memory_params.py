@@ -16,6 +16,7 @@ CP: gradients are reduced and the optimizer sharded over DP x CP, ``OptimizerSet
 fp32 gradient buffers the copy is the buffer itself; with fp32 params the main params are the
 params.) Adam's per-tensor ``step`` counters (4 bytes each) are counted too.
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -29,6 +30,11 @@ FP32 = 4
 class ParamShape:
     name: str
     numel: int
+    rows: int = 0  # size of dim 0 (FSDP2 shards it); 0: a 1-D tensor, rows == numel
+
+    @property
+    def dim0(self) -> int:
+        return self.rows or self.numel
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,13 @@ class OptimizerSetup:
     bucket_size: Optional[int] = None  # elements; None: one bucket per buffer
     optimizer: str = "adam"  # or "sgd"
     sgd_momentum: float = 0.9
+    # Memory modes (memory_modes.py): ZeRO-2 for the distributed optimizer (--shard-gradients),
+    # torch FSDP2 (--use-torch-fsdp2; reshard_after_forward False: --no-reshard-after-forward,
+    # ZeRO-2), main params and optimizer state on the host (--optimizer-cpu-offload).
+    shard_gradients: bool = False
+    fsdp2: bool = False
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
 
     def states_per_element(self) -> int:
         if self.optimizer == "adam":
@@ -74,17 +87,17 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
     qkv = (a + 2 * g) * d // tp
     fc1 = tp_f * (2 if config.activation == "swiglu" else 1) // tp
     shapes = [ParamShape(prefix + "input_layernorm." + n, h) for n in norm]
-    shapes.append(ParamShape(prefix + "self_attention.linear_qkv.weight", qkv * h))
+    shapes.append(ParamShape(prefix + "self_attention.linear_qkv.weight", qkv * h, qkv))
     if config.add_qkv_bias:
         shapes.append(ParamShape(prefix + "self_attention.linear_qkv.bias", qkv))
-    shapes.append(ParamShape(prefix + "self_attention.linear_proj.weight", h * a * d // tp))
+    shapes.append(ParamShape(prefix + "self_attention.linear_proj.weight", h * a * d // tp, h))
     if config.add_bias_linear:
         shapes.append(ParamShape(prefix + "self_attention.linear_proj.bias", h))
     shapes += [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
-    shapes.append(ParamShape(prefix + "mlp.linear_fc1.weight", fc1 * h))
+    shapes.append(ParamShape(prefix + "mlp.linear_fc1.weight", fc1 * h, fc1))
     if config.add_bias_linear:
         shapes.append(ParamShape(prefix + "mlp.linear_fc1.bias", fc1))
-    shapes.append(ParamShape(prefix + "mlp.linear_fc2.weight", h * tp_f // tp))
+    shapes.append(ParamShape(prefix + "mlp.linear_fc2.weight", h * tp_f // tp, h))
     if config.add_bias_linear:
         shapes.append(ParamShape(prefix + "mlp.linear_fc2.bias", h))
     return shapes
@@ -120,17 +133,18 @@ def chunk_param_shapes(config, padded_vocab_size: int, pipeline_rank: int, chunk
     h, vocab = config.hidden_size, padded_vocab_size // tp
     shapes = []
     if pre_process:
-        shapes.append(ParamShape("embedding.word_embeddings.weight", vocab * h))
+        shapes.append(ParamShape("embedding.word_embeddings.weight", vocab * h, vocab))
         if config.position_embedding_type == "learned_absolute":
             shapes.append(ParamShape("embedding.position_embeddings.weight",
-                                     config.max_position_embeddings * h))
+                                     config.max_position_embeddings * h,
+                                     config.max_position_embeddings))
     for number in range(start, end):
         shapes += _layer_params(config, tp, number)
     if post_process:
         norm = ["weight"] + (["bias"] if config.normalization == "LayerNorm" else [])
         shapes += [ParamShape("decoder.final_layernorm." + n, h) for n in norm]
         if not (share_embeddings_and_output_weights and pre_process):
-            shapes.append(ParamShape("output_layer.weight", vocab * h))
+            shapes.append(ParamShape("output_layer.weight", vocab * h, vocab))
     return shapes
 
 
@@ -186,7 +200,12 @@ def _shard_pieces(group: List[ParamShape], padded: int, dp: int, dp_rank: int
 def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_bytes: int,
                       data_parallel_rank: int = 0, alone=lambda shape: False
                       ) -> ModelStateBytes:
-    """The state one model chunk costs on one rank."""
+    """The state one model chunk costs on one rank's device after the optimizer step (with
+    CPU offload the optimizer's part is on the host: ``memory_modes.host_state_bytes``)."""
+    if setup.cpu_offload:
+        device = chunk_state_bytes(shapes, dataclasses.replace(setup, cpu_offload=False),
+                                   param_bytes, data_parallel_rank, alone)
+        return ModelStateBytes(params=device.params, grads=device.grads)
     grad_bytes = FP32 if setup.grad_reduce_in_fp32 else param_bytes
     mixed = param_bytes != FP32
     states = setup.states_per_element()
@@ -198,7 +217,8 @@ def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
             shard = padded // dp
             pieces, covered = _shard_pieces(group, padded, dp, data_parallel_rank)
             result.params += padded * param_bytes  # params live in the padded buffer
-            result.grads += padded * grad_bytes
+            # ZeRO-2: after the step only this rank's shard of the bucket is kept
+            result.grads += (shard if setup.shard_gradients else padded) * grad_bytes
             result.main_params += shard * FP32 if mixed else 0
             result.main_grads += shard * FP32 if grad_bytes != FP32 else 0
             result.optimizer_states += states * covered * FP32
@@ -214,19 +234,35 @@ def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
     return result
 
 
+def rank_chunks(config, padded_vocab_size: int, pipeline_rank: int,
+                share_embeddings_and_output_weights: bool = True):
+    """(parameter shapes, ``alone`` predicate of the bucket layout) of each chunk of one
+    pipeline rank (DDP wraps each chunk on its own)."""
+    share = share_embeddings_and_output_weights
+    for chunk in range(config.virtual_pipeline_model_parallel_size or 1):
+        shapes = chunk_param_shapes(config, padded_vocab_size, pipeline_rank, chunk, share)
+        span = chunk_span(config, pipeline_rank, chunk)
+        yield shapes, lambda s, span=span: _is_tied_copy_alone(
+            s, share, span.pre_process, span.post_process)
+
+
+def add_states(total: ModelStateBytes, part: ModelStateBytes) -> ModelStateBytes:
+    for name in vars(total):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    return total
+
+
 def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
                      pipeline_rank: int, param_bytes: int, data_parallel_rank: int = 0,
                      share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
-    """Every chunk of one pipeline rank (DDP wraps each chunk on its own)."""
+    """Every chunk of one pipeline rank, on the device, after the optimizer step."""
+    if setup.fsdp2:
+        from megatron.training.memory_modes import fsdp2_state_bytes  # imports this module
+        return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
+                                 share_embeddings_and_output_weights)
     total = ModelStateBytes()
-    for chunk in range(config.virtual_pipeline_model_parallel_size or 1):
-        shapes = chunk_param_shapes(config, padded_vocab_size, pipeline_rank, chunk,
-                                    share_embeddings_and_output_weights)
-        span = chunk_span(config, pipeline_rank, chunk)
-        part = chunk_state_bytes(
-            shapes, setup, param_bytes, data_parallel_rank,
-            alone=lambda s, span=span: _is_tied_copy_alone(
-                s, share_embeddings_and_output_weights, span.pre_process, span.post_process))
-        for field in vars(total):
-            setattr(total, field, getattr(total, field) + getattr(part, field))
+    for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank,
+                                     share_embeddings_and_output_weights):
+        add_states(total, chunk_state_bytes(shapes, setup, param_bytes, data_parallel_rank,
+                                            alone))
     return total

@@ -30,7 +30,8 @@ from megatron.training.memory_activations import (
     layer_bytes,
     stage_activations,
 )
-from megatron.training.memory_params import ModelStateBytes, OptimizerSetup, rank_state_bytes
+from megatron.training.memory_modes import mode_name, rank_memory
+from megatron.training.memory_params import ModelStateBytes, OptimizerSetup
 
 GIB = 1024 ** 3
 
@@ -42,18 +43,24 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 @dataclass
 class StageMemory:
     pipeline_rank: int
-    state: ModelStateBytes
+    state: ModelStateBytes  # on the device after the optimizer step
     activations: StageActivations
+    # Held during forward/backward only (ZeRO-2's full gradient buckets, FSDP2's gathered
+    # parameters and unsharded gradients: memory_modes) and CPU offload's host state.
+    transient_bytes: int = 0
+    host: ModelStateBytes = field(default_factory=ModelStateBytes)
 
     @property
     def total(self) -> int:
-        return self.state.total + self.activations.peak_bytes
+        """The device peak: the state, what backward adds to it, and the activations."""
+        return self.state.total + self.transient_bytes + self.activations.peak_bytes
 
 
 @dataclass
 class MemoryEstimate:
     stages: List[StageMemory] = field(default_factory=list)
     layer_activation_bytes: int = 0  # one layer, one microbatch, under the config's recompute
+    mode: str = "DDP"  # memory_modes.mode_name
 
     @property
     def peak(self) -> StageMemory:
@@ -78,12 +85,15 @@ def estimate_memory(config, *, padded_vocab_size: int, seq_length: int, micro_ba
                                        padded_vocab_size, device)
     estimate = MemoryEstimate(layer_activation_bytes=layer_bytes(
         config, activation_setup,
-        config.recompute_granularity if config.recompute_granularity == "selective" else None))
+        config.recompute_granularity if config.recompute_granularity == "selective" else None),
+        mode=mode_name(setup))
     for rank in range(config.pipeline_model_parallel_size):
-        state = rank_state_bytes(config, padded_vocab_size, setup, rank, element,
-                                 data_parallel_rank, share_embeddings_and_output_weights)
+        state = rank_memory(config, padded_vocab_size, setup, rank, element,
+                            data_parallel_rank, share_embeddings_and_output_weights,
+                            num_microbatches)
         activations = stage_activations(config, activation_setup, rank, num_microbatches)
-        estimate.stages.append(StageMemory(rank, state, activations))
+        estimate.stages.append(StageMemory(rank, state.device, activations,
+                                           state.transient_bytes, state.host))
     return estimate
 
 
@@ -97,8 +107,9 @@ def _gib(value: int) -> str:
 
 def format_report(estimate: MemoryEstimate) -> str:
     """The table pretrain() prints: per pipeline rank, state by kind and activations."""
-    lines = ["theoretical memory per rank (one TP/CP/DP rank of each pipeline stage; excludes "
-             "the CUDA context, allocator fragmentation and communication buffers):"]
+    lines = [f"theoretical memory per rank, {estimate.mode} (one TP/CP/DP rank of each "
+             "pipeline stage; excludes the CUDA context, allocator fragmentation and "
+             "communication buffers):"]
     for stage in estimate.stages:
         s, a = stage.state, stage.activations
         optimizer = s.main_params + s.main_grads + s.optimizer_states + s.step_counters
@@ -106,6 +117,11 @@ def format_report(estimate: MemoryEstimate) -> str:
                      if a.recompute_working_bytes else "")
         if a.cp_kv_in_flight_bytes:  # the context-parallel ring's send and receive buffers
             recompute += f" + {_gib(a.cp_kv_in_flight_bytes)} cp kv in flight"
+        if stage.transient_bytes:  # ZeRO-2 / FSDP2: state after the step vs. backward's peak
+            recompute += (f" + {_gib(stage.transient_bytes)} during forward/backward only "
+                          f"(full gradient buckets / gathered parameters)")
+        if stage.host.total:
+            recompute += f"; host (CPU offload) {_gib(stage.host.total)}"
         lines.append(
             f"  pipeline rank {stage.pipeline_rank}: params {_gib(s.params)}, "
             f"grads {_gib(s.grads)}, optimizer {_gib(optimizer)} (main params "
@@ -128,7 +144,11 @@ def optimizer_setup_from(ddp_config, optimizer_config, data_parallel_size: int,
         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
         grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
         bucket_size=bucket_size_for(ddp_config, data_parallel_size),
-        optimizer=optimizer_config.optimizer, sgd_momentum=optimizer_config.sgd_momentum)
+        optimizer=optimizer_config.optimizer, sgd_momentum=optimizer_config.sgd_momentum,
+        shard_gradients=ddp_config.shard_gradients,
+        fsdp2=getattr(ddp_config, "use_torch_fsdp2", False),
+        reshard_after_forward=getattr(ddp_config, "reshard_after_forward", True),
+        cpu_offload=optimizer_config.optimizer_cpu_offload)
 
 
 def estimate_from_configs(configs, seq_length: int, device: str = "cuda") -> MemoryEstimate:
