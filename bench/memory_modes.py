@@ -233,7 +233,7 @@ def timed_steps(built, args, first_step, count, times, losses):
 
 def run_modes(args):
     """Everything a rank measures (parallel_state initialised, DP=2): memory, the loss of
-    every step, per-repeat step times."""
+    every step, per-repeat step times; and the modes built (for tests)."""
     built = {name: build_mode(args, name) for name in args.modes}
     losses = {name: [] for name in built}
     timed_steps(built, args, 0, 1, {n: [] for n in built}, losses)
@@ -249,7 +249,7 @@ def run_modes(args):
         timed_steps(built, args, step, args.steps, times, losses)
         step += args.steps
         repeats.append(times)
-    return dict(memory=memory, losses=losses, repeats=repeats)
+    return dict(memory=memory, losses=losses, repeats=repeats, built=built)
 
 
 # --- report -------------------------------------------------------------------------------
@@ -305,6 +305,7 @@ def run_rank(rank, world_size, args):
     parallel_state.initialize_model_parallel(1, 1)
     try:
         result = run_modes(args)
+        del result["built"]
         result["memory"] = max_over_ranks(result["memory"])
     finally:
         parallel_state.destroy_model_parallel()
