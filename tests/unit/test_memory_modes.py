@@ -1,0 +1,151 @@
+"""The memory estimate of the memory modes against the tensors real CPU runs hold.
+
+After one real training step on every rank (gloo, fp32 / bf16): the bytes of the distinct
+storages of the parameters, gradients, fp32 main params and their gradients, optimizer states
+and step counters equal ``rank_state_bytes`` / ``rank_memory`` to the byte, for FSDP2 (ZeRO-3
+and ZeRO-2) at DP=4 and for the distributed optimizer's ZeRO-2 (--shard-gradients) at DP=4;
+ZeRO-2's backward transient (the full buckets ``zero_grad_buffer`` re-makes) is measured too.
+Then, from those measurements: state at DP=4 <= state at DP=1 / 4 + the unsharded remainder
+the estimate states (ZeRO-2: the full parameters and step counters; FSDP2: the step counters;
+both: the padding's share). The distributed optimizer's 8-byte ``_step_slot`` (used at saves)
+is outside the estimate, as in test_theoretical_memory.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed.fsdp import TorchFSDP2Config
+from megatron.core.models import LlamaModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.training.memory_modes import rank_memory
+from megatron.training.memory_params import FP32, ModelStateBytes, rank_state_bytes
+from megatron.training.theoretical_memory import optimizer_setup_from
+from megatron.training.training import build_model, train_step
+from tests.distributed import run_distributed
+from tests.unit.test_data_parallel import ADAM, MBS, SEQ, VOCAB, _config, _forward_step
+from tests.unit.test_zero2 import MICROBATCHES, _buckets, _build, _global_batches, _train
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storages(tensors, exclude=()):
+    found = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in exclude:
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def _measured(params, grads, optimizer) -> ModelStateBytes:
+    """The distinct storages of each kind (main params/grads: those not the model's own)."""
+    mains = [p for g in optimizer.optimizer.param_groups for p in g["params"]]
+    states, steps = [], 0
+    for main in mains:
+        for key, value in optimizer.optimizer.state.get(main, {}).items():
+            if key == "step":
+                steps += value.numel() * value.element_size()
+            else:
+                states.append(value)
+    param_storages, grad_storages = _storages(params), _storages(grads)
+    return ModelStateBytes(
+        params=sum(param_storages.values()), grads=sum(grad_storages.values()),
+        main_params=sum(_storages(mains, exclude=param_storages).values()),
+        main_grads=sum(_storages([m.grad for m in mains if m.grad is not None],
+                                 exclude=grad_storages).values()),
+        optimizer_states=sum(_storages(states).values()), step_counters=steps)
+
+
+def _setup(model, optimizer):
+    return optimizer_setup_from(model[0].ddp_config, optimizer.config,
+                                ps.get_data_parallel_world_size())
+
+
+# --- FSDP2 ---------------------------------------------------------------------------------
+
+def _fsdp2_step(reshard, dtype):
+    config = _config(params_dtype=dtype)
+    model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
+                        TorchFSDP2Config(reshard_after_forward=reshard,
+                                         grad_reduce_in_fp32=True), seed=42)
+    optimizer = get_megatron_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16, **ADAM),
+                                       model)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = 4 // dp
+    batch = _global_batches(4, steps=1)[0][rank * local:(rank + 1) * local]
+    assert not train_step(_forward_step, iter(batch), model, optimizer, None, local, SEQ,
+                          MBS)[1]
+    params = list(model[0].module.parameters())
+    measured = _measured(params, [p.grad for p in params], optimizer)
+    setup = _setup(model, optimizer)
+    assert setup.fsdp2 and setup.reshard_after_forward == reshard
+    estimate = rank_state_bytes(config, VOCAB, setup, 0, dtype.itemsize, rank,
+                                share_embeddings_and_output_weights=False)
+    return dataclasses.asdict(measured), dataclasses.asdict(estimate)
+
+
+@pytest.mark.parametrize("reshard,dtype", [(True, torch.float32), (False, torch.float32),
+                                           (True, torch.bfloat16)],
+                         ids=["zero3-fp32", "zero2-fp32", "zero3-bf16"])
+def test_fsdp2_state_estimate_equals_the_tensors_at_dp4(reshard, dtype):
+    one = run_distributed(_fsdp2_step, world_size=1, tp=1, reshard=reshard, dtype=dtype)[0]
+    four = run_distributed(_fsdp2_step, world_size=4, tp=1, reshard=reshard, dtype=dtype)
+    for rank, (measured, estimate) in enumerate([one] + four):
+        assert measured == estimate, rank
+        assert measured["main_params"] == 0  # the fp32 shards are the main params
+        assert min(measured["params"], measured["grads"], measured["optimizer_states"]) > 0
+    # Sharded: params, grads, Adam moments (every dimension of this model divides by 4: no
+    # padding). Unsharded remainder: one 4-byte step counter per parameter.
+    remainder = one[0]["step_counters"]
+    whole = sum(one[0].values()) - remainder
+    for measured, _ in four:
+        assert measured["step_counters"] == remainder
+        assert sum(measured.values()) <= whole / 4 + remainder
+
+
+# --- ZeRO-2 for the distributed optimizer --------------------------------------------------
+
+def _zero2_step(dtype):
+    chunks, optimizer = _build("distributed", True, dtype)
+    _train(chunks, optimizer, _global_batches(MICROBATCHES // 2, steps=1))
+    buckets = _buckets(chunks)
+    assert all(b.full_grad_released for b in buckets)
+    params = [p for chunk in chunks for p in chunk.module.parameters()]
+    measured = _measured(params, [b.grad_shard for b in buckets], optimizer)
+    setup = _setup(chunks, optimizer)
+    assert setup.shard_gradients and setup.use_distributed_optimizer
+    memory = rank_memory(chunks[0].config, VOCAB, setup, 0, dtype.itemsize,
+                         ps.get_data_parallel_rank(), share_embeddings_and_output_weights=False)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()  # the full buckets of the next backward, re-made
+    full = sum(_storages([b.grad_data for b in buckets]).values())
+    padding = sum(b.numel for b in buckets) - sum(p.numel() for p in params)
+    return dict(measured=dataclasses.asdict(measured),
+                estimate=dataclasses.asdict(memory.device),
+                transient=(full - measured.grads, memory.transient_bytes), padding=padding)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_zero2_state_estimate_equals_the_tensors_at_dp4(dtype):
+    one = run_distributed(_zero2_step, world_size=1, tp=1, dtype=dtype)[0]
+    four = run_distributed(_zero2_step, world_size=4, tp=1, dtype=dtype)
+    for rank, result in enumerate([one] + four):
+        assert result["measured"] == result["estimate"], rank
+        measured_transient, estimated_transient = result["transient"]
+        assert measured_transient == estimated_transient
+    assert one["padding"] == 0 and one["transient"][0] == 0  # DP=1: the shard is the bucket
+    # DP=4: 3/4 of the (padded) fp32 gradients exist only during forward/backward
+    assert all(r["transient"][0] == 3 * r["measured"]["grads"] > 0 for r in four)
+    # Unsharded remainder (the estimate's): the full model parameters and the step counters;
+    # sharded: gradients, fp32 main params (bf16), Adam moments, plus the padding's share.
+    per_element = FP32 + 2 * FP32 + (FP32 if dtype == torch.bfloat16 else 0)
+    sharded_one = sum(one["measured"].values()) - one["measured"]["params"] - \
+        one["measured"]["step_counters"]
+    for result in four:
+        m = result["measured"]
+        remainder = m["params"] + m["step_counters"] + result["padding"] * per_element / 4
+        assert sum(m.values()) <= sharded_one / 4 + remainder
