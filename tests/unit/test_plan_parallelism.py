@@ -353,3 +353,49 @@ def test_hf_context_past_the_cap_is_planned_at_the_cap_with_a_warning(tmp_path, 
         "context.\n")
     full = json.loads(plan_parallelism.run(argv + ["--seq-length", "8192"]))
     assert full["seq_length"] == 8192 and capsys.readouterr().err == ""
+
+
+# --- memory modes (issue 27) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,sharded", [("zero2", True), ("fsdp2", False),
+                                          ("fsdp2-zero2", False), ("cpu-offload", True),
+                                          ("cpu-offload", False)])
+def test_memory_mode_flags_parse_back_to_the_planned_estimate(mode, sharded):
+    """A mode's row flags build the configs (and estimate) the planner costed."""
+    workload = workload_from_flags(TINY_LLAMA + shlex.split(
+        "--lr 1e-4 --train-iters 1 --mock-data --tokenizer-type NullTokenizer"),
+        global_batch_size=16)
+    layout = Layout(2, 1, None, 4, 1, 16, None, sharded, memory_mode=mode)
+    config = layout_config(workload, layout)
+    memory = layout_memory(workload, layout, config)
+    flags = layout.flags(workload.args.num_layers)
+    configs = configs_of(workload.flags + flags, 8, 1000)
+    assert configs.transformer == config
+    estimate = estimate_from_configs(configs, 512)
+    assert estimate.mode == memory.mode and estimate.max_total == memory.max_total
+    stage = memory.stages[0]
+    if mode == "cpu-offload":  # the optimizer's state is on the host, none on the device
+        assert stage.host.total > 0 and stage.state.optimizer_states == 0
+    else:  # ZeRO-2: the full buckets of backward; FSDP2: the gathered layers and gradients
+        assert stage.transient_bytes > 0 and stage.host.total == 0
+
+
+def test_a_memory_mode_is_proposed_when_nothing_fits_otherwise():
+    """LLaMA-2 7B, 8 GPUs, 8 sequences a step, 12 GiB per GPU: the smallest layout without a
+    mode needs 14.4 GiB (TP 8, full recomputation); FSDP2 (no PP) needs more, CPU offload's
+    device share fits: it is proposed, and its flags printed."""
+    workload = workload_from_flags(LLAMA2_7B, global_batch_size=8)
+    cluster = Cluster(num_gpus=8, gpu_memory_gib=12, memory_reserve_gib=0)
+    result = plan(workload, cluster, top=3)
+    assert result.memory_mode == "cpu-offload" and result.rows
+    for row in result.rows:
+        assert row.layout.memory_mode == "cpu-offload"
+        assert row.memory.max_total <= 12 * GIB and "--optimizer-cpu-offload" in row.flags
+    argv = ["--num-gpus", "8", "--global-batch-size", "8", "--gpu-memory-gib", "12",
+            "--memory-reserve-gib", "0", "--top", "2", "--"] + LLAMA2_7B
+    text = plan_parallelism.run(argv)
+    assert "every row uses --optimizer-cpu-offload" in text
+    assert "--optimizer-cpu-offload" in text.split("flags (in place")[1]
+    assert json.loads(plan_parallelism.run(["--json"] + argv))["memory_mode"] == "cpu-offload"
+    with pytest.raises(Exception, match="none fits with --use-torch-fsdp2"):
+        plan(workload, Cluster(num_gpus=8, gpu_memory_gib=4, memory_reserve_gib=0))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
+from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.memory_params import OptimizerSetup
 from megatron.training.theoretical_memory import optimizer_setup_from
@@ -27,6 +28,16 @@ from megatron.training.theoretical_memory import optimizer_setup_from
 RECOMPUTE_CHOICES = (None, "selective", "full")
 CP_MIN_SEQ_LENGTH = 8192
 CP_COMM_TYPE = "p2p"  # the ring: only one K/V block in flight, where all_gather saves all s
+# Memory modes, tried only when nothing fits without one, cheapest first: FSDP2 ZeRO-2, then
+# ZeRO-3 (the parameters gathered per layer, once / twice a step), then optimizer CPU offload
+# (host transfers and the step on the host every iteration). The distributed optimizer's
+# ZeRO-2 (--shard-gradients, "zero2") is not among them: its device peak is the distributed
+# optimizer's (the full buckets live from zero_grad_buffer to the step), so it fits nowhere
+# the distributed optimizer does not; it lowers only the memory between steps.
+MEMORY_MODES = ("fsdp2-zero2", "fsdp2", "cpu-offload")
+MODE_FLAGS = {"zero2": ["--shard-gradients"], "fsdp2": ["--use-torch-fsdp2"],
+              "fsdp2-zero2": ["--use-torch-fsdp2", "--no-reshard-after-forward"],
+              "cpu-offload": ["--optimizer-cpu-offload"]}
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,11 @@ class Layout:
     distributed_optimizer: bool
     grad_reduce_in_fp32: bool = True
     context_parallel: int = 1  # ranks a sequence is split over (the ring, --cp-comm-type p2p)
+    memory_mode: Optional[str] = None  # one of MEMORY_MODES
+
+    @property
+    def fsdp2(self) -> bool:
+        return self.memory_mode in ("fsdp2", "fsdp2-zero2")
 
     @property
     def num_microbatches(self) -> int:
@@ -66,9 +82,11 @@ class Layout:
                       "--recompute-num-layers", "1"]
         if self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
-        flags.append("--overlap-grad-reduce")
+        if not self.fsdp2:  # FSDP2 overlaps its own collectives
+            flags.append("--overlap-grad-reduce")
         if self.distributed_optimizer:
             flags.append("--overlap-param-gather")
+        flags += MODE_FLAGS.get(self.memory_mode, [])
         flags.append("--bf16")  # gradients in fp32 by default, as in Megatron-LM
         if not self.grad_reduce_in_fp32:
             flags.append("--grad-reduce-in-bf16")
@@ -96,7 +114,12 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     full = layout.recompute == "full"
     new.recompute_method, new.recompute_num_layers = ("uniform", 1) if full else (None, None)
     new.use_distributed_optimizer = layout.distributed_optimizer
-    new.overlap_grad_reduce, new.overlap_param_gather = True, layout.distributed_optimizer
+    new.overlap_grad_reduce = not layout.fsdp2
+    new.overlap_param_gather = layout.distributed_optimizer
+    new.shard_gradients = layout.memory_mode == "zero2"
+    new.use_torch_fsdp2 = layout.fsdp2
+    new.reshard_after_forward = layout.memory_mode != "fsdp2-zero2"
+    new.optimizer_cpu_offload = layout.memory_mode == "cpu-offload"
     new.bf16, new.fp16 = True, False
     new.grad_reduce_in_bf16 = not layout.grad_reduce_in_fp32
     new.accumulate_allreduce_grads_in_fp32 = layout.grad_reduce_in_fp32
@@ -111,10 +134,17 @@ def optimizer_setup(args: argparse.Namespace, layout: Layout,
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=sharded and not overlapped_optimizer,
-        overlapped_distributed_optimizer=sharded and overlapped_optimizer)
-    ddp = ddp_config_for_optimizer(
-        optimizer, grad_reduce_in_fp32=layout.grad_reduce_in_fp32, overlap_grad_reduce=True,
-        bucket_size=args.ddp_bucket_size, reduce_bucket_size=args.reduce_bucket_size)
+        overlapped_distributed_optimizer=sharded and overlapped_optimizer,
+        optimizer_cpu_offload=layout.memory_mode == "cpu-offload")
+    if layout.fsdp2:
+        ddp = TorchFSDP2Config(grad_reduce_in_fp32=layout.grad_reduce_in_fp32,
+                               reshard_after_forward=layout.memory_mode == "fsdp2")
+    else:
+        ddp = ddp_config_for_optimizer(
+            optimizer, grad_reduce_in_fp32=layout.grad_reduce_in_fp32,
+            overlap_grad_reduce=True, bucket_size=args.ddp_bucket_size,
+            reduce_bucket_size=args.reduce_bucket_size,
+            shard_gradients=layout.memory_mode == "zero2")
     return optimizer_setup_from(ddp, optimizer, layout.data_parallel, layout.context_parallel)
 
 
@@ -146,21 +176,23 @@ def context_parallel_sizes(args: argparse.Namespace, num_gpus: int, tensor_paral
 
 def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
                     global_batch_size: int, max_micro_batch_size: int,
-                    grad_reduce_in_fp32: bool = True,
-                    with_cp: bool = False) -> Iterator[List[Layout]]:
+                    grad_reduce_in_fp32: bool = True, with_cp: bool = False,
+                    memory_mode: Optional[str] = None) -> Iterator[List[Layout]]:
     """Every layout, grouped into families that differ only in the micro batch (ascending):
     memory grows with the micro batch, so a family can stop at its first misfit. CP > 1
-    only with ``with_cp`` (see the module's docstring)."""
+    only with ``with_cp`` (see the module's docstring). With ``memory_mode`` only the
+    layouts it composes with (FSDP2: no PP, no CP, DP > 1; ZeRO-2: the distributed optimizer)."""
     micro_batches = [1 << k for k in range(max_micro_batch_size.bit_length())
                      if 1 << k <= max_micro_batch_size]
     for t in tensor_parallel_sizes(args, num_gpus, gpus_per_node):
         for c in context_parallel_sizes(args, num_gpus, t, with_cp):
             yield from _families(args, num_gpus, t, c, global_batch_size, micro_batches,
-                                 grad_reduce_in_fp32)
+                                 grad_reduce_in_fp32, memory_mode)
 
 
 def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_batch_size: int,
-              micro_batches: List[int], grad_reduce_in_fp32: bool) -> Iterator[List[Layout]]:
+              micro_batches: List[int], grad_reduce_in_fp32: bool,
+              mode: Optional[str] = None) -> Iterator[List[Layout]]:
     """The families of TP ``t`` and CP ``c``: every PP, VPP, recomputation and sharding."""
     num_layers = args.num_layers
     for p in [p for p in _divisors(num_layers) if num_gpus % (t * c * p) == 0]:
@@ -172,9 +204,18 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
             batches = [b for b in fitting
                        if v is None or (global_batch_size // (b * d)) % p == 0]
             for recompute in RECOMPUTE_CHOICES:
-                # The distributed optimizer shards over DP x CP.
-                for sharded in ((False, True) if d * c > 1 else (False,)):
+                for sharded in _sharding_choices(mode, p, c, d):
                     family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
-                                     grad_reduce_in_fp32, c) for b in batches]
+                                     grad_reduce_in_fp32, c, mode) for b in batches]
                     if family:
                         yield family
+
+
+def _sharding_choices(mode: Optional[str], p: int, c: int, d: int):
+    """Distributed optimizer or not, for ``mode`` at PP ``p``, CP ``c`` and DP ``d``. The
+    distributed optimizer shards over DP x CP."""
+    if mode in ("fsdp2", "fsdp2-zero2"):  # FSDP2 shards itself; no PP, no CP yet
+        return (False,) if p == 1 and c == 1 and d > 1 else ()
+    if mode == "zero2":
+        return (True,) if d * c > 1 else ()
+    return (False, True) if d * c > 1 else (False,)

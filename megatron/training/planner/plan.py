@@ -8,6 +8,8 @@ from megatron.core.utils import vocab_size_with_padding
 from megatron.training.configs_from_args import transformer_config_from_args
 from megatron.training.planner.layouts import (
     CP_MIN_SEQ_LENGTH,
+    MEMORY_MODES,
+    MODE_FLAGS,
     Layout,
     apply_layout,
     layout_families,
@@ -38,6 +40,7 @@ class Plan:
     rows: List[PlanRow] = field(default_factory=list)  # ranked, best first
     enumerated: int = 0
     fitting: int = 0
+    memory_mode: Optional[str] = None  # the mode every row uses when none fits without one
 
 
 def padded_vocab(workload: Workload, tensor_parallel: int) -> int:
@@ -78,7 +81,9 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
          max_micro_batch_size: int = 16, grad_reduce_in_fp32: bool = True) -> Plan:
     """Every layout that fits, ranked; ConfigError (saying what to change) when none does.
     Context parallelism is tried from CP_MIN_SEQ_LENGTH on, or when layouts exist but none
-    fits in memory without it (not to soak up GPUs a short sequence cannot use otherwise)."""
+    fits in memory without it (not to soak up GPUs a short sequence cannot use otherwise).
+    When still none fits, the memory modes (MEMORY_MODES) are tried, cheapest first, and the
+    first that gives fitting layouts is proposed (``Plan.memory_mode``)."""
     cluster.check()
     if max_micro_batch_size < 1:
         raise ConfigError(f"--max-micro-batch-size must be >= 1, got {max_micro_batch_size}.")
@@ -86,8 +91,16 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
     result, smallest = _search(workload, cluster, max_micro_batch_size, grad_reduce_in_fp32,
                                with_cp)
     if smallest is not None and not result.rows and not with_cp:  # layouts, none fits
+        with_cp = True
         result, smallest = _search(workload, cluster, max_micro_batch_size,
                                    grad_reduce_in_fp32, True)
+    for mode in MEMORY_MODES if smallest is not None and not result.rows else ():
+        found, _ = _search(workload, cluster, max_micro_batch_size, grad_reduce_in_fp32,
+                           with_cp, mode)
+        result.enumerated += found.enumerated
+        if found.rows:
+            result.rows, result.memory_mode = found.rows, mode
+            break
     if smallest is None:
         raise ConfigError(_nothing_to_try(workload, cluster))
     if not result.rows:
@@ -96,7 +109,7 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
     result.rows.sort(key=rank_key)
     result.rows = result.rows[:top] if top else result.rows
     for row in result.rows:
-        if row.layout.distributed_optimizer:
+        if row.layout.distributed_optimizer and row.layout.memory_mode is None:
             row.overlapped_optimizer_flags = overlapped_optimizer_flags(
                 workload.args.reduce_bucket_size)
             row.overlapped_optimizer_bytes = layout_memory(
@@ -105,13 +118,13 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
 
 
 def _search(workload: Workload, cluster: Cluster, max_micro_batch_size: int,
-            grad_reduce_in_fp32: bool, with_cp: bool):
+            grad_reduce_in_fp32: bool, with_cp: bool, memory_mode: Optional[str] = None):
     """(unranked Plan of the layouts that fit, (layout, bytes) of the smallest estimate)."""
     budget = (cluster.gpu_memory_gib - cluster.memory_reserve_gib) * GIB
     result, smallest = Plan(), None
     for family in layout_families(workload.args, cluster.num_gpus, cluster.gpus_per_node,
                                   workload.global_batch_size, max_micro_batch_size,
-                                  grad_reduce_in_fp32, with_cp):
+                                  grad_reduce_in_fp32, with_cp, memory_mode):
         for layout in family:  # ascending micro batch: stop at the first that does not fit
             config = layout_config(workload, layout)
             if layout.recompute == "selective" and (
@@ -143,7 +156,9 @@ def _describe(layout: Layout) -> str:
 def _nothing_fits(cluster: Cluster, layout: Layout, smallest: int) -> str:
     return (f"no layout fits in {cluster.gpu_memory_gib:g} GiB per GPU minus the "
             f"{cluster.memory_reserve_gib:g} GiB reserve: the smallest estimate is "
-            f"{smallest / GIB:.1f} GiB ({_describe(layout)}). Use more GPUs (--num-gpus), GPUs "
+            f"{smallest / GIB:.1f} GiB ({_describe(layout)}), and none fits with "
+            f"{', '.join(' '.join(MODE_FLAGS[m]) for m in MEMORY_MODES)} either. Use more "
+            f"GPUs (--num-gpus), GPUs "
             f"with more memory (--gpu-memory-gib), a shorter --seq-length, or a smaller "
             f"--memory-reserve-gib if you know your overheads.")
 

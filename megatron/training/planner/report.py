@@ -3,7 +3,7 @@ import dataclasses
 import shlex
 from typing import Dict, List
 
-from megatron.training.planner.layouts import CP_COMM_TYPE
+from megatron.training.planner.layouts import CP_COMM_TYPE, MODE_FLAGS
 from megatron.training.planner.plan import Plan, PlanRow
 from megatron.training.planner.step_time import Cluster
 from megatron.training.planner.workload import Workload
@@ -23,6 +23,8 @@ def _same_memory(row: PlanRow) -> bool:
 def _cells(rank: int, row: PlanRow) -> List[str]:
     lay, step = row.layout, row.step
     sharded = ("yes*" if _same_memory(row) else "yes") if lay.distributed_optimizer else "no"
+    if lay.memory_mode:  # e.g. yes+zero2, no+fsdp2, no+cpu-offload
+        sharded += "+" + lay.memory_mode
     return [str(rank), str(lay.tensor_parallel), str(lay.context_parallel),
             str(lay.pipeline_parallel),
             str(lay.virtual_pipeline or "-"), str(lay.data_parallel),
@@ -56,6 +58,10 @@ def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
         lines[-1] += (" CP: the sequence split over CP ranks (ring attention); mem GiB "
                       "includes its K/V block in flight")
     lines += [f"  #{i + 1}: {shlex.join(row.flags)}" for i, row in enumerate(result.rows)]
+    if result.memory_mode:
+        lines.append(f"no layout fits without a memory mode: every row uses "
+                     f"{shlex.join(MODE_FLAGS[result.memory_mode])} (the cheapest mode that "
+                     f"fits; dist-opt column: +{result.memory_mode}).")
     starred = [row for row in result.rows if _same_memory(row)]
     if starred:
         lines.append("yes*: Megatron-LLaMA's " + shlex.join(starred[0].overlapped_optimizer_flags)
@@ -71,6 +77,7 @@ def _stage_dict(stage) -> Dict:
             "activation_bytes": stage.activations.stored_bytes,
             "recompute_working_bytes": stage.activations.recompute_working_bytes,
             "cp_kv_in_flight_bytes": stage.activations.cp_kv_in_flight_bytes,
+            "transient_bytes": stage.transient_bytes, "host_bytes": stage.host.total,
             "microbatches_in_flight": stage.activations.in_flight}
 
 
@@ -87,6 +94,7 @@ def row_dict(row: PlanRow, workload: Workload) -> Dict:
         "virtual_pipeline": lay.virtual_pipeline, "data_parallel": lay.data_parallel,
         "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
         "recompute": lay.recompute, "distributed_optimizer": lay.distributed_optimizer,
+        "memory_mode": lay.memory_mode,
         "sequence_parallel": lay.tensor_parallel > 1,
         "grad_reduce_in_fp32": lay.grad_reduce_in_fp32,
         "padded_vocab_size": row.padded_vocab_size,
@@ -108,4 +116,5 @@ def plan_dict(result: Plan, cluster: Cluster, workload: Workload) -> Dict:
             "global_batch_size": workload.global_batch_size,
             "seq_length": workload.seq_length, "cluster": dataclasses.asdict(cluster),
             "enumerated": result.enumerated, "fitting": result.fitting,
+            "memory_mode": result.memory_mode,
             "rows": [row_dict(row, workload) for row in result.rows]}

@@ -155,6 +155,20 @@ def cp_ring_seconds(config, layout: Layout, cluster: Cluster, seq_length: int
     return passes * forward_s, passes * max(0.0, forward_s - attention_s)
 
 
+def _collective_bytes(stage, layout: Layout, group: int):
+    """(gradient bytes reduced, parameter bytes gathered) of a stage: the full buckets, also
+    where the state after the step keeps a shard (ZeRO-2: those of backward; FSDP2: the fp32
+    shards times the group, gathered in bf16 and reduced in the gradient dtype). CPU offload's
+    host transfers and host step are not modelled."""
+    state = stage.state
+    if layout.memory_mode == "zero2":
+        return state.grads + stage.transient_bytes, state.params
+    if layout.fsdp2:
+        full = state.params // 4 * group
+        return full * (4 if layout.grad_reduce_in_fp32 else 2), full * 2
+    return state.grads, state.params
+
+
 def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryEstimate,
                        seq_length: int, padded_vocab_size: int) -> StepTime:
     """The step time of ``layout`` (``config`` is its TransformerConfig, ``memory`` its
@@ -197,8 +211,12 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         bandwidth, share = cluster.group_bandwidth(t * c * d), (d * c - 1) / (d * c)
         per_stage = []  # (exposed, total) seconds of each stage's DP collectives
         for stage, (forward_r, backward_r, _, _) in zip(memory.stages, stages):
-            grads, params = stage.state.grads, stage.state.params
-            if layout.distributed_optimizer:
+            grads, params = _collective_bytes(stage, layout, d * c)
+            if layout.fsdp2:  # ZeRO-3 gathers the parameters for forward and for backward
+                gathers = 2 if layout.memory_mode == "fsdp2" else 1
+                reduce_s = share * grads / bandwidth
+                gather_s = gathers * share * params / bandwidth
+            elif layout.distributed_optimizer:
                 reduce_s, gather_s = share * grads / bandwidth, share * params / bandwidth
             else:
                 reduce_s, gather_s = 2 * share * grads / bandwidth, 0.0
