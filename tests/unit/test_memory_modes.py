@@ -16,9 +16,15 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    ddp_config_for_optimizer,
+    finalize_model_grads,
+)
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.models import LlamaModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import build_model_chunks
 from megatron.training.memory_modes import rank_memory
 from megatron.training.memory_params import FP32, ModelStateBytes, rank_state_bytes
 from megatron.training.theoretical_memory import optimizer_setup_from
@@ -149,3 +155,36 @@ def test_zero2_state_estimate_equals_the_tensors_at_dp4(dtype):
         m = result["measured"]
         remainder = m["params"] + m["step_counters"] + result["padding"] * per_element / 4
         assert sum(m.values()) <= sharded_one / 4 + remainder
+
+
+# --- CPU offload ---------------------------------------------------------------------------
+
+def _offload_step(distributed):
+    config = _config(params_dtype=torch.bfloat16)
+    opt_config = OptimizerConfig(use_distributed_optimizer=distributed, bf16=True,
+                                 optimizer_cpu_offload=True, **ADAM)
+    ddp = ddp_config_for_optimizer(opt_config, grad_reduce_in_fp32=True, bucket_size=3000)
+    torch.manual_seed(1)
+    chunks = [DistributedDataParallel(config, ddp, chunk) for chunk in build_model_chunks(
+        lambda **stage: LlamaModel(config, VOCAB, **stage), config)]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    _train(chunks, optimizer, _global_batches(4, steps=1))
+    params = [p for chunk in chunks for p in chunk.module.parameters()]
+    grads = [b.grad_data for b in _buckets(chunks)]
+    # the optimizer's own tensors: none is the model's parameters or gradient buckets
+    host = _measured([], [], optimizer)
+    on_device = _measured(params, grads, optimizer)
+    assert (on_device.main_params, on_device.main_grads) == (host.main_params, host.main_grads)
+    memory = rank_memory(config, VOCAB, _setup(chunks, optimizer), 0, 2,
+                         ps.get_data_parallel_rank(), share_embeddings_and_output_weights=False)
+    device = dataclasses.asdict(memory.device)
+    assert device["main_params"] == device["optimizer_states"] == 0
+    return dataclasses.asdict(host), dataclasses.asdict(memory.host)
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "plain"])
+def test_cpu_offload_host_estimate_equals_the_optimizers_tensors(distributed):
+    for measured, estimate in run_distributed(_offload_step, world_size=2, tp=1,
+                                              distributed=distributed):
+        assert measured == estimate and measured["optimizer_states"] > 0
