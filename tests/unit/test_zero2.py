@@ -1,9 +1,11 @@
-"""ZeRO-2 (``--shard-gradients``): the distributed optimizer keeps only its shard of the reduced
-gradients after the step.
+"""ZeRO-2 (``--shard-gradients``): a bucket's full gradients exist only from its first gradient
+to its reduce-scatter into a persistent shard buffer.
 
 Against the distributed optimizer with full gradient buffers, bitwise: the same
-reduce-scatter, then an exact copy of the shard, then the same elementwise Adam on the same
-values. Memory is measured from the storages the buffers and the optimizer hold.
+reduce-scatter (into another output buffer), then the same elementwise Adam on the same
+values; the sequence-parallel and tied-embedding sums over two ranks on this rank's shard
+slice only are the same a + b per element. Memory is measured from the storages the buffers
+and the optimizer hold.
 """
 import copy
 import gc
@@ -62,25 +64,58 @@ def _buckets(chunks):
     return [bucket for chunk in chunks for bucket in chunk._buckets()]
 
 
-def _train(chunks, optimizer, batches):
+class FullGradTracker:
+    """Watches ZeRO-2's full gradient storages: the most bytes alive at once, and weak
+    references to every storage freed (nothing else may keep them)."""
+
+    def __init__(self, chunks):
+        self.alive = self.peak = 0
+        self.freed = []
+        for bucket in _buckets(chunks):
+            if bucket.shard_grads:
+                self._wrap(bucket)
+
+    def _wrap(self, bucket):
+        ensure, release = bucket.ensure_full_grad, bucket.release_full_grad
+
+        def tracked_ensure():
+            made = bucket.grad_data is None
+            ensure()
+            if made:
+                self.alive += bucket.grad_data.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.alive)
+
+        def tracked_release():
+            if bucket.grad_data is not None:
+                self.alive -= bucket.grad_data.untyped_storage().nbytes()
+                self.freed.append(weakref.ref(bucket.grad_data.untyped_storage()))
+            release()
+        bucket.ensure_full_grad, bucket.release_full_grad = tracked_ensure, tracked_release
+
+
+def _train(chunks, optimizer, batches, tracker=None):
     """Steps on ``batches``: the parameters after each, and whether every bucket's full
-    gradient storage was freed after each step."""
+    gradient storage was freed after each step (nothing left holding it)."""
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     history, freed = [], []
+    tracker = tracker or FullGradTracker(chunks)
     for batch in batches:
         local = len(batch) // dp
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        full = [weakref.ref(b.grad_data.untyped_storage()) for b in _buckets(chunks)]
+        tracker.freed = []
         get_forward_backward_func()(
             forward_step_func=_forward_step,
             data_iterator=iter(batch[rank * local:(rank + 1) * local]), model=chunks,
             num_microbatches=local, seq_length=SEQ, micro_batch_size=MBS)
         assert optimizer.step()[0]
         gc.collect()  # nothing else may hold the full buckets: their storages are gone
-        freed.append(all(b.grad_data is None for b in _buckets(chunks)) and
-                     all(ref() is None for ref in full))
+        buckets = _buckets(chunks)
+        freed.append(all(b.grad_data is None for b in buckets) and
+                     len(tracker.freed) == len(buckets) and
+                     all(ref() is None for ref in tracker.freed) and
+                     all(p.main_grad is None for b in buckets for p in b.params))
         for chunk in chunks:
             chunk.finish_param_sync()
         history.append({n: p.detach().clone() for chunk in chunks
@@ -142,6 +177,39 @@ def test_zero2_with_sequence_parallel_and_tied_embeddings_bitwise(kind, layout):
         assert all(freed)
         for a, b in zip(got, want):
             _assert_params(a, b, 0)
+
+
+# --- the full buckets during backward, the persistent shards ---------------------------------
+
+def _full_bucket_peak(kind, microbatches):
+    chunks, optimizer = _build(kind, True)
+    tracker = FullGradTracker(chunks)
+    shards = [b.grad_shard for b in _buckets(chunks)]
+    _train(chunks, optimizer, _global_batches(microbatches, steps=2), tracker)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    buckets = _buckets(chunks)
+    return dict(peak=tracker.peak, total=sum(b.numel for b in buckets) * 4,
+                largest=max(b.numel for b in buckets) * 4, buckets=len(buckets),
+                absent_after_zeroing=all(b.grad_data is None for b in buckets),
+                same_shards=all(a is b.grad_shard for a, b in zip(shards, buckets)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_buckets_do_not_all_coexist_with_one_microbatch(kind):
+    """One microbatch per rank: each bucket is freed once reduced (synchronously in the hook,
+    or overlapped: at most two in flight), so the peak of full gradient bytes is below all
+    buckets'; with accumulation all of them live (exact: the estimate's transient). The
+    shard buffers are the same tensors every step; zero_grad_buffer allocates nothing."""
+    for one, many in zip(run_distributed(_full_bucket_peak, world_size=2, tp=1, kind=kind,
+                                         microbatches=2),
+                         run_distributed(_full_bucket_peak, world_size=2, tp=1, kind=kind,
+                                         microbatches=MICROBATCHES)):
+        assert one["buckets"] >= 4
+        assert one["largest"] <= one["peak"] <= 3 * one["largest"] < one["total"], one
+        assert many["peak"] == many["total"]
+        for r in (one, many):
+            assert r["absent_after_zeroing"] and r["same_shards"]
 
 
 # --- memory held per rank after the step --------------------------------------------------

@@ -7,8 +7,12 @@ backward. Gradients are reduced once per iteration: with ``no_sync()`` held for 
 microbatch but the last (the schedules do this), either by ``finish_grad_sync()`` or, with
 ``overlap_grad_reduce``, by each bucket's asynchronous all-reduce launched from the backward
 hooks the moment the bucket's last gradient arrives; ``finish_grad_sync()`` then only waits.
-With ``shard_gradients`` (ZeRO-2) the distributed optimizer's step keeps only this rank's
-shard of the reduced gradients; ``zero_grad_buffer()`` gives the full buffers back.
+With ``shard_gradients`` (ZeRO-2) a bucket's full gradients exist from its first gradient of
+an iteration until its reduce-scatter into the persistent shard has completed (see
+param_and_grad_buffer): on the last microbatch the reduction is launched as soon as the bucket
+is complete, also without overlap (then synchronously, in the backward hook), and at most
+``MAX_BUCKETS_IN_FLIGHT`` overlapped reductions are outstanding, so the full buckets need not
+all coexist at the end of backward.
 """
 import contextlib
 from typing import Dict, List, Optional
@@ -20,7 +24,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
-from megatron.core.distributed.param_and_grad_buffer import GradBuffer
+from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
+
+# ZeRO-2, overlapped: launching a bucket's reduction first waits for (and frees) the bucket
+# launched this many before it; it had a bucket's backward to complete.
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 def default_bucket_size(data_parallel_size: int) -> int:
@@ -70,6 +78,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._gather_order = sorted((b for b in self._buckets() if b.sharded),
                                     key=lambda b: min(position[p] for p in b.params))
         self._gathers_launched = len(self._gather_order)
+        self._in_flight = []  # ZeRO-2: overlapped buckets launched, not yet waited for
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for p in self._bucket_of]
         if ddp_config.overlap_param_gather:
@@ -123,18 +132,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.ddp_config.shard_gradients and torch.is_grad_enabled() and \
-                any(b.full_grad_released for b in self._buckets()):
-            raise RuntimeError(self._RELEASED)
+                any(b.awaiting_zero for b in self._buckets()):
+            raise RuntimeError(Bucket.RELEASED)
         return self.module(*args, **kwargs)
-
-    _RELEASED = ("the optimizer step freed the full gradient buffers (--shard-gradients): "
-                 "call zero_grad_buffer() before the next forward with gradients.")
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         """Move the fresh gradient into the buffer; launch the bucket's reduction if it is the
         last microbatch and the bucket is now complete."""
-        if self.ddp_config.shard_gradients and self._bucket_of[param].full_grad_released:
-            raise RuntimeError(self._RELEASED)
+        bucket = self._bucket_of[param]
+        if self.ddp_config.shard_gradients:
+            bucket.ensure_full_grad()  # the bucket's first gradient of the iteration
         if getattr(param, "grad_added_to_main_grad", False):
             # Gradient-accumulation fusion: the layer's backward already added it to main_grad
             # and .grad is only a placeholder (see tensor_parallel.LinearWithGradAllReduce).
@@ -142,10 +149,17 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             param.main_grad.add_(param.grad)
         param.grad = None
-        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
-            bucket = self._bucket_of[param]
+        overlap = self.ddp_config.overlap_grad_reduce
+        if (overlap or self.ddp_config.shard_gradients) and self.is_last_microbatch:
             if bucket.mark_ready(param):
-                bucket.launch(async_op=True)
+                bucket.launch(async_op=overlap)  # ZeRO-2 without overlap: reduced and freed
+                if overlap and self.ddp_config.shard_gradients:
+                    self._limit_in_flight(bucket)
+
+    def _limit_in_flight(self, launched) -> None:
+        self._in_flight.append(launched)
+        while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._in_flight.pop(0).finish()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -166,8 +180,9 @@ class DistributedDataParallel(torch.nn.Module):
         distributed optimizer: this rank's shard of each bucket holds the average)."""
         self.start_grad_sync()
         for bucket in self._buckets():
-            bucket.wait()
-            bucket.reset()  # the next iteration reduces again, even without zeroing
+            bucket.finish()  # ZeRO-2: frees the full gradients
+            bucket.reset()
+        self._in_flight = []  # the next iteration reduces again, even without zeroing
 
     def zero_grad_buffer(self) -> None:
         """Start an iteration: zero the gradient buffers and forget bucket state."""

@@ -10,10 +10,15 @@ from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
 
 
-def _grad(param: torch.nn.Parameter):
-    """DDP's main_grad, else .grad; under FSDP2 this rank's shard of it (a DTensor's local
-    tensor: the same slice on every TP rank of the DP rank, so summing over TP is right)."""
+def reduced_grad(param: torch.nn.Parameter):
+    """DDP's main_grad, else (ZeRO-2, full buffers freed after the DP reduction) the slice of
+    this rank's gradient shard inside the parameter, else .grad; under FSDP2 this rank's shard
+    of it (a DTensor's local tensor). The shards are the same slice on every TP rank of the
+    DP rank (and on both stages of a tied embedding), so elementwise sums over them are
+    right."""
     grad = getattr(param, "main_grad", None)
+    if grad is None:
+        grad = getattr(param, "main_grad_shard", None)
     grad = param.grad if grad is None else grad
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
@@ -24,8 +29,9 @@ def allreduce_sequence_parallel_grads(model_chunks: List[torch.nn.Module]) -> No
     flattened into one collective."""
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [_grad(p) for chunk in model_chunks for p in unwrap_model(chunk).parameters()
-             if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
+    grads = [reduced_grad(p) for chunk in model_chunks
+             for p in unwrap_model(chunk).parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None and g.numel() > 0]  # same on every TP rank
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

@@ -13,24 +13,30 @@ reduce-scattered (each rank gets its shard, summed) and, after each rank updates
 parameters are all-gathered back. The parameters themselves then live in a flat buffer of the
 same layout (``param.data`` is a view into it), so the all-gather writes them in place.
 
-Sharded gradients (ZeRO-2, ``shard_grads``): each bucket's gradients get a storage of their
-own, and once the optimizer takes the reduced gradients (``reduced_grad_shard()``, at the start
-of its step) the bucket keeps only a copy of this rank's shard and drops the full tensor (and
-the parameters' ``main_grad`` views into it); ``zero_grad_buffer()`` allocates a zeroed one at
-the start of the next iteration (``restore_full_grad()``). Resizing the storage to 0 and back
-instead would keep the views but turn a stray write into one past a freed allocation.
+Sharded gradients (ZeRO-2, ``shard_grads``): each bucket keeps one persistent buffer of this
+rank's shard (``grad_shard``, allocated once) that the reduce-scatter writes into, and a full
+gradient storage of its own that exists only while gradients accumulate: it is allocated
+(zeroed) at the bucket's first gradient of an iteration (``ensure_full_grad``, from the DDP
+hook) and freed as soon as its reduce-scatter has completed on the last microbatch
+(``release_full_grad``): synchronously, right after it; overlapped, when its asynchronous op is
+waited for (DDP keeps at most two in flight). Between the reduction and the next iteration the
+parameters' ``main_grad`` is None (a stray write fails instead of landing in freed memory) and
+``main_grad_shard`` is the 1-D slice of ``grad_shard`` inside the parameter (possibly empty):
+the sequence-parallel and tied-embedding sums of finalize_model_grads work on that slice, the
+only part of the reduced gradient this rank's optimizer reads. Their sums are elementwise over
+TP / the two stages, whose bucket layouts are identical, so the result equals summing the full
+``main_grad`` and keeping its shard (bitwise for two ranks: a + b; larger groups may sum in
+another order when the buffer's length changes gloo's ring chunks).
 
-Why this design and not a reduce-scatter per microbatch into an accumulating shard
-(DeepSpeed's ZeRO-2): gradient accumulation adds every microbatch into the full-size
-``main_grad`` (the fused weight-gradient GEMM writes there), and reducing only once per
-iteration needs that full sum, so the full buffer must exist from the first backward of an
-iteration to its reduction; one reduction per microbatch would cost DP traffic x microbatches.
-The result is exact (the same reduce-scatter, then a copy) and the full buffer is absent from
-the optimizer step to the next iteration's start: during the step, evaluation and checkpoint
-saves. It is freed after ``finalize_model_grads`` (not right after each bucket's
-reduce-scatter) because the sequence-parallel and tied-embedding sums that follow still work
-on the full ``main_grad`` views. The peak of forward/backward (full gradients + activations)
-is unchanged: lowering it needs the per-microbatch reduction.
+Why not a reduce-scatter per microbatch into an accumulating shard (DeepSpeed's ZeRO-2):
+gradient accumulation adds every microbatch into the full-size ``main_grad`` (the fused
+weight-gradient GEMM writes there) and reducing once per iteration needs that full sum, so
+with several microbatches the full buckets live from the first microbatch's backward to the
+last one's reduction (plus the shard buffers: the backward peak is the distributed
+optimizer's + 1/DP of the gradients). With one microbatch they are absent during forward and
+appear bucket by bucket in backward while activations are freed. The first gradient of an
+iteration finds no ``main_grad``, so a fused linear computes that weight's gradient into a
+temporary once, which the hook adds into the fresh zeroed bucket (0 + g: exact).
 """
 import math
 from typing import Dict, List, Optional, Tuple
@@ -45,21 +51,32 @@ from megatron.core.collectives import all_gather_into_tensor, reduce_scatter_ten
 class Bucket:
     """A contiguous slice of the buffers holding whole parameters."""
 
-    def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
+    def __init__(self, params: List[torch.nn.Parameter], grad_data: Optional[torch.Tensor],
                  param_data: Optional[torch.Tensor], param_ranges: Dict, group,
-                 scaling: float, shard_grads: bool = False):
+                 scaling: float, numel: int, grad_dtype: torch.dtype,
+                 shard_grads: bool = False):
         self.params = params
-        self.grad_data = grad_data
-        self.numel = grad_data.numel()
-        # ZeRO-2: grad_data is a tensor of its own, dropped once the shard is copied out.
-        self.shard_grads = shard_grads
-        self.grad_shard: Optional[torch.Tensor] = None  # set while the full storage is freed
+        self.grad_data = grad_data  # ZeRO-2: None while the full storage is freed
+        self.numel = numel
+        self.grad_dtype = grad_dtype
         self.param_data = param_data  # None unless sharded
         self.param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]] = param_ranges
         self.group = group
         self.scaling = scaling
         self.sharded = param_data is not None
+        self.shard_grads = shard_grads
+        # ZeRO-2: set by the reduction, cleared by zero_grad_buffer; a gradient in between
+        # would start accumulating on top of a finished iteration.
+        self.awaiting_zero = False
         self.param_gather_handle = None
+        self.grad_shard: Optional[torch.Tensor] = None
+        if shard_grads:
+            begin, end = self.shard_range()
+            self.grad_shard = device.zeros(end - begin, dtype=grad_dtype)
+            for param, (p_begin, p_end) in param_ranges.items():
+                lo = max(p_begin, begin)
+                hi = max(lo, min(p_end, end))
+                param.main_grad_shard = self.grad_shard[lo - begin:hi - begin]
         self.reset()
 
     def reset(self) -> None:
@@ -75,18 +92,22 @@ class Bucket:
 
     def launch(self, async_op: bool) -> None:
         """Average this bucket's gradients over DP: all-reduce, or reduce-scatter into this
-        rank's shard when sharded."""
+        rank's shard when sharded (ZeRO-2: into the persistent shard buffer)."""
         if self.launched:
             return
         self.launched = True
+        self.ensure_full_grad()  # a bucket that got no gradient reduces zeros
         if self.scaling != 1.0:
             self.grad_data.mul_(self.scaling)  # exact when DP is a power of two
         if self.sharded:
             begin, end = self.shard_range()
-            self.handle = reduce_scatter_tensor(self.grad_data[begin:end], self.grad_data,
-                                                group=self.group, async_op=async_op)
+            output = self.grad_shard if self.shard_grads else self.grad_data[begin:end]
+            self.handle = reduce_scatter_tensor(output, self.grad_data, group=self.group,
+                                                async_op=async_op)
         else:
             self.handle = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
+        if not async_op:
+            self.finish()
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Record that ``param``'s gradient is final; True when the whole bucket is."""
@@ -101,34 +122,44 @@ class Bucket:
             self.handle.wait()
             self.handle = None
 
+    def finish(self) -> None:
+        """Wait for the reduction; ZeRO-2 then frees the full storage."""
+        self.wait()
+        if self.shard_grads and self.launched:
+            self.release_full_grad()
+
     @property
     def full_grad_released(self) -> bool:
-        return self.grad_shard is not None
+        return self.shard_grads and self.grad_data is None
 
-    def reduced_grad_shard(self) -> torch.Tensor:
-        """This rank's shard of the reduced gradients (after ``wait()``). With ``shard_grads``
-        the shard is copied out and the full bucket dropped: ``grad_data`` and the
-        parameters' ``main_grad`` become None (so a stray write fails instead of landing in
-        freed memory) until ``restore_full_grad``."""
-        begin, end = self.shard_range()
-        if not self.shard_grads:
-            return self.grad_data[begin:end]
-        if self.grad_shard is None:
-            if self.handle is not None:
-                raise RuntimeError("the bucket's reduce-scatter was not waited for.")
-            self.grad_shard = self.grad_data[begin:end].clone()
-            self.grad_data = None
-            for param in self.params:
-                param.main_grad = None
-        return self.grad_shard
-
-    def restore_full_grad(self) -> None:
-        """A zeroed full gradient bucket again, with the parameters' ``main_grad`` views."""
-        if self.grad_shard is not None:
-            self.grad_data = device.zeros(self.numel, dtype=self.grad_shard.dtype)
+    def ensure_full_grad(self) -> None:
+        """ZeRO-2: a zeroed full gradient storage and the parameters' ``main_grad`` views,
+        unless it exists."""
+        if self.awaiting_zero:
+            raise RuntimeError(self.RELEASED)
+        if self.grad_data is None:
+            self.grad_data = device.zeros(self.numel, dtype=self.grad_dtype)
             for param, (begin, end) in self.param_ranges.items():
                 param.main_grad = self.grad_data[begin:end].view(param.shape)
-            self.grad_shard = None
+
+    RELEASED = ("the gradients of this iteration were reduced (--shard-gradients freed the "
+                "full buffers): call zero_grad_buffer() before the next forward with "
+                "gradients.")
+
+    def release_full_grad(self) -> None:
+        self.grad_data = None
+        for param in self.params:
+            param.main_grad = None
+        self.awaiting_zero = True
+
+    def reduced_grad_shard(self) -> torch.Tensor:
+        """This rank's shard of the reduced gradients (after ``wait()``)."""
+        if not self.shard_grads:
+            begin, end = self.shard_range()
+            return self.grad_data[begin:end]
+        if not self.awaiting_zero:
+            raise RuntimeError("the bucket's gradients were not reduced (finish_grad_sync).")
+        return self.grad_shard
 
     def start_param_gather(self, async_op: bool) -> None:
         """Every rank's updated shard of the parameters, into every rank's buffer."""
@@ -175,22 +206,21 @@ class GradBuffer:
         if shard:  # equal shards per DP rank, whatever the parameter sizes
             sizes = [math.ceil(size / dp) * dp for size in sizes]
         self.numel = sum(sizes)
-        # One flat buffer, or (sharded gradients) one storage per bucket, so that each
-        # bucket's can be freed on its own: then grad_data is None.
+        # One flat buffer, or (sharded gradients) one storage per bucket made when needed, so
+        # that each bucket's can be freed on its own: then grad_data is None.
         self.grad_data = None if shard_grads else device.zeros(self.numel, dtype=grad_dtype)
         self.param_data = device.zeros(self.numel, dtype=params[0].dtype) if shard else None
         self.buckets: List[Bucket] = []
         self.bucket_of: Dict[torch.nn.Parameter, Bucket] = {}
         start = 0
         for group, size in zip(groups, sizes):
-            if shard_grads:
-                grads = device.zeros(size, dtype=grad_dtype)
-            else:
-                grads = self.grad_data[start:start + size]
+            # ZeRO-2: no full storage until the bucket's first gradient (ensure_full_grad)
+            grads = None if shard_grads else self.grad_data[start:start + size]
             offset, ranges = start, {}
             for param in group:
                 end = offset + param.numel()
-                param.main_grad = grads[offset - start:end - start].view(param.shape)
+                param.main_grad = None if shard_grads else \
+                    grads[offset - start:end - start].view(param.shape)
                 if shard:
                     self.param_data[offset:end].copy_(param.data.view(-1))
                     param.data = self.param_data[offset:end].view(param.shape)
@@ -198,7 +228,7 @@ class GradBuffer:
                 offset = end
             bucket = Bucket(group, grads,
                             self.param_data[start:start + size] if shard else None, ranges,
-                            data_parallel_group, scaling, shard_grads)
+                            data_parallel_group, scaling, size, grad_dtype, shard_grads)
             self.buckets.append(bucket)
             self.bucket_of.update({p: bucket for p in group})
             start += size
@@ -207,9 +237,8 @@ class GradBuffer:
         if self.grad_data is not None:
             self.grad_data.zero_()
         for bucket in self.buckets:
-            if self.grad_data is None:
-                if bucket.full_grad_released:
-                    bucket.restore_full_grad()  # zeroed
-                else:
+            if self.grad_data is None:  # ZeRO-2: a freed bucket is re-made at its first grad
+                if bucket.grad_data is not None:
                     bucket.grad_data.zero_()
+                bucket.awaiting_zero = False
             bucket.reset()

@@ -10,10 +10,10 @@ After the step, the shards are all-gathered into every rank's parameters: at onc
 (``overlap_param_gather``) in the background, each module's next forward waiting for its own
 bucket.
 
-With ``shard_gradients`` (ZeRO-2) taking the reduced gradients at the start of the step keeps
-only this rank's shard of each bucket's gradients and frees the full bucket (see
-param_and_grad_buffer): gradients then take N / DP elements per rank too, between the step and
-the next iteration's ``zero_grad_buffer()``.
+With ``shard_gradients`` (ZeRO-2) the reduce-scatter writes into a persistent shard buffer per
+bucket and the full bucket is freed once reduced (see param_and_grad_buffer): the step reads
+the shards, and gradients take N / DP elements per rank from the reduction until the next
+iteration's first gradient.
 
 ``state_dict()`` is independent of the DP size: it holds, per model parameter, the full fp32
 main param and optimizer state, gathered on DP rank 0 (None elsewhere); ``load_state_dict``
@@ -56,7 +56,7 @@ class _Shard:
                 self.pieces.append((piece, param, lo - p_begin, hi - p_begin, lo - self.begin))
 
     def main_grads(self) -> torch.Tensor:
-        # With sharded gradients (ZeRO-2) this frees the bucket's full gradient storage.
+        # With sharded gradients (ZeRO-2): the persistent shard buffer, reduced into.
         grads = self.bucket.reduced_grad_shard()
         return grads if grads.dtype == torch.float32 else grads.float()
 

@@ -40,14 +40,19 @@ def sync_tied_embedding_weights(chunks: List[torch.nn.Module]) -> None:
 
 
 def allreduce_tied_embedding_grads(chunks: List[torch.nn.Module]) -> None:
-    """Sum the tied weight's gradient over its two copies (``main_grad`` where DDP keeps one)."""
+    """Sum the tied weight's gradient over its two copies (``main_grad`` where DDP keeps one;
+    with ZeRO-2's freed buffers the slice of this rank's shard inside it: each copy has a
+    bucket of its own, of one layout, so both stages hold the same slice)."""
     weight = _tied_weight(chunks)
     if weight is None:
         return
     grad = getattr(weight, "main_grad", None)
     if grad is None:
+        grad = getattr(weight, "main_grad_shard", None)
+    if grad is None:
         grad = weight.grad
     if grad is None:
         raise RuntimeError("the tied embedding has no gradient on this stage; run backward on "
                            "every microbatch before summing the tied-embedding gradients.")
-    dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+    if grad.numel() > 0:  # a shard of padding only: empty on both stages
+        dist.all_reduce(grad, group=parallel_state.get_embedding_group())
