@@ -9,9 +9,11 @@ Three amounts per rank (``RankMemory``):
   exact for this code base (tests/unit/test_memory_modes.py measures it);
 - ``host``: CPU offload's main params, their gradients, the optimizer state and step counters
   in host memory (exact; pinned allocations on CUDA may be rounded up by the allocator);
-- ``transient_bytes``: held on top of ``device`` during forward/backward only.
-  ZeRO-2 (distributed optimizer): the full gradient buckets minus the kept shard (exact: the
-  buckets are re-made at ``zero_grad_buffer``). FSDP2: the all-gathered compute-dtype
+- ``transient_bytes``: held on top of ``device`` during forward/backward only. ZeRO-2
+  (distributed optimizer): the full gradient buckets, on top of the persistent shard buffers
+  ``device`` counts (exact with gradient accumulation: every bucket lives from the first
+  microbatch's backward to the reduction; an upper bound with one microbatch, where each
+  bucket is freed once reduced and only a few coexist). FSDP2: the all-gathered compute-dtype
   parameters (ZeRO-3: the root unit - embedding, final norm, output layer, which FSDP2 keeps
   unsharded after forward - plus two layers, the running one and the prefetched one; ZeRO-2:
   every unit, kept from its forward to its backward) and the unsharded gradients before their
@@ -27,12 +29,12 @@ gradients, Adam; padding and step counters aside): after the step, at the backwa
                                           after step   backward peak            host
     DDP                                   18           18                       -
     distributed optimizer                 6 + 12/d     6 + 12/d                 -
-    distributed optimizer, ZeRO-2         2 + 16/d     6 + 12/d                 -
+    distributed optimizer, ZeRO-2         2 + 16/d     6 + 16/d (accumulating)  -
     FSDP2 ZeRO-3                          16/d         16/d + gathered, grads   -
     FSDP2 ZeRO-2                          16/d         16/d + 2 + grads         -
     CPU offload, plain optimizer          6            6                        16
     CPU offload, distributed optimizer    6            6                        16/d
-    CPU offload, distributed, ZeRO-2      2 + 4/d      6                        16/d
+    CPU offload, distributed, ZeRO-2      2 + 4/d      6 + 4/d                  16/d
 """
 import dataclasses
 import math
@@ -183,8 +185,8 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
         add_states(memory.device, step)
         if setup.cpu_offload:
             add_states(memory.host, host_state_bytes(shapes, setup, data_parallel_rank, alone))
-        if setup.shard_gradients:  # the full buckets of backward, minus the kept shard
+        if setup.shard_gradients:  # the full buckets of backward, next to the shards
             backward = chunk_state_bytes(shapes, full_grads, param_bytes, data_parallel_rank,
                                          alone)
-            memory.transient_bytes += backward.grads - step.grads
+            memory.transient_bytes += backward.grads
     return memory

@@ -31,9 +31,9 @@ CP_COMM_TYPE = "p2p"  # the ring: only one K/V block in flight, where all_gather
 # Memory modes, tried only when nothing fits without one, cheapest first: FSDP2 ZeRO-2, then
 # ZeRO-3 (the parameters gathered per layer, once / twice a step), then optimizer CPU offload
 # (host transfers and the step on the host every iteration). The distributed optimizer's
-# ZeRO-2 (--shard-gradients, "zero2") is not among them: its device peak is the distributed
-# optimizer's (the full buckets live from zero_grad_buffer to the step), so it fits nowhere
-# the distributed optimizer does not; it lowers only the memory between steps.
+# ZeRO-2 (--shard-gradients, "zero2") is not among them: with gradient accumulation its device
+# peak is the distributed optimizer's plus the gradient shards (the full buckets live from the
+# first backward to the reduction), so it fits nowhere the distributed optimizer does not.
 MEMORY_MODES = ("fsdp2-zero2", "fsdp2", "cpu-offload")
 MODE_FLAGS = {"zero2": ["--shard-gradients"], "fsdp2": ["--use-torch-fsdp2"],
               "fsdp2-zero2": ["--use-torch-fsdp2", "--no-reshard-after-forward"],

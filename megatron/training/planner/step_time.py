@@ -162,7 +162,7 @@ def _collective_bytes(stage, layout: Layout, group: int):
     host transfers and host step are not modelled."""
     state = stage.state
     if layout.memory_mode == "zero2":
-        return state.grads + stage.transient_bytes, state.params
+        return stage.transient_bytes, state.params  # the full buckets of backward
     if layout.fsdp2:
         full = state.params // 4 * group
         return full * (4 if layout.grad_reduce_in_fp32 else 2), full * 2
