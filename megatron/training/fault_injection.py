@@ -5,8 +5,9 @@ rank RANK:
 
 - ``save``: SIGKILL (as the OOM killer or a lost node would) in the middle of writing the
   checkpoint of that iteration: its file is half written and not yet renamed;
-- ``nan``: a NaN in one gradient at those iterations, after the gradients are reduced and
-  before the optimizer step (the update must be skipped and logged);
+- ``nan``: NaN in every gradient that rank's optimizer reads at those iterations, after the
+  gradients are reduced and before the optimizer step (the update must be skipped and
+  logged). Every one, not one element: a distributed optimizer reads only its shard;
 - ``kill``: SIGKILL at the start of that iteration.
 
 Faults fire only in a job's first attempt: a worker group that torchrun restarted
@@ -61,14 +62,25 @@ def maybe_crash_while_writing(path: str, iteration: int) -> None:
     _kill_self()
 
 
+def _gradient_the_step_reads(param):
+    """The gradient the optimizer will read for ``param``: our DDP's ``main_grad``; under
+    --shard-gradients (its full buffer freed after the reduction) this rank's
+    ``main_grad_shard``; FSDP2's ``.grad`` is a DTensor: its local shard."""
+    for grad in (getattr(param, "main_grad", None), getattr(param, "main_grad_shard", None),
+                 param.grad):
+        if grad is not None and hasattr(grad, "to_local"):
+            grad = grad.to_local()
+        if grad is not None and grad.numel() > 0:
+            return grad
+    return None
+
+
 def maybe_poison_gradients(model_chunks: List, iteration: int) -> None:
     """Called between the gradient reduction and the optimizer step."""
     if not _active("nan", iteration):
         return
     for chunk in model_chunks:
         for param in chunk.parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
+            grad = _gradient_the_step_reads(param)
             if grad is not None:
-                grad.view(-1)[0] = float("nan")
-                return
+                grad.fill_(float("nan"))
