@@ -72,7 +72,7 @@ FSDP2 = ["--use-torch-fsdp2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 
 
-@pytest.mark.parametrize("mode", [[], ZERO2], ids=["zero3", "zero2"])
+@pytest.mark.parametrize("mode", [[], ZERO2, ["--bf16"]], ids=["zero3", "zero2", "zero3_bf16"])
 def test_fsdp2_resume_at_dp2_is_bitwise(tmp_path, mode):
     first, second, straight, resumed = _straight_then_resume(
         tmp_path, _flags(*FSDP2, *mode), nproc=2)
@@ -116,6 +116,23 @@ def test_fsdp2_checkpoint_loads_into_another_layout(straight_runs, tmp_path, sav
     got, want = _iteration_losses(proc), straight_runs[target][1]
     assert "resharded from" in proc.stdout
     assert sorted(got) == ["3", "4"]
+    for i in "34":
+        assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
+
+
+def test_fsdp2_bf16_checkpoint_loads_into_the_bf16_distributed_optimizer(tmp_path):
+    """FSDP2's fp32 shards are the distributed optimizer's main params: loaded at DP=2 they
+    continue within the bf16 runs' own difference (test_fsdp2_bf16_equals_ddp_bf16_at_dp2)."""
+    bf16 = _reshard_flags() + ["--bf16"]
+    fsdp = start_script("pretrain_llama.py", bf16 + FSDP2 + [
+        "--save", tmp_path / "fsdp2", "--save-interval", "2"], nproc=2)
+    straight = start_script("pretrain_llama.py", bf16 + DISTRIBUTED, nproc=2)
+    finish(fsdp, timeout=600)
+    want = _iteration_losses(finish(straight, timeout=600))
+    proc = run_script("pretrain_llama.py", bf16 + DISTRIBUTED + [
+        "--load", tmp_path / "fsdp2", "--ckpt-step", "2"], 2)
+    got = _iteration_losses(proc)
+    assert "loaded checkpoint from" in proc.stdout and sorted(got) == ["3", "4"]
     for i in "34":
         assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
 
