@@ -53,14 +53,23 @@ def _poisoned_step(mode, poisoned_rank):
     rank = dist.get_rank()
     batch = _global_batches(2, 1)[0][rank:rank + 1]
     before = [_local(p) for p in model[0].parameters()]
-    os.environ.update({fault_injection.ENV: f"nan:{poisoned_rank}:1", "RANK": str(rank)})
+    # Pool workers outlive tests: set what the injection reads (a first attempt, this rank)
+    # and put back what was there.
+    wanted = {fault_injection.ENV: f"nan:{poisoned_rank}:1", "RANK": str(rank),
+              "TORCHELASTIC_RESTART_COUNT": "0"}
+    before_env = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
     try:
         _, skipped, _, _ = train_step(
             _forward_step, iter(batch), model, optimizer, None, 1, SEQ, MBS,
             before_optimizer_step=lambda chunks: fault_injection.maybe_poison_gradients(
                 chunks, iteration=1))
     finally:
-        del os.environ[fault_injection.ENV]
+        for key, value in before_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     unchanged = all(torch.equal(b, _local(p)) for b, p in zip(before, model[0].parameters()))
     return skipped, unchanged
 
