@@ -28,3 +28,8 @@ from megatron.core.tensor_parallel.random import (
     model_parallel_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import vocab_range_for_rank, vocab_size_with_padding
+from megatron.core.tensor_parallel.weight_grad_store import (
+    WeightGradStore,
+    current_weight_grad_store,
+    deferring_weight_grads,
+)

@@ -5,6 +5,7 @@ seeded alike on every TP rank) and then sliced, so a model starts from the same 
 whatever its TP size. Layers return ``(output, bias)``: ``bias`` is not None only with
 ``skip_bias_add``, so the caller can fuse the add into what follows.
 """
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +24,10 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.utils import vocab_range_for_rank
+from megatron.core.tensor_parallel.weight_grad_store import (
+    DeferredWeightGrad,
+    current_weight_grad_store,
+)
 from megatron.core.utils import divide
 
 
@@ -127,16 +132,22 @@ class LinearWithGradAllReduce(torch.autograd.Function):
     autograd still runs DDP's post-accumulate hook, which launches overlapped reductions and
     skips the add. See ``accumulate_weight_grad`` for the arithmetic (bitwise the unfused one
     on CPU).
+
+    Split backward (zero-bubble schedules): inside ``deferring_weight_grads(store)`` a
+    ``deferrable`` layer's backward is B only (input gradient, its TP reduction, the bias
+    gradient) and pushes the weight gradient into the store; W (``store.flush()``) runs the
+    same ``_weight_grad_gemm`` later. See ``weight_grad_store``.
     """
 
     @staticmethod
     def forward(ctx, input_, weight, bias, sequence_parallel, reduce_input_grad,
-                gradient_accumulation_fusion=False):
+                gradient_accumulation_fusion=False, deferrable=True):
         ctx.save_for_backward(input_, weight)
         ctx.use_bias = bias is not None
         ctx.sequence_parallel = sequence_parallel
         ctx.reduce_input_grad = reduce_input_grad
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.deferrable = deferrable
         total_input = gather_along_first_dim(input_) if sequence_parallel else input_
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
@@ -147,9 +158,20 @@ class LinearWithGradAllReduce(torch.autograd.Function):
     def backward(ctx, grad_output):
         input_, param = ctx.saved_tensors
         weight = param
-        if weight.dtype != grad_output.dtype:  # forward ran under autocast: so does backward
-            weight, input_ = weight.to(grad_output.dtype), input_.to(grad_output.dtype)
+        cast = weight.dtype != grad_output.dtype  # forward ran under autocast: so does backward
+        if cast:
+            weight = weight.to(grad_output.dtype)
         need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        store = current_weight_grad_store() if ctx.deferrable else None
+        if need_weight_grad and store is not None:
+            store.push(DeferredWeightGrad(
+                param, (grad_output, input_.detach()),
+                functools.partial(_weight_grad, param, cast=cast,
+                                  sequence_parallel=ctx.sequence_parallel,
+                                  fusion=ctx.gradient_accumulation_fusion)))
+            need_weight_grad = False  # W delivers it; B returns None for the weight
+        if cast and need_weight_grad:
+            input_ = input_.to(grad_output.dtype)
         gather_handle = None
         total_input = input_
         if ctx.sequence_parallel and need_weight_grad:
@@ -162,29 +184,44 @@ class LinearWithGradAllReduce(torch.autograd.Function):
             gather_handle.wait()
         if need_input_grad:
             if ctx.sequence_parallel:
-                grad_input, reduce_handle = reduce_scatter_along_first_dim(grad_input, async_op=True)
+                grad_input, reduce_handle = reduce_scatter_along_first_dim(grad_input,
+                                                                           async_op=True)
             elif ctx.reduce_input_grad:
                 reduce_handle = dist.all_reduce(
                     grad_input, group=parallel_state.get_tensor_model_parallel_group(),
                     async_op=True)
 
         grad_weight = grad_bias = None
-        if need_weight_grad:
-            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-            input_2d = total_input.reshape(-1, total_input.shape[-1])
-            main_grad = getattr(param, "main_grad", None) \
-                if ctx.gradient_accumulation_fusion else None
-            if main_grad is not None:
-                accumulate_weight_grad(main_grad, grad_2d, input_2d)
-                param.grad_added_to_main_grad = True
-                grad_weight = torch.empty_like(param)
-            else:
-                grad_weight = grad_2d.t().matmul(input_2d)
-        if ctx.use_bias and ctx.needs_input_grad[2]:
+        if need_weight_grad:  # overlaps the input gradient's reduction
+            grad_weight = _weight_grad_gemm(param, grad_output, total_input,
+                                            ctx.gradient_accumulation_fusion)
+        if ctx.use_bias and ctx.needs_input_grad[2]:  # always in B: a column sum, tiny
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if reduce_handle is not None:
             reduce_handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _weight_grad_gemm(param, grad_output, total_input, fusion):
+    """The weight gradient from the (gathered) input: into ``param.main_grad`` when fused
+    (returning the placeholder autograd delivers to DDP's hook), else returned."""
+    grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+    input_2d = total_input.reshape(-1, total_input.shape[-1])
+    main_grad = getattr(param, "main_grad", None) if fusion else None
+    if main_grad is None:
+        return grad_2d.t().matmul(input_2d)
+    accumulate_weight_grad(main_grad, grad_2d, input_2d)
+    param.grad_added_to_main_grad = True
+    return torch.empty_like(param)
+
+
+def _weight_grad(param, grad_output, input_, *, cast, sequence_parallel, fusion):
+    """A deferred W: the whole backward's dtype handling, gather and GEMM. ``main_grad`` is
+    looked up now, not at B (ZeRO-2 creates it at the bucket's first gradient)."""
+    if cast:
+        input_ = input_.to(grad_output.dtype)
+    total_input = gather_along_first_dim(input_) if sequence_parallel else input_
+    return _weight_grad_gemm(param, grad_output, total_input, fusion)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -239,10 +276,12 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         # A weight passed in (the tied embedding) also gets the embedding's gradient through
-        # .grad: keep its two parts summed before the buffer add, as without fusion.
-        fuse = self.gradient_accumulation_fusion and weight is self.weight
+        # .grad: keep its two parts summed before the buffer add, as without fusion, and its
+        # weight gradient in B (see weight_grad_store's docstring).
+        own = weight is self.weight
         output = LinearWithGradAllReduce.apply(
-            input_, weight, bias, self.sequence_parallel, tp_size > 1, fuse)
+            input_, weight, bias, self.sequence_parallel, tp_size > 1,
+            self.gradient_accumulation_fusion and own, own)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
