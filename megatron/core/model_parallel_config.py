@@ -4,12 +4,17 @@ from typing import Callable, Optional
 
 import torch
 
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
+
 
 @dataclass
 class ModelParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    # "1f1b", "interleaved", "zb-h1" or "zbv" (2 chunks per rank placed in a V, see
+    # pipeline_placement); None = Megatron's choice: interleaved iff virtual stages are set.
+    pipeline_schedule: Optional[str] = None
     # Shard LayerNorm/dropout activations along the sequence across TP ranks (Korthikanti et al.).
     sequence_parallel: bool = False
     # Split each sequence over this many ranks (load-balanced chunks, ring attention), and
@@ -51,3 +56,27 @@ class ModelParallelConfig:
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 (or None), "
                              f"got {vpp}.")
+        self._check_pipeline_schedule()
+
+    def _check_pipeline_schedule(self):
+        schedule, vpp = self.pipeline_schedule, self.virtual_pipeline_model_parallel_size
+        if schedule is None:
+            return
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule {schedule!r} is not one of "
+                             f"{PIPELINE_SCHEDULES} (or None).")
+        wanted = {"1f1b": None, "zb-h1": None, "zbv": 2}
+        if schedule == "interleaved":
+            if vpp is None:
+                raise ValueError("pipeline_schedule 'interleaved' needs "
+                                 "virtual_pipeline_model_parallel_size.")
+        elif vpp != wanted[schedule]:
+            raise ValueError(f"pipeline_schedule {schedule!r} needs "
+                             f"virtual_pipeline_model_parallel_size {wanted[schedule]}, "
+                             f"got {vpp}.")
+
+    def resolved_pipeline_schedule(self) -> str:
+        """The schedule a pipelined run uses: pipeline_schedule, or Megatron's choice."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "1f1b" if self.virtual_pipeline_model_parallel_size is None else "interleaved"

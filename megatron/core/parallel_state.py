@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron.core import device
+from megatron.core import device, pipeline_placement
 
 # Process groups this rank belongs to, and the global ranks of each.
 _GROUPS: Dict[str, dist.ProcessGroup] = {}
@@ -25,6 +25,8 @@ _OWNED_GROUPS: List[dist.ProcessGroup] = []
 
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
+# Where the chunks' virtual stages lie (pipeline_placement.LOOP or V): set by the model builder.
+_PIPELINE_PLACEMENT: str = pipeline_placement.LOOP
 # Every group's collectives wait at most this long (Megatron's --distributed-timeout-minutes).
 _TIMEOUT: Optional[datetime.timedelta] = None
 # Every group of the layout by kind, for making the DP groups' gloo copies on first use.
@@ -144,7 +146,7 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget and destroy every group created by initialize_model_parallel()."""
-    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _TIMEOUT
+    global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE, _TIMEOUT, _PIPELINE_PLACEMENT
     if dist.is_initialized():
         for group in _OWNED_GROUPS:
             dist.destroy_process_group(group)
@@ -154,6 +156,7 @@ def destroy_model_parallel() -> None:
     _GROUP_RANKS.clear()
     _VIRTUAL_PIPELINE_RANK = None
     _VIRTUAL_PIPELINE_WORLD_SIZE = None
+    _PIPELINE_PLACEMENT = pipeline_placement.LOOP
     _TIMEOUT = None
 
 
@@ -373,31 +376,59 @@ def in_model_chunk(chunk: int):
         set_virtual_pipeline_model_parallel_rank(0)
 
 
+def set_pipeline_placement(placement: str) -> None:
+    """Where the chunks' virtual stages lie (``pipeline_placement.LOOP`` or ``V``); the stage
+    queries below answer for it. ``build_model_chunks`` sets it from the config's schedule."""
+    global _PIPELINE_PLACEMENT
+    chunks = _VIRTUAL_PIPELINE_WORLD_SIZE or 1
+    # Validates the pair: the V needs exactly 2 chunks per rank.
+    pipeline_placement.virtual_stage_of(0, 0, get_pipeline_model_parallel_world_size(), chunks,
+                                        placement)
+    _PIPELINE_PLACEMENT = placement
+
+
+def get_pipeline_placement() -> str:
+    return _PIPELINE_PLACEMENT
+
+
+def get_virtual_pipeline_stage(chunk: Optional[int] = None) -> int:
+    """The model slice (0 = embedding side) that model chunk ``chunk`` of this rank holds (the
+    current chunk, see in_model_chunk, when None)."""
+    if chunk is None:
+        chunk = _VIRTUAL_PIPELINE_RANK or 0
+    return pipeline_placement.virtual_stage_of(
+        get_pipeline_model_parallel_rank(), chunk, get_pipeline_model_parallel_world_size(),
+        _VIRTUAL_PIPELINE_WORLD_SIZE, _PIPELINE_PLACEMENT)
+
+
+def _holds_stage(stage: int, ignore_virtual: bool) -> bool:
+    """Whether this rank's current chunk (any of its chunks, with ``ignore_virtual``) holds
+    virtual stage ``stage``."""
+    if ignore_virtual:
+        pipeline = get_pipeline_model_parallel_world_size()
+        rank, _ = pipeline_placement.stage_holder(stage, pipeline, _VIRTUAL_PIPELINE_WORLD_SIZE,
+                                                  _PIPELINE_PLACEMENT)
+        return rank == get_pipeline_model_parallel_rank()
+    return get_virtual_pipeline_stage() == stage
+
+
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
-    """True on the stage that holds the input embedding (virtual chunk 0 of PP rank 0)."""
-    if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None \
-            and _VIRTUAL_PIPELINE_RANK != 0:
-        return False
-    return get_pipeline_model_parallel_rank() == 0
+    """True on the stage that holds the input embedding (virtual stage 0: chunk 0 of PP rank
+    0); with ``ignore_virtual``, on the rank that holds it in one of its chunks."""
+    return _holds_stage(0, ignore_virtual)
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
-    """True on the stage that holds the output layer (last virtual chunk of the last PP rank)."""
-    if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None \
-            and _VIRTUAL_PIPELINE_RANK != _VIRTUAL_PIPELINE_WORLD_SIZE - 1:
-        return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+    """True on the stage that holds the output layer (the last virtual stage: the last chunk
+    of the last PP rank, or under the V chunk 1 of PP rank 0); with ``ignore_virtual``, on the
+    rank that holds it in one of its chunks."""
+    stages = get_pipeline_model_parallel_world_size() * (_VIRTUAL_PIPELINE_WORLD_SIZE or 1)
+    return _holds_stage(stages - 1, ignore_virtual)
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
     """True where this rank (and, unless ignored, its current virtual chunk) holds an embedding
     copy that takes part in the tied-embedding gradient sum."""
-    ranks = _ranks(_EMBEDDING)
-    me = dist.get_rank()
-    if not ranks:
+    if not _ranks(_EMBEDDING):
         return False
-    if ignore_virtual:
-        return True
-    if me == ranks[0] and is_pipeline_first_stage():
-        return True
-    return me == ranks[-1] and is_pipeline_last_stage()
+    return is_pipeline_first_stage(ignore_virtual) or is_pipeline_last_stage(ignore_virtual)

@@ -84,7 +84,50 @@ def _fold_aliases(args):
             setattr(args, name, " ".join(words).split())
 
 
+_VIRTUAL_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+
+
+def _schedule_virtual_size(args, vpp: Optional[int]) -> Optional[int]:
+    """The virtual pipeline size --pipeline-schedule runs with (``vpp``: the one the virtual
+    stage flags ask for); zbv always has 2 chunks per rank, placed in a V."""
+    schedule = getattr(args, "pipeline_schedule", None)
+    if schedule is None:
+        return vpp
+    if schedule == "interleaved":
+        _need(vpp is not None, "--pipeline-schedule interleaved needs virtual pipeline stages: "
+              "add --num-layers-per-virtual-pipeline-stage (or "
+              "--num-virtual-stages-per-pipeline-rank), or use --pipeline-schedule 1f1b.")
+    elif schedule in ("1f1b", "zb-h1"):
+        _need(vpp is None, f"--pipeline-schedule {schedule} runs one model chunk per pipeline "
+              f"rank; drop {_VIRTUAL_FLAGS}, or use --pipeline-schedule interleaved or zbv.")
+    elif schedule == "zbv":
+        return _zbv_virtual_size(args, vpp)
+    return vpp
+
+
+def _zbv_virtual_size(args, vpp: Optional[int]) -> int:
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    _need(pp > 1, f"--pipeline-schedule zbv needs --pipeline-model-parallel-size >= 2, got {pp}.")
+    _need(vpp in (None, 2), f"--pipeline-schedule zbv places 2 model chunks per pipeline rank "
+          f"(in a V), but {_VIRTUAL_FLAGS} ask for {vpp}; drop them.")
+    _need(args.decoder_first_pipeline_num_layers is None
+          and args.decoder_last_pipeline_num_layers is None,
+          "--pipeline-schedule zbv puts the first and the last stage on pipeline rank 0, so "
+          "--decoder-first/last-pipeline-num-layers do not apply; drop them (or use "
+          "--account-for-embedding/loss-in-pipeline-split).")
+    accounted = args.account_for_embedding_in_pipeline_split or \
+        args.account_for_loss_in_pipeline_split
+    _need(accounted or layers % (2 * pp) == 0,  # the accounted split is checked by the config
+          f"--pipeline-schedule zbv cuts the model into 2 x --pipeline-model-parallel-size {pp}"
+          f" = {2 * pp} virtual stages; --num-layers {layers} is not a multiple of {2 * pp}.")
+    return 2
+
+
 def _virtual_pipeline_size(args) -> Optional[int]:
+    return _schedule_virtual_size(args, _virtual_size_from_flags(args))
+
+
+def _virtual_size_from_flags(args) -> Optional[int]:
     pp = args.pipeline_model_parallel_size
     per_stage, per_rank = (args.num_layers_per_virtual_pipeline_stage,
                            args.num_virtual_stages_per_pipeline_rank)

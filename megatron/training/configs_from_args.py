@@ -180,6 +180,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        pipeline_schedule=getattr(args, "pipeline_schedule", None),
         sequence_parallel=args.sequence_parallel, params_dtype=params_dtype_of(args),
         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,

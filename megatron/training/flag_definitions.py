@@ -119,6 +119,12 @@ def _add_parallel_args(parser):
                         "all_gather gathers them once (simpler, more memory).")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--pipeline-schedule", choices=("1f1b", "interleaved", "zb-h1", "zbv"),
+                   default=None,
+                   help="Ours: 1f1b, interleaved (needs virtual stages), zb-h1 (zero bubble, "
+                        "1F1B's memory) or zbv (zero bubble, 2 chunks per rank in a V: rank r "
+                        "holds stages r and 2PP-1-r). Default: interleaved iff "
+                        "--num-layers-per-virtual-pipeline-stage is given, else 1f1b.")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")

@@ -4,9 +4,12 @@ Layers are split evenly over the pipeline ranks, except where the split is told 
 heavier ends: explicit layer counts for the first and/or last stage, or (Megatron's
 ``account_for_embedding/loss_in_pipeline_split``) the embedding and the loss each counted as
 one layer, so the first and last virtual stage get one layer fewer. With virtual stages, chunk
-``c`` of rank ``r`` is the ``(c * PP + r)``-th slice of the model, as in Megatron.
+``c`` of rank ``r`` is the ``(c * PP + r)``-th slice of the model, as in Megatron, or under the
+V placement (``pipeline_placement``) chunk 0 is slice ``r`` and chunk 1 slice ``2PP - 1 - r``.
 """
 from typing import List, Optional, Tuple
+
+from megatron.core.pipeline_placement import LOOP, V, virtual_stage_of
 
 
 def _even(layers: int, parts: int, what: str, fix: str) -> int:
@@ -14,6 +17,15 @@ def _even(layers: int, parts: int, what: str, fix: str) -> int:
         raise ValueError(f"{what} ({layers}) cannot be split evenly over {parts} pipeline "
                          f"stages; change {fix}.")
     return layers // parts if parts else 0
+
+
+def _check_placement_split(placement: str, first_stage_layers: Optional[int],
+                           last_stage_layers: Optional[int]) -> None:
+    # First/last stage counts are per rank of the loop; under the V rank 0 holds both ends.
+    if placement == V and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ValueError("first/last pipeline stage layer counts do not apply to the V "
+                         "placement (rank 0 holds both the first and the last stage); use "
+                         "the embedding/loss accounting in the split instead.")
 
 
 def virtual_stage_sizes(num_layers: int, pipeline_size: int,
@@ -51,13 +63,16 @@ def stage_layer_counts(num_layers: int, pipeline_size: int,
                        last_stage_layers: Optional[int] = None,
                        virtual_size: Optional[int] = None,
                        account_for_embedding: bool = False,
-                       account_for_loss: bool = False) -> List[int]:
+                       account_for_loss: bool = False,
+                       placement: str = LOOP) -> List[int]:
     """Layers held by each pipeline rank; ValueError (naming the fix) if they cannot split."""
+    _check_placement_split(placement, first_stage_layers, last_stage_layers)
     if account_for_embedding or account_for_loss:
         sizes = virtual_stage_sizes(num_layers, pipeline_size, first_stage_layers,
                                     last_stage_layers, virtual_size, account_for_embedding,
                                     account_for_loss)
-        return [sum(sizes[r::pipeline_size]) for r in range(pipeline_size)]
+        return [sum(sizes[virtual_stage_of(r, c, pipeline_size, virtual_size, placement)]
+                    for c in range(virtual_size or 1)) for r in range(pipeline_size)]
     overrides = {0: first_stage_layers, pipeline_size - 1: last_stage_layers}
     overrides = {rank: n for rank, n in overrides.items() if n is not None}
     if overrides and pipeline_size < 2:
@@ -95,13 +110,16 @@ def chunk_layer_range(num_layers: int, pipeline_size: int, rank: int, chunk: int
                       first_stage_layers: Optional[int] = None,
                       last_stage_layers: Optional[int] = None,
                       account_for_embedding: bool = False,
-                      account_for_loss: bool = False) -> Tuple[int, int]:
-    """(start, end) of the layers of virtual chunk ``chunk`` on pipeline rank ``rank``."""
+                      account_for_loss: bool = False,
+                      placement: str = LOOP) -> Tuple[int, int]:
+    """(start, end) of the layers of virtual chunk ``chunk`` on pipeline rank ``rank``, its
+    virtual stage given by ``placement`` (pipeline_placement.LOOP or V)."""
     if not 0 <= chunk < (virtual_size or 1):
         raise ValueError(f"chunk {chunk} out of range [0, {virtual_size or 1}).")
+    _check_placement_split(placement, first_stage_layers, last_stage_layers)
     sizes = virtual_stage_sizes(num_layers, pipeline_size, first_stage_layers,
                                 last_stage_layers, virtual_size, account_for_embedding,
                                 account_for_loss)
-    v = chunk * pipeline_size + rank
+    v = virtual_stage_of(rank, chunk, pipeline_size, virtual_size, placement)
     start = sum(sizes[:v])
     return start, start + sizes[v]

@@ -1,10 +1,16 @@
-"""GPT's tied input embedding and output layer when they sit on different pipeline stages.
+"""GPT's tied input embedding and output layer when they sit in different model chunks.
 
-The first stage holds the embedding, the last stage a copy used as the output layer. The two
-start equal (broadcast from the first stage) and stay equal because their gradients are summed
-over the embedding group before every optimizer step.
+The chunk holding the first stage has the embedding, the one holding the last stage a copy
+used as the output layer. The two start equal and stay equal because their gradients are
+summed before every optimizer step. In the loop placement the copies are on the first and last
+pipeline ranks (a broadcast and an all-reduce over the embedding group); in the V placement
+(zbv) both are chunks of pipeline rank 0, so the copy and the sum are local. Summing two copies
+locally or over two ranks is the same single addition, so both give the same bits.
+
+Two parameters rather than one shared Parameter: each chunk is its own DDP module with its
+own gradient buffer, and a Parameter in two of them would be reduced twice.
 """
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -13,39 +19,38 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 
 
-def _tied_weight(chunks: List[torch.nn.Module]) -> Optional[torch.nn.Parameter]:
-    """This rank's copy of the tied weight, or None where it holds none (or PP == 1, where the
-    two uses already share one parameter)."""
+def _tied_weights(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
+    """This rank's copies of the tied weight, the embedding's first: none (a middle rank, an
+    untied model, or PP == 1, where the two uses already share one parameter), one (the loop
+    placement's first or last rank) or two (rank 0 of the V placement)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return None
-    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
-        model = unwrap_model(chunks[0])
-    elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        model = unwrap_model(chunks[-1])
-    else:
-        return None
-    if not getattr(model, "share_embeddings_and_output_weights", False):
-        return None
-    return model.shared_embedding_or_output_weight()
+        return []
+    weights = []
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        holds_a_copy = getattr(model, "pre_process", False) or \
+            getattr(model, "post_process", False)
+        if holds_a_copy and getattr(model, "share_embeddings_and_output_weights", False):
+            weights.append(model.shared_embedding_or_output_weight())
+    return weights
 
 
 def sync_tied_embedding_weights(chunks: List[torch.nn.Module]) -> None:
     """Copy the first stage's embedding into the last stage's output layer."""
-    weight = _tied_weight(chunks)
-    if weight is not None:
-        group = parallel_state.get_embedding_group()
-        src = parallel_state.get_embedding_ranks()[0]
-        with torch.no_grad():
-            dist.broadcast(weight.data, src=src, group=group)
+    weights = _tied_weights(chunks)
+    with torch.no_grad():
+        if len(weights) == 2:
+            weights[1].copy_(weights[0])
+        elif weights:
+            group = parallel_state.get_embedding_group()
+            src = parallel_state.get_embedding_ranks()[0]
+            dist.broadcast(weights[0].data, src=src, group=group)
 
 
-def allreduce_tied_embedding_grads(chunks: List[torch.nn.Module]) -> None:
-    """Sum the tied weight's gradient over its two copies (``main_grad`` where DDP keeps one;
-    with ZeRO-2's freed buffers the slice of this rank's shard inside it: each copy has a
-    bucket of its own, of one layout, so both stages hold the same slice)."""
-    weight = _tied_weight(chunks)
-    if weight is None:
-        return
+def _reduced_grad(weight: torch.nn.Parameter) -> torch.Tensor:
+    """``main_grad`` where DDP keeps one; with ZeRO-2's freed buffers the slice of this rank's
+    shard inside it (each copy has a bucket of its own, of one layout, so both copies hold the
+    same slice); else ``.grad``."""
     grad = getattr(weight, "main_grad", None)
     if grad is None:
         grad = getattr(weight, "main_grad_shard", None)
@@ -54,5 +59,14 @@ def allreduce_tied_embedding_grads(chunks: List[torch.nn.Module]) -> None:
     if grad is None:
         raise RuntimeError("the tied embedding has no gradient on this stage; run backward on "
                            "every microbatch before summing the tied-embedding gradients.")
-    if grad.numel() > 0:  # a shard of padding only: empty on both stages
-        dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+    return grad
+
+
+def allreduce_tied_embedding_grads(chunks: List[torch.nn.Module]) -> None:
+    """Sum the tied weight's gradient over its two copies, and give the sum to both."""
+    grads = [_reduced_grad(weight) for weight in _tied_weights(chunks)]
+    if len(grads) == 2:
+        grads[0].add_(grads[1])
+        grads[1].copy_(grads[0])
+    elif grads and grads[0].numel() > 0:  # a shard of padding only: empty on both stages
+        dist.all_reduce(grads[0], group=parallel_state.get_embedding_group())
