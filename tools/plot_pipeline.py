@@ -10,6 +10,11 @@ A planned one (the simulated schedule, forward and backward costs in arbitrary u
 
     python tools/plot_pipeline.py --planned --pipeline-size 4 --num-microbatches 8 \\
         [--virtual-size 2] [--forward-cost 1 --backward-cost 2] --out planned.png
+    python tools/plot_pipeline.py --planned --schedule zbv --pipeline-size 4 \\
+        --num-microbatches 8 --backward-cost 1 [--weight-cost 1] --out zbv.png
+
+Zero-bubble schedules (--schedule zb-h1 | zbv) draw the deferred weight-gradient steps (W) in
+their own colour; zbv's bars are labelled 'microbatch.chunk' like the interleaved ones.
 
 Bars are labelled with their microbatch ('3'), and under the interleaved schedule with their
 model chunk too ('3.1': microbatch 3 on chunk 1, also hatched by chunk).
@@ -24,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT  # noqa: E402
 from megatron.core.utils import write_atomically  # noqa: E402
 from megatron.training.pipeline_timeline import (  # noqa: E402
+    WEIGHT,
     PipelineTimeline,
     TimelineError,
     load_timeline,
@@ -48,6 +54,12 @@ def parse_args(argv=None):
     p.add_argument("--num-microbatches", type=int, help="--planned: microbatches per batch")
     p.add_argument("--virtual-size", type=int, default=None,
                    help="--planned: model chunks per rank (interleaved; default none)")
+    p.add_argument("--schedule", choices=("1f1b", "interleaved", "zb-h1", "zbv"), default=None,
+                   help="--planned: the schedule (default: interleaved with --virtual-size, "
+                        "else 1f1b)")
+    p.add_argument("--weight-cost", type=float, default=None,
+                   help="--planned, zero-bubble schedules: a W step's cost (default: the "
+                        "forward's)")
     p.add_argument("--forward-cost", type=float, default=1.0, help="--planned (default 1)")
     p.add_argument("--backward-cost", type=float, default=2.0, help="--planned (default 2)")
     p.add_argument("--dpi", type=int, default=110)
@@ -62,11 +74,13 @@ def build_timeline(args) -> PipelineTimeline:
         if args.pipeline_size is None or args.num_microbatches is None:
             raise TimelineError("--planned needs --pipeline-size and --num-microbatches.")
         return planned_timeline(args.pipeline_size, args.num_microbatches, args.virtual_size,
-                                args.forward_cost, args.backward_cost)
+                                args.forward_cost, args.backward_cost, args.schedule,
+                                args.weight_cost)
     if args.trace_dir is None:
         raise TimelineError("give a trace directory (a training run's --pipeline-trace-dir), "
                             "or --planned with --pipeline-size and --num-microbatches.")
-    if (args.pipeline_size, args.num_microbatches, args.virtual_size) != (None, None, None):
+    if (args.pipeline_size, args.num_microbatches, args.virtual_size, args.schedule) \
+            != (None, None, None, None):
         raise TimelineError("--pipeline-size, --num-microbatches and --virtual-size describe a "
                             "planned schedule (the traces hold the run's own): add --planned "
                             "or drop them.")
@@ -81,7 +95,8 @@ def draw(timeline: PipelineTimeline, dpi: int = 110):
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    colormaps = {FORWARD: matplotlib.colormaps["Blues"], BACKWARD: matplotlib.colormaps["Oranges"]}
+    colormaps = {FORWARD: matplotlib.colormaps["Blues"], BACKWARD: matplotlib.colormaps["Oranges"],
+                 WEIGHT: matplotlib.colormaps["Greens"]}
     steps_per_row = max(len(timeline.steps(r)) for r in range(len(timeline.rows)))
     width = min(48.0, max(10.0, 0.42 * steps_per_row + 3))
     handles = _legend_handles(timeline, colormaps)
@@ -103,10 +118,10 @@ def draw(timeline: PipelineTimeline, dpi: int = 110):
     ax.grid(axis="x", color="0.92", linewidth=0.6)
     ax.set_axisbelow(True)
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
-    p, v, m = timeline.pipeline_size, timeline.virtual_size or 1, timeline.num_microbatches
     ax.set_title(f"{timeline.title}\n{timeline.bubble_name} bubble "
-                 f"{timeline.measured_bubble():.1%}    theoretical (p-1)/(v*m+p-1) = "
-                 f"({p}-1)/({v}*{m}+{p}-1) = {timeline.theoretical_bubble():.1%}", fontsize=10)
+                 f"{timeline.measured_bubble():.1%}    theoretical "
+                 f"{timeline.theoretical_formula()} = {timeline.theoretical_bubble():.1%}",
+                 fontsize=10)
     fig.tight_layout(rect=(0, (legend_height + 0.05) / height, 1, 1))  # the legend below
     return fig
 
@@ -137,10 +152,13 @@ def _legend_handles(timeline, colormaps):
     from matplotlib.patches import Patch
 
     handles = [Patch(color=colormaps[FORWARD](0.6), label="forward (darker: later microbatch)"),
-               Patch(color=colormaps[BACKWARD](0.6), label="backward"),
-               Patch(color=WAIT_COLOR, label="waiting on a neighbour"),
-               Patch(facecolor="white", edgecolor="0.6", label="idle (empty)")]
-    for c in range(timeline.virtual_size or 0):
+               Patch(color=colormaps[BACKWARD](0.6), label="backward" + (
+                   " (input gradient, B)" if timeline.schedule else ""))]
+    if timeline.schedule or any(bar.kind == WEIGHT for row in timeline.rows for bar in row):
+        handles.append(Patch(color=colormaps[WEIGHT](0.6), label="weight gradient (W)"))
+    handles += [Patch(color=WAIT_COLOR, label="waiting on a neighbour"),
+                Patch(facecolor="white", edgecolor="0.6", label="idle (empty)")]
+    for c in range(timeline.virtual_size or (2 if timeline.schedule == "zbv" else 0)):
         handles.append(Patch(facecolor="0.85", edgecolor="white", hatch=HATCHES[c % len(HATCHES)],
                              label=f"model chunk {c}" + (" (bar labels: microbatch.chunk)"
                                                           if c == 0 else "")))

@@ -14,9 +14,19 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.core.pipeline_parallel.schedule_order import BACKWARD as PLANNED_BACKWARD
 from megatron.core.pipeline_parallel.schedule_order import FORWARD as PLANNED_FORWARD
-from megatron.core.pipeline_parallel.simulate import simulate, theoretical_bubble
+from megatron.core.pipeline_parallel.schedule_order import WEIGHT as PLANNED_WEIGHT
+from megatron.core.pipeline_parallel.schedule_order import ZERO_BUBBLE
+from megatron.core.pipeline_parallel.simulate import (
+    simulate,
+    theoretical_bubble,
+    theoretical_bubble_zero,
+)
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT
+
+WEIGHT = "weight"  # a deferred weight-gradient step (zero-bubble schedules)
+PLANNED_KINDS = {PLANNED_FORWARD: FORWARD, PLANNED_BACKWARD: BACKWARD, PLANNED_WEIGHT: WEIGHT}
 
 TRACE_GLOB = "trace_rank*.json"  # the names pipeline_tracing.trace_file_name gives
 # What a trace file holds besides its events (written by pipeline_tracing.start_trace).
@@ -36,7 +46,7 @@ class TimelineError(ValueError):
 
 @dataclass(frozen=True)
 class Bar:
-    kind: str  # FORWARD, BACKWARD or WAIT
+    kind: str  # FORWARD, BACKWARD, WEIGHT or WAIT
     start: float
     end: float
     microbatch: Optional[int] = None
@@ -57,10 +67,11 @@ class PipelineTimeline:
     num_microbatches: int
     time_label: str  # the x axis: "time (ms)" or the planned cost unit
     bubble_name: str  # "measured" (a real run) or "simulated" (a planned one)
+    schedule: Optional[str] = None  # a zero-bubble schedule's name, else None
 
     @property
     def interleaved(self) -> bool:
-        return self.virtual_size is not None
+        return self.virtual_size is not None or self.schedule == "zbv"
 
     def steps(self, row: int) -> List[Bar]:
         """The row's forward and backward bars (no waits), in execution order."""
@@ -73,10 +84,24 @@ class PipelineTimeline:
         return 1.0 - busy / (len(self.rows) * span) if span > 0 else 0.0
 
     def theoretical_bubble(self) -> float:
+        if self.schedule in ZERO_BUBBLE:
+            return theoretical_bubble_zero(self.pipeline_size, self.num_microbatches,
+                                           self.schedule)
         return theoretical_bubble(self.pipeline_size, self.num_microbatches, self.virtual_size)
 
+    def theoretical_formula(self) -> str:
+        p, v, m = self.pipeline_size, self.virtual_size or 1, self.num_microbatches
+        if self.schedule == "zb-h1":
+            return f"(p-1)/(3m+p-1), F=B=W, = ({p}-1)/(3*{m}+{p}-1)"
+        if self.schedule == "zbv":
+            return f"(p-1)/(6m+p-1), F=B=W per chunk, = ({p}-1)/(6*{m}+{p}-1)"
+        return f"(p-1)/(v*m+p-1) = ({p}-1)/({v}*{m}+{p}-1)"
 
-def schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:
+
+def schedule_name(pipeline_size: int, virtual_size: Optional[int],
+                  schedule: Optional[str] = None) -> str:
+    if schedule in ZERO_BUBBLE:
+        return {"zb-h1": "ZB-H1", "zbv": "ZB-V (2 chunks per rank in a V)"}[schedule]
     if pipeline_size == 1:
         return "no pipelining"
     return f"interleaved 1F1B, VPP {virtual_size}" if virtual_size else "1F1B"
@@ -115,7 +140,7 @@ def _check_trace(trace) -> None:
     if missing:
         raise ValueError(f"no {', '.join(missing)}")
     for event in trace["events"]:
-        if event["kind"] not in (FORWARD, BACKWARD, WAIT):
+        if event["kind"] not in (FORWARD, BACKWARD, WEIGHT, WAIT):
             raise ValueError(f"unknown event kind {event['kind']!r}")
         if not float(event["start"]) <= float(event["end"]):
             raise ValueError(f"an event ends before it starts: {event}")
@@ -177,25 +202,33 @@ def load_timeline(directory: str, all_ranks: bool = False) -> PipelineTimeline:
 
 def planned_timeline(pipeline_size: int, num_microbatches: int,
                      virtual_size: Optional[int] = None, forward_cost: float = 1.0,
-                     backward_cost: float = 2.0) -> PipelineTimeline:
+                     backward_cost: float = 2.0, schedule: Optional[str] = None,
+                     weight_cost: Optional[float] = None) -> PipelineTimeline:
     """The simulated schedule: every rank's steps with the given costs, waiting only for its
-    neighbours' messages."""
-    if not (forward_cost > 0 and backward_cost > 0):
+    neighbours' messages. Under a zero-bubble ``schedule`` the backward cost is B's and
+    ``weight_cost`` (default: the forward's) W's."""
+    if weight_cost is None:
+        weight_cost = forward_cost if schedule in ZERO_BUBBLE else 0.0
+    if not (forward_cost > 0 and backward_cost > 0 and weight_cost >= 0):
         raise TimelineError(f"--forward-cost ({forward_cost}) and --backward-cost "
-                            f"({backward_cost}) must be > 0.")
+                            f"({backward_cost}) must be > 0, --weight-cost ({weight_cost}) "
+                            f">= 0.")
     try:
         simulated = simulate(pipeline_size, num_microbatches, virtual_size,
-                             forward_cost=forward_cost, backward_cost=backward_cost)
+                             forward_cost=forward_cost, backward_cost=backward_cost,
+                             weight_cost=weight_cost, schedule=schedule)
     except ValueError as exc:
         settings = f"--pipeline-size {pipeline_size} --num-microbatches {num_microbatches}" \
-            + (f" --virtual-size {virtual_size}" if virtual_size is not None else "")
+            + (f" --virtual-size {virtual_size}" if virtual_size is not None else "") \
+            + (f" --schedule {schedule}" if schedule is not None else "")
         raise TimelineError(f"the schedule rejects {settings}: {exc}") from None
-    rows = [[Bar(FORWARD if step.kind == PLANNED_FORWARD else BACKWARD, start, end,
-                 step.microbatch, step.chunk) for step, start, end in simulated.steps[r]]
-            for r in range(pipeline_size)]
-    title = (f"planned {schedule_name(pipeline_size, virtual_size)}, PP {pipeline_size}, "
-             f"{num_microbatches} microbatches (forward {forward_cost:g}, backward "
-             f"{backward_cost:g})")
+    rows = [[Bar(PLANNED_KINDS[step.kind], start, end, step.microbatch, step.chunk)
+             for step, start, end in simulated.steps[r]] for r in range(pipeline_size)]
+    costs = f"forward {forward_cost:g}, backward {backward_cost:g}" + (
+        f", weight {weight_cost:g}" if schedule in ZERO_BUBBLE else "")
+    title = (f"planned {schedule_name(pipeline_size, virtual_size, schedule)}, PP "
+             f"{pipeline_size}, {num_microbatches} microbatches ({costs})")
     return PipelineTimeline(title, [f"PP rank {r}" for r in range(pipeline_size)], rows,
                             pipeline_size, virtual_size, num_microbatches,
-                            f"time (one forward step = {forward_cost:g})", "simulated")
+                            f"time (one forward step = {forward_cost:g})", "simulated",
+                            schedule if schedule in ZERO_BUBBLE else None)
