@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel import (
     allreduce_tied_embedding_grads,
@@ -214,43 +216,53 @@ def _received(like, from_rank):
     return tensor.requires_grad_()
 
 
-def _zbv_tied_step_pp2(perturb):
+def _grad(param):
+    return getattr(param, "main_grad", param.grad).clone()
+
+
+def _zbv_tied_step_pp2(perturb, ddp):
     """One microbatch through the 4 chunks of PP=2 in V order (rank 0 chunk 0 -> rank 1
     chunk 0 -> rank 1 chunk 1 (local) -> rank 0 chunk 1, loss) and back, by hand; then the
-    tied-embedding sync of finalize. Returns rank 0's two copies' gradients and weights."""
+    tied-embedding sum (finalize_model_grads under DDP, whose gradients are ``main_grad``).
+    Returns every gradient, and rank 0's two tied copies' gradients and weights."""
     chunks = _gpt(4, 2)
     rank = ps.get_pipeline_model_parallel_rank()
     if rank == 0 and perturb:
         with torch.no_grad():
             chunks[1].output_layer.weight.add_(1.0)  # e.g. a checkpoint that disagrees
         sync_tied_embedding_weights(chunks)
+    models = chunks
+    if ddp:
+        chunks = [DistributedDataParallel(c.config, DistributedDataParallelConfig(), c)
+                  for c in chunks]
+        models = [c.module for c in chunks]
     ((tokens, labels),) = _microbatches(1)
     shape = (SEQ, MBS, 32)
     if rank == 0:
         hidden = chunks[0](tokens)
         _hand_over(hidden, 1)
         back = _received(hidden, 1)
-        chunks[1].set_input_tensor(back)
+        models[1].set_input_tensor(back)
         chunks[1](tokens, labels=labels).mean().backward()
         _hand_over(back.grad, 1)
         hidden.backward(_received(hidden, 1))
     else:
         middle_in = _received(torch.empty(shape), 0)
-        chunks[0].set_input_tensor(middle_in)
+        models[0].set_input_tensor(middle_in)
         middle = chunks[0](tokens)
         turn = middle.detach().requires_grad_()  # the local hand-over at the V's tip
-        chunks[1].set_input_tensor(turn)
+        models[1].set_input_tensor(turn)
         up = chunks[1](tokens)
         _hand_over(up, 0)
         up.backward(_received(up, 0))
         middle.backward(turn.grad)
         _hand_over(middle_in.grad, 0)
-    allreduce_tied_embedding_grads(chunks)
-    grads = [{n: p.grad.clone() for n, p in c.named_parameters()} for c in chunks]
+    (finalize_model_grads if ddp else allreduce_tied_embedding_grads)(chunks)
+    grads = [{n: _grad(p) for n, p in m.named_parameters()} for m in models]
     if rank != 0:
         return dict(rank=rank, grads=grads)
-    weights = [c.shared_embedding_or_output_weight() for c in chunks]
-    return dict(rank=rank, grads=grads, tied_grads=[w.grad.clone() for w in weights],
+    weights = [m.shared_embedding_or_output_weight() for m in models]
+    return dict(rank=rank, grads=grads, tied_grads=[_grad(w) for w in weights],
                 tied_weights=[w.detach().clone() for w in weights])
 
 
@@ -261,11 +273,11 @@ def _one_process_grads():
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("perturb", [False, True])
-def test_zbv_tied_embedding_is_synced_and_summed_on_rank_0(perturb):
+@pytest.mark.parametrize("perturb, ddp", [(False, False), (True, False), (False, True)])
+def test_zbv_tied_embedding_is_synced_and_summed_on_rank_0(perturb, ddp):
     (reference,) = run_distributed(_one_process_grads, world_size=1, tp=1)
     ranks = run_distributed(_zbv_tied_step_pp2, world_size=2, tp=1, pp=2, vpp=2,
-                            perturb=perturb)
+                            perturb=perturb, ddp=ddp)
     rank0 = next(r for r in ranks if r["rank"] == 0)
     tied = reference["embedding.word_embeddings.weight"]
     assert all(torch.equal(g, tied) for g in rank0["tied_grads"])  # bitwise: one addition
