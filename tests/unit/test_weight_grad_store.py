@@ -28,9 +28,9 @@ SEQ, BATCH, HIDDEN, FFN, VOCAB = 8, 2, 12, 16, 64
 
 
 def _count_hook_calls(params):
-    """A post-accumulate hook (register it before DDP's): how often autograd delivered a gradient to each param. (Autograd
-    also runs these hooks with .grad None where a backward returned None for the leaf: B of a
-    deferred weight. Those visits are counted apart, in calls["empty"].)"""
+    """A post-accumulate hook (register it before DDP's): how often autograd delivered a
+    gradient to each param. (Autograd also runs these hooks with .grad None where a backward
+    returned None for the leaf: B of a deferred weight. Those are counted in calls["empty"].)"""
     calls = {p: 0 for p in params}
     calls["empty"] = 0
 
@@ -92,10 +92,38 @@ def _layer_case(kind, sequence_parallel, bias):
     return True
 
 
+def _autocast_case(kind):
+    """fp32 weights, forward under bf16 autocast: backward's GEMMs run in bf16 and the weight
+    gradient is cast to fp32 on delivery (autograd's cast in a whole backward, ours in W).
+    The row layer's output (bias added outside) is bf16, so its backward takes the cast path;
+    the column layer adds its fp32 bias inside, so its output gradient is fp32."""
+    layer = _layer(kind, False, bias=True)
+    x = torch.randn(SEQ, BATCH, HIDDEN if kind == "column" else FFN)
+
+    def backward(store=None):
+        layer.zero_grad(set_to_none=True)
+        x_leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x_leaf)[0]
+        with deferring_weight_grads(store):
+            y.float().square().sum().backward()
+        return x_leaf.grad
+
+    x_grad = backward()
+    whole = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    store = WeightGradStore()
+    assert torch.equal(backward(store), x_grad)
+    store.flush()
+    for name, p in layer.named_parameters():
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, whole[name]), name
+
+
 def _layer_cases(sequence_parallel):
     for kind in ("column", "row"):
         for bias in (False, True):
             _layer_case(kind, sequence_parallel, bias)
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            _autocast_case(kind)
     return True
 
 
