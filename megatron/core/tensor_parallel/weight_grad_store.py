@@ -25,9 +25,11 @@ W is the whole backward's arithmetic (the same function computes both, see
 ``layers.LinearWithGradAllReduce``), delivered through autograd's accumulation on the leaf
 (``torch.autograd.backward(param, grad)``): ``.grad`` accumulates and the post-accumulate-grad
 hooks (DDP's ``_grad_ready``, ZeRO-2's ``ensure_full_grad``) fire once per deferred gradient,
-exactly as in a whole backward. Under sequence parallelism a record keeps only this rank's
-input shard and W all-gathers it over TP synchronously: every TP rank runs the same W
-sequence, so the collectives match.
+exactly as in a whole backward. Caveat: autograd also visits a deferred weight's leaf in B,
+with no gradient, and runs its post-accumulate hooks there with ``.grad`` None; a hook must
+ignore that visit (DDP's ``_grad_ready`` needs that guard). Under sequence parallelism a
+record keeps only this rank's input shard and W all-gathers it over TP synchronously: every TP
+rank runs the same W sequence, so the collectives match.
 
 The current store is process-global, not thread-local: on CUDA autograd runs backward
 functions on its own device threads, which would not see a thread-local set by the caller.
