@@ -154,18 +154,6 @@ def test_deferring_context_nests_and_restores_on_exceptions():
 
 # ---------------------------------------------------------------- with our DDP, DP = 2
 
-class _GuardedDDP(DistributedDataParallel):
-    """Our DDP plus the guard the split backward needs in ``_grad_ready``: autograd runs
-    post-accumulate hooks also for a leaf whose backward returned None (B of a deferred
-    weight), and DDP must ignore that visit (today it adds None to main_grad and would mark the
-    parameter ready before its W). Drop this class once DDP has the guard."""
-
-    def _grad_ready(self, param):
-        if param.grad is None and not getattr(param, "grad_added_to_main_grad", False):
-            return
-        super()._grad_ready(param)
-
-
 class _Block(torch.nn.Module):
     """column (with bias) -> gelu -> row, then a LayerNorm: deferred weights and whole-B ones."""
 
@@ -188,7 +176,7 @@ def _ddp_run(order, fusion, ddp_config):
     block = _Block(config)
     weights = [block.fc1.weight, block.fc2.weight]
     calls = _count_hook_calls(weights)  # before DDP's hook, which takes .grad
-    model = _GuardedDDP(config, ddp_config, block)
+    model = DistributedDataParallel(config, ddp_config, block)
     torch.manual_seed(10 + ps.get_data_parallel_rank())
     batches = [(torch.randn(SEQ, BATCH, HIDDEN), torch.randn(SEQ, BATCH, HIDDEN))
                for _ in range(2)]
@@ -239,14 +227,19 @@ def test_ddp_main_grads_equal_whole_backward(fusion, ddp_config):
 def _real_ddp_visit():
     config = ModelParallelConfig()
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), _Block(config))
-    with deferring_weight_grads(WeightGradStore()):
+    store = WeightGradStore()
+    with deferring_weight_grads(store):
         model(torch.randn(SEQ, BATCH, HIDDEN)).sum().backward()
+    weight = model.module.fc1.weight
+    untouched = not weight.main_grad.any().item()  # B left the deferred weight alone
+    store.flush()
+    return untouched, bool(weight.main_grad.any().item())
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="DDP._grad_ready needs _GuardedDDP's guard (not in this part's files)")
-def test_real_ddp_ignores_a_deferred_weight_in_b():
-    run_distributed(_real_ddp_visit, world_size=1, tp=1)
+def test_ddp_ignores_a_deferred_weight_in_b():
+    """Autograd runs the post-accumulate hook of a deferred weight in B with no gradient: DDP
+    must ignore that visit (before the guard it added None to main_grad)."""
+    assert run_distributed(_real_ddp_visit, world_size=1, tp=1) == [(True, True)]
 
 
 # ---------------------------------------------------------------- a LlamaModel chunk

@@ -139,6 +139,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         """Move the fresh gradient into the buffer; launch the bucket's reduction if it is the
         last microbatch and the bucket is now complete."""
+        if param.grad is None and not getattr(param, "grad_added_to_main_grad", False):
+            return  # a deferred weight in a zero-bubble B: autograd visits it without a grad
         bucket = self._bucket_of[param]
         if self.ddp_config.shard_gradients:
             bucket.ensure_full_grad()  # the bucket's first gradient of the iteration

@@ -99,6 +99,52 @@ def communicate(tensor_send_next: Optional[torch.Tensor],
     return from_prev, from_next
 
 
+def exchange_batch(ops: List[Tuple[bool, int, Optional[torch.Tensor], bool]],
+                   tensor_shape: Optional[Shape], config) -> List[Optional[torch.Tensor]]:
+    """Post one batch of sends and receives with any pipeline peers, in the given order, and
+    wait for all of it. ``ops``: (send?, peer's pipeline rank, the tensor to send or None,
+    activation?); returns, in the same order, the received tensors (None for sends). Received
+    activations are leaves of this stage's autograd graph (``requires_grad``: their .grad
+    goes back to the stage that sent them); received gradients are plain tensors. Both ends of a pair of ranks must post
+    their ops to each other in the same order (the schedules' plans guarantee it).
+
+    ``communicate`` is this with the neighbours of a loop of stages; the V-shaped schedules
+    send activations to the previous rank too, and may send several tensors in one round."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    global_rank = parallel_state.get_pipeline_model_parallel_ranks()
+    shapes = [tensor_shape] * len(ops)
+    if config.variable_seq_lengths:
+        shapes = _exchange_batch_shapes(ops, group, global_rank)
+    elif any(not op[0] for op in ops) and tensor_shape is None:
+        raise ValueError("tensor_shape is needed to receive unless "
+                         "config.variable_seq_lengths is set.")
+    dtype, received, p2p_ops = _dtype(config), [], []
+    for (send, peer, tensor, activation), shape in zip(ops, shapes):
+        if not send:
+            tensor = device.empty(*shape, dtype=dtype, requires_grad=activation)
+        received.append(None if send else tensor)
+        p2p_ops.append(dist.P2POp(dist.isend if send else dist.irecv, tensor,
+                                  global_rank[peer], group))
+    _post_and_wait(p2p_ops)
+    return received
+
+
+def _exchange_batch_shapes(ops, group, global_rank) -> List[Optional[Tuple[int, ...]]]:
+    """The shapes of the tensors ``exchange_batch`` is about to receive, sent ahead."""
+    buffers, p2p_ops = [], []
+    for send, peer, tensor, _ in ops:
+        if send and tensor.dim() != 3:
+            raise ValueError(f"pipeline tensors are [sequence, micro batch, hidden]; got "
+                             f"shape {tuple(tensor.shape)} to send.")
+        buffer = device.tensor(list(tensor.shape), dtype=torch.int64) if send \
+            else device.empty(3, dtype=torch.int64)
+        buffers.append(buffer)
+        p2p_ops.append(dist.P2POp(dist.isend if send else dist.irecv, buffer,
+                                  global_rank[peer], group))
+    _post_and_wait(p2p_ops)
+    return [None if send else tuple(b.tolist()) for (send, *_), b in zip(ops, buffers)]
+
+
 # --- Megatron's named operations --------------------------------------------------------------
 # The plain ones do nothing on the stage without a neighbour in that direction (they follow the
 # current virtual stage); the combined ones do exactly what they are told.

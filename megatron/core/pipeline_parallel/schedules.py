@@ -23,15 +23,29 @@ from torch.autograd.variable import Variable
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.model_chunks import get_model_config, unwrap_model
-from megatron.core.pipeline_parallel.schedule_order import FORWARD, check_schedule_settings
+from megatron.core.pipeline_parallel.schedule_order import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    ZERO_BUBBLE,
+    check_schedule_settings,
+)
 from megatron.core.pipeline_parallel.simulate import (
     ACTIVATION,
+    GRADIENT,
     communication_plan,
+    is_first_stage,
+    is_last_stage,
     step_messages,
 )
 from megatron.core.pipeline_parallel.trace import BACKWARD as TRACE_BACKWARD
 from megatron.core.pipeline_parallel.trace import FORWARD as TRACE_FORWARD
 from megatron.core.pipeline_parallel.trace import WAIT, PipelineTrace
+from megatron.core.pipeline_parallel.trace import WEIGHT as TRACE_WEIGHT
+from megatron.core.tensor_parallel.weight_grad_store import (
+    WeightGradStore,
+    deferring_weight_grads,
+)
 
 
 def get_forward_backward_func() -> Callable:
@@ -94,14 +108,17 @@ class GradSyncHold:
 
     def __init__(self, chunks: List[torch.nn.Module], config, hold: bool):
         self._contexts: Dict[int, contextlib.AbstractContextManager] = {}
+        self._factories = None
         if not hold:
             return
         factories = config.no_sync_func
+        self._factories = []
         for i, chunk in enumerate(chunks):
             if isinstance(factories, (list, tuple)):
                 factory = factories[i]
             else:
                 factory = factories or getattr(chunk, "no_sync", None)
+            self._factories.append(factory)
             if factory is not None:
                 context = factory()
                 context.__enter__()
@@ -115,6 +132,18 @@ class GradSyncHold:
     def release_all(self) -> None:
         for chunk in list(self._contexts):
             self.release(chunk)
+
+    @contextlib.contextmanager
+    def sync_paused(self, chunk: int, paused: bool):
+        """Hold the chunk's sync again for one step after its release: a zero-bubble
+        schedule runs earlier microbatches' W after the chunk's last B, and only the last W
+        (each weight's final gradient) may mark parameters ready."""
+        released = self._factories is not None and chunk not in self._contexts
+        if not (paused and released and self._factories[chunk] is not None):
+            yield
+            return
+        with self._factories[chunk]():
+            yield
 
 
 def _span(trace: Optional[PipelineTrace], kind: str, microbatch=None, chunk=None):
@@ -201,7 +230,8 @@ def _run_pipeline(*, forward_step_func, data_iterator, model, num_microbatches: 
     pipeline_size = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     virtual_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    check_schedule_settings(pipeline_size, num_microbatches, virtual_size)
+    schedule = getattr(config, "pipeline_schedule", None)
+    check_schedule_settings(pipeline_size, num_microbatches, virtual_size, schedule)
     if not config.variable_seq_lengths and (seq_length is None or micro_batch_size is None):
         raise ValueError("seq_length and micro_batch_size are needed to size the tensors "
                          "between stages (or set config.variable_seq_lengths).")
@@ -217,16 +247,16 @@ def _run_pipeline(*, forward_step_func, data_iterator, model, num_microbatches: 
         raise ValueError(f"{len(iterators)} data iterators for {len(chunks)} model chunks.")
     shape = None if config.variable_seq_lengths \
         else activation_shape(config, seq_length, micro_batch_size)
-    plan = communication_plan(pipeline_size, rank, num_microbatches, virtual_size, forward_only)
-    last_virtual_stage = pipeline_size * len(chunks) - 1
-    last_backward = {}  # chunk -> index of its last backward in the plan
-    for i, (_, unit) in enumerate(plan):
+    plan = communication_plan(pipeline_size, rank, num_microbatches, virtual_size, forward_only,
+                              schedule)
+    last_step = {}  # (chunk, kind) -> microbatch of the chunk's last step of that kind
+    for _, unit in plan:
         for step in unit:
-            if step.kind != FORWARD:
-                last_backward[step.chunk] = (i, step.microbatch)
+            last_step[(step.chunk, step.kind)] = step.microbatch
 
-    received, outgoing = {}, {}  # Message -> tensor
+    received, outgoing, local = {}, {}, {}  # Message / (kind, microbatch) -> tensor
     saved = [deque() for _ in chunks]  # (microbatch, input, output) awaiting backward
+    deferred = {}  # (chunk, microbatch) -> WeightGradStore of its B, awaiting its W
     store: List = []
     hold = GradSyncHold(chunks, config, hold=not forward_only)
     try:
@@ -237,57 +267,81 @@ def _run_pipeline(*, forward_step_func, data_iterator, model, num_microbatches: 
             for step in unit:
                 if virtual_size is not None:
                     parallel_state.set_virtual_pipeline_model_parallel_rank(step.chunk)
-                recv, send = step_messages(step, pipeline_size, rank, virtual_size)
-                virtual_stage = step.chunk * pipeline_size + rank
+                recv, send = step_messages(step, pipeline_size, rank, virtual_size, schedule)
+                first = is_first_stage(step, pipeline_size, rank, schedule)
+                last = is_last_stage(step, pipeline_size, rank, virtual_size, schedule)
                 if step.kind == FORWARD:
                     with _span(trace, TRACE_FORWARD, step.microbatch, step.chunk):
-                        input_tensor = received.pop(recv.message) if recv else None
+                        input_tensor = _incoming(recv, first, ACTIVATION, step, received, local)
                         output = forward_step(
                             forward_step_func, iterators[step.chunk], chunks[step.chunk],
-                            num_microbatches, input_tensor, store, config,
-                            virtual_stage == last_virtual_stage, collect_non_loss_data)
-                    if send:
-                        outgoing[send.message] = output
+                            num_microbatches, input_tensor, store, config, last,
+                            collect_non_loss_data)
+                    _outgoing(send, last, ACTIVATION, step, output, outgoing, local)
                     if not forward_only:
                         saved[step.chunk].append((step.microbatch, input_tensor, output))
-                else:
+                elif step.kind == BACKWARD:
                     microbatch, input_tensor, output = saved[step.chunk].popleft()
                     assert microbatch == step.microbatch, "backward out of microbatch order"
-                    if last_backward[step.chunk][1] == microbatch:
+                    if last_step[(step.chunk, BACKWARD)] == microbatch:
                         hold.release(step.chunk)
-                    with _span(trace, TRACE_BACKWARD, step.microbatch, step.chunk):
-                        grad_in = backward_step(input_tensor, output,
-                                                received.pop(recv.message) if recv else None,
-                                                config)
-                    if send:
-                        outgoing[send.message] = grad_in
+                    weight_grads = WeightGradStore() if schedule in ZERO_BUBBLE else None
+                    with _span(trace, TRACE_BACKWARD, step.microbatch, step.chunk), \
+                            deferring_weight_grads(weight_grads):
+                        grad_in = backward_step(
+                            input_tensor, output,
+                            _incoming(recv, last, GRADIENT, step, received, local), config)
+                    if weight_grads is not None:
+                        deferred[(step.chunk, step.microbatch)] = weight_grads
+                    _outgoing(send, first, GRADIENT, step, grad_in, outgoing, local)
+                else:
+                    final = last_step[(step.chunk, WEIGHT)] == step.microbatch
+                    with _span(trace, TRACE_WEIGHT, step.microbatch, step.chunk), \
+                            hold.sync_paused(step.chunk, paused=not final):
+                        deferred.pop((step.chunk, step.microbatch)).flush()
     finally:
         hold.release_all()
         if virtual_size is not None:
             parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-    assert not received and not outgoing, "schedule left messages unused"
+    assert not received and not outgoing and not local and not deferred, \
+        "schedule left messages or weight gradients unused"
     _finish(chunks, config, forward_only)
     return store
 
 
+def _incoming(recv, end_of_pipeline: bool, kind: str, step, received, local):
+    """The step's input (activation, or output gradient): received, handed over by this
+    rank's other chunk (the V's turn), or None at the pipeline's end (first stage's forward,
+    last stage's backward)."""
+    if recv is not None:
+        return received.pop(recv.message)
+    if end_of_pipeline:
+        return None
+    handed = local.pop((kind, step.microbatch))
+    if kind == ACTIVATION:  # a leaf of this chunk's graph, as a received activation is
+        return handed.detach().requires_grad_()
+    return handed
+
+
+def _outgoing(send, end_of_pipeline: bool, kind: str, step, tensor, outgoing, local) -> None:
+    """Queue the step's result for its round, or hand it to this rank's other chunk."""
+    if send is not None:
+        outgoing[send.message] = tensor
+    elif not end_of_pipeline:
+        local[(kind, step.microbatch)] = tensor
+
+
 def _exchange(ops, received, outgoing, shape, config) -> None:
-    """One communication round: post its sends and receives together, then free the data of
-    the activations just sent (only their autograd graph is needed from now on)."""
-    send_next = send_prev = recv_prev = recv_next = None
-    for op in ops:
-        if op.send and op.message.kind == ACTIVATION:
-            send_next = outgoing.pop(op.message)
-        elif op.send:
-            send_prev = outgoing.pop(op.message)
-        elif op.message.kind == ACTIVATION:
-            recv_prev = op.message
-        else:
-            recv_next = op.message
-    from_prev, from_next = p2p.communicate(send_next, send_prev, recv_prev is not None,
-                                           recv_next is not None, shape, config)
-    if recv_prev is not None:
-        received[recv_prev] = from_prev
-    if recv_next is not None:
-        received[recv_next] = from_next
-    if send_next is not None and config.deallocate_pipeline_outputs:
-        deallocate_output(send_next)
+    """One communication round: post its sends and receives together (in the plan's order,
+    which both ends of each pair of ranks share), then free the data of the activations just
+    sent (only their autograd graph is needed from now on)."""
+    batch = [(op.send, op.peer, outgoing.pop(op.message) if op.send else None,
+              op.message.kind == ACTIVATION) for op in ops]
+    tensors = p2p.exchange_batch(batch, shape, config)
+    for op, tensor in zip(ops, tensors):
+        if not op.send:
+            received[op.message] = tensor
+    if config.deallocate_pipeline_outputs:
+        for (send, _, tensor, activation) in batch:
+            if send and activation:
+                deallocate_output(tensor)

@@ -1,6 +1,7 @@
 """An optional per-rank record of what a pipeline schedule did and when.
 
-Events are forward and backward steps (with microbatch and chunk) and waits on communication,
+Events are forward, backward and (zero-bubble schedules) weight-gradient steps (with
+microbatch and chunk) and waits on communication,
 timed in seconds from the trace's start. On GPUs the device is synchronised at each event
 boundary so that times mean something; that costs speed, so tracing is off unless asked for.
 
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional
 from megatron.core import device
 from megatron.core.utils import write_atomically
 
-FORWARD, BACKWARD, WAIT = "forward", "backward", "wait"
+FORWARD, BACKWARD, WEIGHT, WAIT = "forward", "backward", "weight", "wait"
 
 
 class PipelineTrace:
