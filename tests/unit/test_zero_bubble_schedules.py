@@ -9,9 +9,14 @@ order (W's run in their B's order, per chunk). So the comparison is test_pipelin
 (bitwise for LLaMA; 1e-5 absolute with TP=2, whose sums are ordered differently from one
 process's in any schedule).
 """
+import re
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from megatron.core import parallel_state as ps
+from megatron.core.models.tp_sharding import merge_state_dicts
 from tests.distributed import run_distributed
 from tests.unit.test_pipeline_schedules import (
     _expected,
@@ -65,3 +70,67 @@ def test_zb_h1_equals_single_process_bitwise(pipe, multiple):
 @pytest.mark.parametrize("multiple", ["2pp", "2pp+1"])
 def test_zbv_equals_single_process_bitwise(pipe, multiple):
     _run("zbv", pipe, {"2pp": 2 * pipe, "2pp+1": 2 * pipe + 1}[multiple])
+
+
+# --- against our 1F1B at the same TP / SP / model: bitwise, whatever the placement ----------
+# TP=2 reorders sums against one process (hence the 1e-5 of test_pipeline_schedules), but a
+# zero-bubble schedule runs the same kernels in the same order per microbatch as our 1F1B at
+# the same TP, and W accumulates each weight's microbatch gradients in microbatch order: so
+# every gradient (merged over TP, keyed by global layer) is bitwise 1F1B's. GPT's tied
+# embedding: both schedules sum each copy over the microbatches, then add the two copies.
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+def _global_grads(kind, layers, pipe, virt, num_microbatches, sp, schedule):
+    tp = ps.get_tensor_model_parallel_world_size()
+    result = _pipelined(kind, layers, pipe, virt, num_microbatches, tp=tp, sequence_parallel=sp,
+                        pipeline_schedule=schedule)
+    grads = {}
+    for stage in result["stages"]:
+        local = dict(stage["grads"])
+        if tp > 1:
+            for name in stage["sequence_parallel"]:  # norm weights: partial sums per TP rank
+                local[name] = local[name].clone()
+                dist.all_reduce(local[name], group=ps.get_tensor_model_parallel_group())
+            shards = [None] * tp
+            dist.all_gather_object(shards, local, group=ps.get_tensor_model_parallel_group())
+            local = merge_state_dicts(shards, gated_mlp=kind == "llama")
+        start = stage["layer_range"][0]
+        for name, grad in local.items():
+            match = _LAYER.match(name)
+            if match:  # a layer, by its global number; the rest by the end of the model
+                key = f"decoder.layers.{int(match.group(1)) + start}.{match.group(2)}"
+            else:
+                key = (stage["pre_process"], stage["post_process"], name)
+            grads[key] = grad
+    return result["losses"], grads
+
+
+def _all_grads(schedule, kind, layers, pipe, num_microbatches, tp=1, sp=False):
+    virt = 2 if schedule == "zbv" else None
+    ranks = run_distributed(_global_grads, world_size=pipe * tp, tp=tp, pp=pipe, vpp=virt,
+                            kind=kind, layers=layers, pipe=pipe, virt=virt,
+                            num_microbatches=num_microbatches, sp=sp, schedule=schedule)
+    losses = [loss for rank_losses, _ in ranks for loss in rank_losses]
+    grads = {}
+    for _, rank_grads in ranks:
+        for key, grad in rank_grads.items():
+            assert key not in grads or torch.equal(grads[key], grad), key  # TP copies agree
+            grads[key] = grad
+    return losses, grads
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+@pytest.mark.parametrize("kind,tp,sp", [("llama", 2, False), ("llama", 2, True),
+                                        ("gpt", 1, False)],
+                         ids=["tp2", "tp2-sp", "gpt-tied"])
+def test_zero_bubble_equals_our_1f1b_bitwise(schedule, kind, tp, sp):
+    pipe, layers, num_microbatches = 2, 4, 5
+    want_losses, want = _all_grads("1f1b", kind, layers, pipe, num_microbatches, tp, sp)
+    got_losses, got = _all_grads(schedule, kind, layers, pipe, num_microbatches, tp, sp)
+    assert len(got_losses) == len(want_losses) == num_microbatches * tp
+    assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses))
+    assert got.keys() == want.keys()
+    for key, grad in want.items():
+        assert torch.equal(got[key], grad), key
