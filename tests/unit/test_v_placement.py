@@ -41,6 +41,16 @@ def test_v_stage_of_every_rank_and_chunk(pipe):
 
 
 @pytest.mark.parametrize("pipe", [2, 4])
+def test_the_zbv_order_uses_the_same_v(pipe):
+    from megatron.core.pipeline_parallel import zero_bubble_order as zb
+    for rank in range(pipe):
+        for chunk in range(2):
+            stage = virtual_stage_of(rank, chunk, pipe, 2, V)
+            assert zb.zbv_stage(pipe, rank, chunk) == stage
+            assert tuple(zb.zbv_placement(pipe, stage)) == (rank, chunk)
+
+
+@pytest.mark.parametrize("pipe", [2, 4])
 def test_v_layer_ranges(pipe):
     per = 3
     layers = 2 * pipe * per
