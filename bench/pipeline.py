@@ -1,24 +1,36 @@
-"""Pipeline parallel, PP=2: our 1F1B schedule vs torch.distributed.pipelining.Schedule1F1B.
+"""Pipeline parallel, PP=2: our 1F1B, ZB-H1 and ZB-V schedules vs torch.distributed.pipelining's
+Schedule1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV.
 
-    python bench/pipeline.py [--layers 4 --hidden 384 --seq 128 --micro-batch-size 2
-                              --microbatches 8 --steps 10 --warmup 2]
+    python bench/pipeline.py [--schedule all | 1f1b,zb-h1,zbv,torch-1f1b,torch-zb,torch-zbv,
+                              torch-dualpipev] [--layers 4 --hidden 384 --seq 128
+                              --micro-batch-size 2 --microbatches 8 --steps 10 --warmup 2]
+                             [--trace-dir DIR] [--png-dir docs]
     torchrun --nproc-per-node 2 bench/pipeline.py [...]      (same, launched by torchrun)
 
-Two processes (gloo, one thread each) each hold one half of a LLaMA stack, built once with
-``build_model_chunks``. Both schedules run the SAME module objects on the SAME microbatches
-(global batch = microbatches x micro batch, split along the batch dimension), so the compute is
-identical and only the schedule and its communication differ. Gradients only (no optimizer
-step; grads are zeroed between steps). After warmup, the schedules alternate step by step; each
-step starts after a barrier and lasts until the slower rank is done. Prints the median step
-time and tokens/s of each, the ratio, a one-time gradient check (ours vs torch from zero grads),
-and the measured bubble fraction next to the theoretical (p-1)/(m+p-1). The bubble comes from
-separate, untimed traced steps: ours records a PipelineTrace itself; torch's steps are recorded
-into one by wrapping its stage's forward/backward, its loss and its waits on communication.
+Two processes (gloo, one thread each). Each builds, once, two layouts of the same LLaMA (the
+same weights: every layer's initial weights depend only on its layer number):
+
+- the loop: one chunk per rank, layers split evenly over the 2 stages, for ours 1F1B and ZB-H1
+  and torch's Schedule1F1B and ScheduleInterleavedZeroBubble (one stage per rank);
+- the V: two chunks per rank, 4 virtual stages, rank r holding stages r and 3-r (the embedding
+  and the output layer both on rank 0), for ours zbv and torch's ZBV and DualPipeV.
+
+Every schedule on a layout runs the SAME module objects on the SAME microbatches (global batch
+= microbatches x micro batch, split along the batch dimension). Torch's schedules run those
+modules with their linear layers computed through plain autograd (see bench/pipeline_peer.py:
+torch's split backward cannot split our custom autograd linear; the forward GEMM is the same).
+Gradients only (no optimizer step; grads are zeroed between steps). After warmup, the
+schedules alternate step by step; each step starts after a barrier and lasts until the slower
+rank is done. A one-time gradient check runs every schedule from zero grads and compares each
+parameter's gradient (by its layer number in the whole model) with ours 1F1B's. The bubble
+comes from separate, untimed traced steps: ours records a PipelineTrace itself (forward, B, W,
+waits); torch's steps are recorded into one by wrapping its stages' forward/backward/weight
+steps, its loss and its waits on communication.
 """
 import argparse
 import contextlib
 import os
-import statistics
+import re
 import sys
 import time
 from functools import partial
@@ -30,22 +42,36 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from bench.launch import launch  # noqa: E402
+from bench.pipeline_peer import (  # noqa: E402
+    TORCH_SCHEDULES,
+    available_torch_schedules,
+    peer_step_fn,
+)
+from bench.pipeline_report import report  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.llama import LlamaModel, llama_config  # noqa: E402
 from megatron.core.pipeline_parallel import (  # noqa: E402
     PipelineTrace,
     build_model_chunks,
     get_forward_backward_func,
-    stage_layer_counts,
 )
-from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT  # noqa: E402
+from megatron.core.pipeline_placement import LOOP, V  # noqa: E402
 
 PP = 2
+OURS = ("1f1b", "zb-h1", "zbv")
+V_LAYOUT = {"zbv"} | {name for name, (_, v) in TORCH_SCHEDULES.items() if v}
+
+
+def all_schedules():
+    return list(OURS) + available_torch_schedules()
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--schedule", default="all",
+                   help="comma-separated names, or 'all' (default); ours 1f1b always runs: "
+                        "it is the reference of the ratios and the gradient check")
+    p.add_argument("--layers", type=int, default=4, help="a multiple of 4 (the V's stages)")
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--groups", type=int, default=2, help="query groups (GQA)")
@@ -54,33 +80,65 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--last-stage-layers", type=int, default=None,
-                   help="layers on the last stage (default: an even split)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule")
     p.add_argument("--trace-steps", type=int, default=3,
                    help="separate untimed steps of each, traced (bubble)")
+    p.add_argument("--trace-dir", default=None,
+                   help="write every traced step as DIR/<schedule>/step<k>/trace_rank*.json "
+                        "(tools/plot_pipeline.py draws one such directory)")
+    p.add_argument("--png-dir", default=None,
+                   help="draw the last traced step of each of our schedules into DIR")
     p.add_argument("--profile", default=None,
-                   help="directory: cProfile each rank's timed steps of both schedules")
-    return p.parse_args(argv)
+                   help="directory: cProfile each rank's timed steps of every schedule")
+    args = p.parse_args(argv)
+    names = all_schedules() if args.schedule == "all" else args.schedule.split(",")
+    unknown = [n for n in names if n not in all_schedules()]
+    if unknown:
+        p.error(f"unknown schedule(s) {unknown}; this torch offers {all_schedules()}")
+    args.schedules = ["1f1b"] + [n for n in dict.fromkeys(names) if n != "1f1b"]
+    if args.layers % (2 * PP):
+        p.error(f"--layers must be a multiple of {2 * PP} (one split for the loop and the V)")
+    return args
 
 
 # --- model and data -------------------------------------------------------------------------
 
-def build_stage(args):
+@contextlib.contextmanager
+def layout(v_shaped):
+    """parallel_state's virtual size and placement for the V (2 chunks per rank) inside the
+    block, none (one chunk, the loop) outside: the two layouts share the process groups, and
+    the executor and the stage queries read these two settings."""
+    if not v_shaped:
+        yield
+        return
+    parallel_state._VIRTUAL_PIPELINE_WORLD_SIZE = 2
+    parallel_state._VIRTUAL_PIPELINE_RANK = 0
+    parallel_state.set_pipeline_placement(V)
+    try:
+        yield
+    finally:
+        parallel_state._VIRTUAL_PIPELINE_WORLD_SIZE = None
+        parallel_state._VIRTUAL_PIPELINE_RANK = None
+        parallel_state.set_pipeline_placement(LOOP)
+
+
+def build_chunks(args, v_shaped):
     config = llama_config(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.groups, ffn_hidden_size=args.ffn,
         max_position_embeddings=args.seq, pipeline_model_parallel_size=PP,
-        num_layers_in_last_pipeline_stage=args.last_stage_layers)
-    torch.manual_seed(0)  # same on both ranks: each layer's weights do not depend on the split
+        virtual_pipeline_model_parallel_size=2 if v_shaped else None,
+        pipeline_schedule="zbv" if v_shaped else "1f1b")
+    torch.manual_seed(0)  # same on both ranks and layouts: a layer's weights follow its number
 
     def provider(pre_process, post_process, layer_range):
         return LlamaModel(config, args.vocab, pre_process=pre_process,
                           post_process=post_process, layer_range=layer_range)
 
-    (model,) = build_model_chunks(provider, config)
-    return model.train(), config
+    with layout(v_shaped):
+        chunks = build_model_chunks(provider, config)
+    return [c.train() for c in chunks], config
 
 
 def global_batch(args):
@@ -94,10 +152,17 @@ def cross_entropy(logits, labels):
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def global_name(chunk, name):
+    """The parameter's name in the whole model (its layer numbered as on one process)."""
+    return re.sub(r"^decoder\.layers\.(\d+)\.",
+                  lambda m: f"decoder.layers.{int(m.group(1)) + chunk.decoder.layer_offset}.",
+                  name)
+
+
 # --- ours -----------------------------------------------------------------------------------
 
-def ours_step_fn(args, model, inputs, labels):
-    forward_backward = get_forward_backward_func()
+def ours_step_fn(args, schedule, chunks, config, inputs, labels):
+    forward_backward = get_forward_backward_func_for(len(chunks))
     b = args.micro_batch_size
     microbatches = [{"tokens": inputs[i * b:(i + 1) * b], "labels": labels[i * b:(i + 1) * b]}
                     for i in range(args.microbatches)]
@@ -112,235 +177,148 @@ def ours_step_fn(args, model, inputs, labels):
         return chunk(tokens), partial(loss_func, batch["labels"])
 
     def step(trace=None):
-        return forward_backward(forward_step_func=forward_step_func,
-                                data_iterator=iter(microbatches), model=[model],
-                                num_microbatches=args.microbatches, seq_length=args.seq,
-                                micro_batch_size=b, trace=trace)
+        config.pipeline_schedule = schedule  # the loop's chunks serve 1f1b and zb-h1
+        iterators = [iter(microbatches) for _ in chunks]
+        results = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+            num_microbatches=args.microbatches, seq_length=args.seq, micro_batch_size=b,
+            trace=trace)
+        return [r["loss"] for r in results]
 
     return step
 
 
-# --- peer: torch.distributed.pipelining -------------------------------------------------------
-
-class FirstStage(torch.nn.Module):
-    """Token ids [b, s] -> hidden [s, b, h]."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return self.model(tokens)
-
-
-class LastStage(torch.nn.Module):
-    """Hidden [s, b, h] from the previous stage -> logits [b, s, vocab]."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, hidden):
-        self.model.set_input_tensor(hidden)
-        return self.model(None)
-
-
-def peer_step_fn(args, model, inputs, labels):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    module = FirstStage(model) if rank == 0 else LastStage(model)
-    stage = PipelineStage(module, stage_index=rank, num_stages=PP, device=torch.device("cpu"),
-                          group=parallel_state.get_pipeline_model_parallel_group())
-    # loss_fn is the per-microbatch mean; scale_grads=True (the default) divides the summed
-    # gradients by n_microbatches at the end: the global-batch mean, as ours.
-    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=cross_entropy)
-
-    def step(trace=None):
-        # return_outputs=False: ours returns no logits either (torch would otherwise keep
-        # every microbatch's logits and concatenate them).
-        with traced_peer(schedule, stage, trace):
-            if rank == 0:
-                schedule.step(inputs, return_outputs=False)
-                return []
-            losses = []
-            schedule.step(target=labels, losses=losses, return_outputs=False)
-            return losses
-
-    return step
-
-
-@contextlib.contextmanager
-def traced_peer(schedule, stage, trace):
-    """Record torch's steps in a PipelineTrace the way ours records its own: forward (and the
-    loss), backward, and waits on communication."""
-    if trace is None:
-        yield
-        return
-    import torch.distributed.pipelining.schedules as torch_schedules
-
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
-    compute_loss, wait = schedule._maybe_compute_loss, torch_schedules._wait_batch_p2p
-
-    def traced(kind, fn, index_arg):
-        def run(*a, **k):
-            with trace.span(kind, a[index_arg], 0):
-                return fn(*a, **k)
-        return run
-
-    def traced_wait(work):
-        if not work:
-            return wait(work)
-        with trace.span(WAIT):
-            return wait(work)
-
-    stage.forward_one_chunk = traced(FORWARD, forward, 0)
-    stage.backward_one_chunk = traced(BACKWARD, backward, 0)
-    schedule._maybe_compute_loss = traced(FORWARD, compute_loss, 3)
-    torch_schedules._wait_batch_p2p = traced_wait
-    try:
-        yield
-    finally:
-        del stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
-        torch_schedules._wait_batch_p2p = wait
+def get_forward_backward_func_for(num_chunks):
+    with layout(num_chunks > 1):
+        return get_forward_backward_func()
 
 
 # --- measurement ----------------------------------------------------------------------------
 
-def zero_grads(model):
-    for p in model.parameters():
-        p.grad = None
+def make_steps(args, rank, inputs, labels):
+    """name -> (v_shaped, chunks, step function) for every schedule asked for."""
+    layouts = {False: build_chunks(args, False)}
+    if any(name in V_LAYOUT for name in args.schedules):
+        layouts[True] = build_chunks(args, True)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    steps = {}
+    for name in args.schedules:
+        v_shaped = name in V_LAYOUT
+        chunks, config = layouts[v_shaped]
+        if name in OURS:
+            fn = ours_step_fn(args, name, chunks, config, inputs, labels)
+        else:
+            stage_indices = [rank, 2 * PP - 1 - rank] if v_shaped else [rank]
+            with layout(v_shaped):
+                fn = peer_step_fn(name, chunks, stage_indices, len(chunks) * PP, group,
+                                  args.microbatches, inputs, labels, cross_entropy)
+        steps[name] = (v_shaped, chunks, fn)
+    return steps
 
 
-def check_same_gradients(model, ours_step, peer_step):
-    """One step of each from zero grads; returns (max abs diff, all close, loss ours, peer)."""
-    zero_grads(model)
-    ours_losses = ours_step()
-    ours_grads = [p.grad.clone() for p in model.parameters()]
-    zero_grads(model)
-    peer_losses = peer_step()
-    max_diff, close = 0.0, True
-    for g, p in zip(ours_grads, model.parameters()):
-        max_diff = max(max_diff, (g - p.grad).abs().max().item())
-        close = close and torch.allclose(g, p.grad, rtol=1e-5, atol=0.0)
-    zero_grads(model)
-    loss_ours = torch.stack([d["loss"] for d in ours_losses]).mean().item() \
-        if ours_losses else None
-    loss_peer = torch.stack([l.detach() for l in peer_losses]).mean().item() \
-        if peer_losses else None
-    return max_diff, close, loss_ours, loss_peer
+def zero_grads(chunks):
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.grad = None
 
 
-def trace_summary(trace):
-    """(bubble fraction, busy seconds, schedule span seconds, seconds in waits)."""
-    span = trace.events[-1]["end"] - trace.events[0]["start"]
-    waits = sum(e["end"] - e["start"] for e in trace.events if e["kind"] == WAIT)
-    return trace.bubble_fraction(), trace.busy_time(), span, waits
+def run(entry, **kwargs):
+    v_shaped, chunks, fn = entry
+    with layout(v_shaped):
+        result = fn(**kwargs)
+    zero_grads(chunks)
+    return result
 
 
-def timed(fn, profiler=None):
+def timed(entry, profiler=None):
     dist.barrier()
     start = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    fn()
+    run(entry)
     if profiler is not None:
         profiler.disable()
     return time.perf_counter() - start
 
 
+def gradient_check(args, rank, steps):
+    """name -> (max |diff| to ours 1F1B over all gradients, max of that relative to each
+    tensor's largest entry, bitwise equal, mean loss), on rank 0; one step each from zero
+    grads, one schedule's gradients gathered at a time."""
+    reference, results = None, {}
+    for name, (v_shaped, chunks, fn) in steps.items():
+        zero_grads(chunks)
+        with layout(v_shaped):
+            losses = fn()
+        grads = {global_name(c, n): p.grad.clone() for c in chunks
+                 for n, p in c.named_parameters()}
+        zero_grads(chunks)
+        mine = (grads, [float(l.detach()) for l in losses])
+        gathered = [None] * PP
+        dist.all_gather_object(gathered, mine)
+        if rank != 0:
+            continue
+        merged = {k: g for rank_grads, _ in gathered for k, g in rank_grads.items()}
+        all_losses = [l for _, rank_losses in gathered for l in rank_losses]
+        loss = sum(all_losses) / len(all_losses)
+        if reference is None:
+            reference = merged
+        assert merged.keys() == reference.keys(), f"{name}: not the same parameters"
+        diffs = [(merged[k] - reference[k]).abs().max().item() for k in reference]
+        relative = [d / max(reference[k].abs().max().item(), 1e-30)
+                    for d, k in zip(diffs, reference)]
+        bitwise = all(torch.equal(merged[k], reference[k]) for k in reference)
+        results[name] = (max(diffs), max(relative), bitwise, loss)
+    return results
+
+
+def trace_info(args, rank, name, v_shaped, k):
+    return dict(tensor_rank=0, data_rank=0, world_size=PP, pipeline_size=PP,
+                virtual_size=2 if v_shaped else None, num_microbatches=args.microbatches,
+                iteration=k, run_id=name)
+
+
 def run_rank(rank, world_size, args):
     torch.set_num_threads(1)
     parallel_state.initialize_model_parallel(1, PP)
-    model, config = build_stage(args)
     inputs, labels = global_batch(args)
-    ours_step = ours_step_fn(args, model, inputs, labels)
-    peer_step = peer_step_fn(args, model, inputs, labels)
+    steps = make_steps(args, rank, inputs, labels)
 
-    # Warm up both (torch infers shapes on its first step), then check the gradients agree.
     first = {}  # the first step of each: torch infers its stage shapes there
     for _ in range(max(args.warmup, 1)):
-        for name, fn in (("ours", ours_step), ("peer", peer_step)):
-            elapsed = timed(fn)
-            first.setdefault(name, elapsed)
-            zero_grads(model)
-    check = check_same_gradients(model, ours_step, peer_step)
+        for name, entry in steps.items():
+            first.setdefault(name, timed(entry))
+    check = gradient_check(args, rank, steps)
 
     profilers = None
     if args.profile:
         import cProfile
-        profilers = {"ours": cProfile.Profile(), "peer": cProfile.Profile()}
-    times = {"ours": [], "peer": []}
+        profilers = {name: cProfile.Profile() for name in steps}
+    times = {name: [] for name in steps}
     for _ in range(args.steps):
-        for name, fn in (("ours", ours_step), ("peer", peer_step)):
-            times[name].append(timed(fn, profilers[name] if profilers else None))
-            zero_grads(model)
+        for name, entry in steps.items():
+            times[name].append(timed(entry, profilers[name] if profilers else None))
     if profilers:
         os.makedirs(args.profile, exist_ok=True)
         for name, prof in profilers.items():
             prof.dump_stats(os.path.join(args.profile, f"{name}_rank{rank}.prof"))
 
-    # Separate, untimed traced steps of both (alternating): the measured bubble.
-    traces = {"ours": [], "peer": []}
-    for _ in range(args.trace_steps):
-        for name, fn in (("ours", ours_step), ("peer", peer_step)):
-            trace = PipelineTrace(rank=rank, pipeline_rank=rank)
+    # Separate, untimed traced steps of each (alternating): the measured bubble.
+    traces = {name: [] for name in steps}
+    for k in range(args.trace_steps):
+        for name, entry in steps.items():
+            trace = PipelineTrace(rank, rank, trace_info(args, rank, name, entry[0], k))
             dist.barrier()
-            fn(trace=trace)
-            zero_grads(model)
-            traces[name].append(trace_summary(trace))
+            run(entry, trace=trace)
+            traces[name].append(trace.to_dict())
 
-    mine = {"rank": rank, "times": times, "check": check, "traces": traces, "first": first}
+    mine = {"rank": rank, "times": times, "traces": traces, "first": first}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        report(args, config, gathered)
+        report(args, gathered, check)
     parallel_state.destroy_model_parallel()
-
-
-def report(args, config, per_rank):
-    # A step lasts until the slower rank is done.
-    step_times = {name: [max(r["times"][name][i] for r in per_rank) for i in range(args.steps)]
-                  for name in ("ours", "peer")}
-    tokens = args.microbatches * args.micro_batch_size * args.seq
-    median = {k: statistics.median(v) for k, v in step_times.items()}
-    rate = {k: tokens / v for k, v in median.items()}
-    theory = (PP - 1) / (args.microbatches + PP - 1)
-    last = per_rank[-1]["check"]
-    max_diff = max(r["check"][0] for r in per_rank)
-    close = all(r["check"][1] for r in per_rank)
-    print("=" * 72)
-    print(f"pipeline bench: PP={PP}, gloo, 1 thread/rank, torch {torch.__version__}")
-    print(f"model: LLaMA layers={config.num_layers} hidden={config.hidden_size} "
-          f"heads={config.num_attention_heads} groups={config.num_query_groups} "
-          f"ffn={config.ffn_hidden_size} vocab={args.vocab} seq={args.seq} fp32; layers per "
-          f"stage {stage_layer_counts(config.num_layers, PP, None, args.last_stage_layers)}")
-    print(f"batch: {args.microbatches} microbatches x {args.micro_batch_size} = "
-          f"{tokens} tokens/step; {args.steps} timed steps each (after {args.warmup} warmup)")
-    print(f"gradients ours vs torch: max |diff| {max_diff:.3e}, "
-          f"allclose(rtol=1e-5): {close}; mean loss ours {last[2]:.6f} torch {last[3]:.6f}")
-    for k, label in (("ours", "ours 1F1B"), ("peer", "torch Schedule1F1B")):
-        ts = sorted(step_times[k])
-        print(f"{label:>20}: median step {median[k] * 1e3:8.1f} ms "
-              f"(min {ts[0] * 1e3:.1f}, max {ts[-1] * 1e3:.1f})  {rate[k]:9.1f} tokens/s")
-    print(f"ratio ours/torch tokens/s: {rate['ours'] / rate['peer']:.3f}")
-    print("first (untimed warmup) step, slower rank: " + ", ".join(
-        f"{label} {max(r['first'][k] for r in per_rank) * 1e3:.0f} ms"
-        for k, label in (("ours", "ours"), ("peer", "torch"))))
-    print(f"traced steps (separate, untimed; median of {args.trace_steps}); bubble = 1 - "
-          f"busy / (first event start .. last event end) per rank:")
-    bubble = {}
-    for k, label in (("ours", "ours"), ("peer", "torch")):
-        cols = [[statistics.median(t[i] for t in r["traces"][k]) for i in range(4)]
-                for r in per_rank]
-        bubble[k] = statistics.mean(c[0] for c in cols)
-        print(f"  {label:>5}: " + "; ".join(
-            f"rank {i} bubble {c[0]:.3f} busy {c[1] * 1e3:.0f} ms span {c[2] * 1e3:.0f} ms "
-            f"waits {c[3] * 1e3:.0f} ms" for i, c in enumerate(cols))
-            + f"; mean bubble {bubble[k]:.3f}")
-    print(f"bubble theoretical (p-1)/(m+p-1) = {PP - 1}/{args.microbatches + PP - 1} "
-          f"= {theory:.3f}")
-    print("=" * 72)
 
 
 # --- launch ---------------------------------------------------------------------------------
