@@ -285,6 +285,19 @@ def get_pipeline_model_parallel_last_rank() -> int:
     return _ranks(_PIPELINE)[-1]
 
 
+def get_loss_logging_rank() -> int:
+    """The global rank that prints the loss (Megatron's "last rank"): the highest global rank
+    among those holding the last stage. Pipeline is the outermost dimension of the rank
+    layout, so pipeline slice ``i`` is global ranks ``[i * W/PP, (i + 1) * W/PP)``; the last
+    stage is on pipeline rank PP - 1, or 0 under the V placement."""
+    pipeline = get_pipeline_model_parallel_world_size()
+    stages = pipeline * (_VIRTUAL_PIPELINE_WORLD_SIZE or 1)
+    holder, _ = pipeline_placement.stage_holder(stages - 1, pipeline,
+                                                _VIRTUAL_PIPELINE_WORLD_SIZE,
+                                                _PIPELINE_PLACEMENT)
+    return (holder + 1) * (dist.get_world_size() // pipeline) - 1
+
+
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next pipeline stage (wrapping around, as interleaving needs)."""
     ranks = _ranks(_PIPELINE)

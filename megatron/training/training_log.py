@@ -20,7 +20,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.core import device
+from megatron.core import device, parallel_state
 from megatron.training.flops import mfu
 
 # The timers Megatron's training_log reports; names never created are skipped.
@@ -90,10 +90,15 @@ def format_eta(seconds: float) -> str:
 
 
 def is_last_rank() -> bool:
-    """Megatron prints from the last rank: it holds the loss under pipeline parallelism."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    return True
+    """Megatron prints from the last rank: it holds the loss under pipeline parallelism. Under
+    the V placement (--pipeline-schedule zbv) pipeline rank 0 holds the loss: the last global
+    rank of that pipeline slice prints."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return True
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if not parallel_state.model_parallel_is_initialized():
+        return rank == world - 1
+    return rank == parallel_state.get_loss_logging_rank()
 
 
 def memory_usage() -> Tuple[str, float]:
