@@ -94,7 +94,7 @@ def report(args, per_rank, check):
     for n in names:
         ts = sorted(steps[n])
         vs_torch = f"{rate[n] / rate[best_torch]:6.3f}" if best_torch else "   n/a"
-        print(f"  speed {n:>16}: {LABELS[n]:<28} median {median[n] * 1e3:8.1f} ms (min "
+        print(f"  speed {n:>16}: {LABELS[n]:<28} median {median[n] * 1e3:9.2f} ms (min "
               f"{ts[0] * 1e3:.1f}, max {ts[-1] * 1e3:.1f}) {rate[n]:9.1f} tokens/s  x1f1b "
               f"{rate[n] / rate['1f1b']:6.3f}  x-torch-best-zb {vs_torch}")
     print("first (untimed warmup) step, slower rank: " + ", ".join(
