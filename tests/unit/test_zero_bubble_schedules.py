@@ -9,6 +9,7 @@ order (W's run in their B's order, per chunk). So the comparison is test_pipelin
 (bitwise for LLaMA; 1e-5 absolute with TP=2, whose sums are ordered differently from one
 process's in any schedule).
 """
+import os
 import re
 
 import pytest
@@ -17,7 +18,11 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.tp_sharding import merge_state_dicts
+from megatron.core.pipeline_parallel import PipelineTrace
+from megatron.core.pipeline_parallel.schedule_order import Step, max_in_flight, schedule_order
+from megatron.core.pipeline_parallel.trace import load_trace
 from tests.distributed import run_distributed
+from tests.unit.test_pipeline_behaviour import _run
 from tests.unit.test_pipeline_schedules import (
     _expected,
     _pipelined,
@@ -134,3 +139,34 @@ def test_zero_bubble_equals_our_1f1b_bitwise(schedule, kind, tp, sp):
     assert got.keys() == want.keys()
     for key, grad in want.items():
         assert torch.equal(got[key], grad), key
+
+
+# --- the run executes the pure order; what it holds stays within the schedule's bound -------
+
+def _traced_steps(pipe, virt, num_microbatches, schedule, forward_only, directory):
+    trace = PipelineTrace(rank=dist.get_rank(),
+                          pipeline_rank=ps.get_pipeline_model_parallel_rank())
+    _run(layers=2 * pipe, pipe=pipe, virt=virt, num_microbatches=num_microbatches, trace=trace,
+         forward_only=forward_only, config_changes=dict(pipeline_schedule=schedule))
+    path = os.path.join(directory, f"rank{trace.rank}.json")
+    trace.write(path)
+    return [(e["kind"][0].upper(), e["microbatch"], e["chunk"])
+            for e in load_trace(path)["events"] if e["kind"] != "wait"]
+
+
+@pytest.mark.parametrize("schedule,pipe,num,forward_only", [
+    ("zb-h1", 4, 6, False), ("zb-h1", 2, 5, False), ("zbv", 2, 5, False), ("zbv", 4, 8, False),
+    ("zbv", 2, 4, True)])
+def test_run_follows_the_pure_order_within_the_memory_bound(schedule, pipe, num, forward_only,
+                                                            tmp_path):
+    virt = 2 if schedule == "zbv" else None
+    ranks = run_distributed(_traced_steps, world_size=pipe, tp=1, pp=pipe, vpp=virt, pipe=pipe,
+                            virt=virt, num_microbatches=num, schedule=schedule,
+                            forward_only=forward_only, directory=str(tmp_path))
+    bound = 2 * pipe if schedule == "zbv" else pipe  # 1F1B's p microbatches (zbv: half-chunks)
+    for rank, executed in enumerate(ranks):
+        order = schedule_order(pipe, rank, num, virt, forward_only, schedule)
+        assert executed == [(s.kind, s.microbatch, s.chunk) for s in order], rank
+        if not forward_only:  # counted from the executed steps: F holds, W releases
+            assert max_in_flight([Step(*step) for step in executed]) <= bound
+            assert sum(kind == "W" for kind, _, _ in executed) == num * (virt or 1)
