@@ -22,12 +22,11 @@ from megatron.core.pipeline_parallel import PipelineTrace
 from megatron.core.pipeline_parallel.schedule_order import Step, max_in_flight, schedule_order
 from megatron.core.pipeline_parallel.trace import load_trace
 from tests.distributed import run_distributed
-from tests.unit.test_pipeline_behaviour import _run
+from tests.unit.test_pipeline_behaviour import _run as _run_traced
 from tests.unit.test_pipeline_schedules import (
     _expected,
     _pipelined,
     _reference,
-    _tp_pp_full_grads,
 )
 
 
@@ -146,7 +145,7 @@ def test_zero_bubble_equals_our_1f1b_bitwise(schedule, kind, tp, sp):
 def _traced_steps(pipe, virt, num_microbatches, schedule, forward_only, directory):
     trace = PipelineTrace(rank=dist.get_rank(),
                           pipeline_rank=ps.get_pipeline_model_parallel_rank())
-    _run(layers=2 * pipe, pipe=pipe, virt=virt, num_microbatches=num_microbatches, trace=trace,
+    _run_traced(layers=2 * pipe, pipe=pipe, virt=virt, num_microbatches=num_microbatches, trace=trace,
          forward_only=forward_only, config_changes=dict(pipeline_schedule=schedule))
     path = os.path.join(directory, f"rank{trace.rank}.json")
     trace.write(path)

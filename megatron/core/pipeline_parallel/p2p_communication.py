@@ -105,8 +105,9 @@ def exchange_batch(ops: List[Tuple[bool, int, Optional[torch.Tensor], bool]],
     wait for all of it. ``ops``: (send?, peer's pipeline rank, the tensor to send or None,
     activation?); returns, in the same order, the received tensors (None for sends). Received
     activations are leaves of this stage's autograd graph (``requires_grad``: their .grad
-    goes back to the stage that sent them); received gradients are plain tensors. Both ends of a pair of ranks must post
-    their ops to each other in the same order (the schedules' plans guarantee it).
+    goes back to the stage that sent them); received gradients are plain tensors. Both ends
+    of a pair of ranks must post their ops to each other in the same order (the schedules'
+    plans guarantee it).
 
     ``communicate`` is this with the neighbours of a loop of stages; the V-shaped schedules
     send activations to the previous rank too, and may send several tensors in one round."""
