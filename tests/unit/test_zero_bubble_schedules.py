@@ -145,8 +145,9 @@ def test_zero_bubble_equals_our_1f1b_bitwise(schedule, kind, tp, sp):
 def _traced_steps(pipe, virt, num_microbatches, schedule, forward_only, directory):
     trace = PipelineTrace(rank=dist.get_rank(),
                           pipeline_rank=ps.get_pipeline_model_parallel_rank())
-    _run_traced(layers=2 * pipe, pipe=pipe, virt=virt, num_microbatches=num_microbatches, trace=trace,
-         forward_only=forward_only, config_changes=dict(pipeline_schedule=schedule))
+    _run_traced(layers=2 * pipe, pipe=pipe, virt=virt, num_microbatches=num_microbatches,
+                trace=trace, forward_only=forward_only,
+                config_changes=dict(pipeline_schedule=schedule))
     path = os.path.join(directory, f"rank{trace.rank}.json")
     trace.write(path)
     return [(e["kind"][0].upper(), e["microbatch"], e["chunk"])
