@@ -298,6 +298,17 @@ def get_loss_logging_rank() -> int:
     return (holder + 1) * (dist.get_world_size() // pipeline) - 1
 
 
+def get_last_stage_rank() -> int:
+    """Global rank, in this rank's pipeline group, of the stage holding the output layer: the
+    last pipeline rank, or the first under the V placement."""
+    pipeline = get_pipeline_model_parallel_world_size()
+    stages = pipeline * (_VIRTUAL_PIPELINE_WORLD_SIZE or 1)
+    holder, _ = pipeline_placement.stage_holder(stages - 1, pipeline,
+                                                _VIRTUAL_PIPELINE_WORLD_SIZE,
+                                                _PIPELINE_PLACEMENT)
+    return _ranks(_PIPELINE)[holder]
+
+
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next pipeline stage (wrapping around, as interleaving needs)."""
     ranks = _ranks(_PIPELINE)

@@ -207,6 +207,6 @@ def forward_logits(chunks: Sequence[torch.nn.Module], tokens: torch.Tensor) -> t
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         logits.copy_(gather_from_tensor_model_parallel_region(collected[0])[..., :vocab])
     if pipeline > 1:
-        dist.broadcast(logits, parallel_state.get_pipeline_model_parallel_last_rank(),
+        dist.broadcast(logits, parallel_state.get_last_stage_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     return logits

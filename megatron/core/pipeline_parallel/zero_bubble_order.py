@@ -19,26 +19,26 @@ its W.
 import functools
 from typing import List, Tuple
 
+from megatron.core import pipeline_placement
 from megatron.core.pipeline_parallel.schedule_order import (
     BACKWARD,
     FORWARD,
     WEIGHT,
     Step,
 )
+from megatron.core.pipeline_placement import V_CHUNKS, V
 
 ZB_H1, ZBV = "zb-h1", "zbv"
 
 
 def zbv_stage(pipeline_size: int, rank: int, chunk: int) -> int:
     """Virtual stage of ``chunk`` on ``rank`` in the V: r for chunk 0, 2p-1-r for chunk 1."""
-    return rank if chunk == 0 else 2 * pipeline_size - 1 - rank
+    return pipeline_placement.virtual_stage_of(rank, chunk, pipeline_size, V_CHUNKS, V)
 
 
 def zbv_placement(pipeline_size: int, stage: int) -> Tuple[int, int]:
     """(rank, chunk) holding virtual ``stage`` in the V."""
-    if stage < pipeline_size:
-        return stage, 0
-    return 2 * pipeline_size - 1 - stage, 1
+    return pipeline_placement.stage_holder(stage, pipeline_size, V_CHUNKS, V)
 
 
 def zbv_min_microbatches(pipeline_size: int) -> int:
