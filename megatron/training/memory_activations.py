@@ -40,7 +40,13 @@ import torch
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.core.transformer.attention import sdpa_kernel_for
-from megatron.training.memory_params import chunk_span
+from megatron.training.memory_schedules import (
+    is_zero_bubble,
+    pipeline_schedule,
+    schedule_chunk_span,
+    walk_peak,
+    weight_grad_record_bytes,
+)
 
 FP32, INT64 = 4, 8
 CP_KERNEL = "context_parallel"  # attention_kernel's name for the CP path (LSE-merging blocks)
@@ -277,8 +283,9 @@ def rotary_bytes(config, setup: ActivationSetup) -> int:
 
 
 def chunk_bytes(config, setup: ActivationSetup, pipeline_rank: int, chunk: int = 0) -> int:
-    """One microbatch's stored activations in one model chunk."""
-    span = chunk_span(config, pipeline_rank, chunk)
+    """One microbatch's stored activations in one model chunk (placed as its schedule places
+    it: zbv's V puts the embedding and the loss on rank 0)."""
+    span = schedule_chunk_span(config, pipeline_rank, chunk)
     total = layers_bytes(config, setup, span.end - span.start) + rotary_bytes(config, setup)
     if span.pre_process:
         total += embedding_bytes(config, setup)
@@ -299,6 +306,10 @@ class StageActivations:
     stored_bytes: int  # at the peak of the schedule
     recompute_working_bytes: int
     cp_kv_in_flight_bytes: int = 0  # the CP ring's K/V block in flight (transient)
+    # Zero-bubble schedules: of stored_bytes, the deferred W records (output gradients and
+    # linear inputs kept from B to W) of ``deferred`` (chunk, microbatch) at the peak.
+    weight_grad_bytes: int = 0
+    deferred: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -308,12 +319,21 @@ class StageActivations:
 def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
                       num_microbatches: int) -> StageActivations:
     """Walk this rank's schedule (the order the executor runs): each forward adds its chunk's
-    microbatch activations until its backward frees them; the peak is what must fit."""
+    microbatch activations until its backward frees them (zero-bubble schedules: the backward
+    leaves the W records until the W step, ``memory_schedules``); the peak is what must fit."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     chunks = range(vpp or 1)
     per_chunk = [chunk_bytes(config, setup, pipeline_rank, c) for c in chunks]
+    records = deferred = 0
     if pp == 1:  # no pipelining: each microbatch's backward follows its forward
         live_peak, in_flight = per_chunk[0], 1
+    elif is_zero_bubble(config):
+        order = schedule_order(pp, pipeline_rank, num_microbatches, vpp,
+                               schedule=pipeline_schedule(config))
+        peak = walk_peak(order, per_chunk, [weight_grad_record_bytes(
+            config, setup, pipeline_rank, c) for c in chunks])
+        live_peak, in_flight = peak.live_bytes, peak.activations
+        records, deferred = peak.deferred_bytes, peak.deferred
     else:
         live = count = live_peak = in_flight = 0
         for step in schedule_order(pp, pipeline_rank, num_microbatches, vpp):
@@ -323,8 +343,8 @@ def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
             if live > live_peak:
                 live_peak, in_flight = live, count
     layers = max(span.end - span.start for span in
-                 (chunk_span(config, pipeline_rank, c) for c in chunks))
+                 (schedule_chunk_span(config, pipeline_rank, c) for c in chunks))
     return StageActivations(pipeline_rank, in_flight, live_peak,
                             recompute_working_bytes(config, setup, layers),
-                            cp_kv_in_flight_bytes(config, setup) if layers else 0)
-
+                            cp_kv_in_flight_bytes(config, setup) if layers else 0,
+                            records, deferred)

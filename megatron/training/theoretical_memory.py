@@ -8,7 +8,8 @@
 
 Parameters, gradients and optimizer state come from ``memory_params`` (exact for this code
 base); activations from ``memory_activations`` (Korthikanti et al.'s terms for these layers,
-times the microbatches a stage holds at the peak of its 1F1B or interleaved schedule).
+times the microbatches a stage holds at the peak of its schedule; under zb-h1 / zbv also the
+deferred weight-gradient inputs between each B and its W, ``memory_schedules``).
 ``pretrain()`` prints the report on rank 0 at start. Not counted: the CUDA context and
 allocator caching/fragmentation, communication buffers, and temporaries of single kernels
 (e.g. the logits' gradient), which is why real peaks sit somewhat above the estimate.
@@ -115,6 +116,9 @@ def format_report(estimate: MemoryEstimate) -> str:
         optimizer = s.main_params + s.main_grads + s.optimizer_states + s.step_counters
         recompute = (f" + {_gib(a.recompute_working_bytes)} recompute working set"
                      if a.recompute_working_bytes else "")
+        if a.deferred:  # zero-bubble schedules: W records between B and W (memory_schedules)
+            recompute = (f" (of which {_gib(a.weight_grad_bytes)} deferred weight-gradient "
+                         f"inputs of {a.deferred} backward(s) awaiting W)") + recompute
         if a.cp_kv_in_flight_bytes:  # the context-parallel ring's send and receive buffers
             recompute += f" + {_gib(a.cp_kv_in_flight_bytes)} cp kv in flight"
         if stage.transient_bytes:  # ZeRO-2 / FSDP2: state after the step vs. backward's peak
