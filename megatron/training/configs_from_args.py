@@ -10,10 +10,13 @@ import torch
 
 from megatron.core import device
 from megatron.core.datasets.config import GPTDatasetConfig, parse_data_path
-from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
+from megatron.core.distributed.distributed_data_parallel_config import (
+    ddp_config_for_optimizer,
+)
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
@@ -49,6 +52,14 @@ def _check_world(args, world_size: int) -> int:
           f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x "
           + (f"CP {cp} x " if cp > 1 else "") + f"PP {pp})); make it "
           f"a multiple of {mbs * dp}.")
+    if pp > 1:  # the schedule's own rules on the microbatch count, before any communication
+        try:
+            check_schedule_settings(pp, args.global_batch_size // (mbs * dp),
+                                    args.virtual_pipeline_model_parallel_size,
+                                    args.pipeline_schedule)
+        except ValueError as error:
+            _need(False, f"{error} (--global-batch-size {args.global_batch_size} / "
+                         f"(--micro-batch-size {mbs} x data-parallel size {dp}) microbatches)")
     _need(args.train_samples is None or args.train_samples >= args.global_batch_size,
           f"--train-samples {args.train_samples} is less than one global batch "
           f"({args.global_batch_size}): Megatron trains train_samples // global_batch_size "

@@ -117,6 +117,15 @@ CASES = [
      ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
       "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
      None, ["--pipeline-schedule zbv puts the first and the last stage on pipeline rank 0"]),
+    ("zbv-schedule-with-too-few-microbatches", "pretrain_llama.py",  # TINY: 8 / (2 x 2) = 2
+     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], {"WORLD_SIZE": "4"},
+     ["the zbv schedule needs at least 2 x pipeline size = 4 microbatches, got 2",
+      "(--global-batch-size 8 / (--micro-batch-size 2 x data-parallel size 2) microbatches)"]),
+    ("interleaved-microbatches-not-a-multiple-of-pp", "pretrain_llama.py",
+     ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6"], {"WORLD_SIZE": "2"},
+     ["the interleaved schedule needs the number of microbatches (3) to be a multiple of the "
+      "pipeline-model-parallel size (2)"]),
     ("unknown-pipeline-schedule", "pretrain_llama.py", ["--pipeline-schedule", "gpipe"], None,
      ["--pipeline-schedule", "gpipe", "1f1b", "zbv"]),
     ("swiglu-ffn-of-zero", "pretrain_gpt.py",  # no --ffn-hidden-size: the default is 0
