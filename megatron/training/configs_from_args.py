@@ -52,14 +52,6 @@ def _check_world(args, world_size: int) -> int:
           f"{mbs} x data-parallel size {dp} (world {world_size} / (TP {tp} x "
           + (f"CP {cp} x " if cp > 1 else "") + f"PP {pp})); make it "
           f"a multiple of {mbs * dp}.")
-    if pp > 1:  # the schedule's own rules on the microbatch count, before any communication
-        try:
-            check_schedule_settings(pp, args.global_batch_size // (mbs * dp),
-                                    args.virtual_pipeline_model_parallel_size,
-                                    args.pipeline_schedule)
-        except ValueError as error:
-            _need(False, f"{error} (--global-batch-size {args.global_batch_size} / "
-                         f"(--micro-batch-size {mbs} x data-parallel size {dp}) microbatches)")
     _need(args.train_samples is None or args.train_samples >= args.global_batch_size,
           f"--train-samples {args.train_samples} is less than one global batch "
           f"({args.global_batch_size}): Megatron trains train_samples // global_batch_size "
@@ -73,6 +65,23 @@ def _check_world(args, world_size: int) -> int:
               f"--tensor-model-parallel-size {tp}.")
     args.data_parallel_size = dp
     return dp
+
+
+def check_training_microbatches(args) -> None:
+    """The pipeline schedule's rules on the microbatch count of a training run (zbv: at least
+    2 PP; interleaved: a multiple of PP), at start (after build_configs: it needs the DP size).
+    Not in build_configs: conversion and inference build configs with other batches."""
+    pp, mbs, dp = args.pipeline_model_parallel_size, args.micro_batch_size, \
+        args.data_parallel_size
+    if pp == 1:
+        return
+    try:
+        check_schedule_settings(pp, args.global_batch_size // (mbs * dp),
+                                args.virtual_pipeline_model_parallel_size,
+                                args.pipeline_schedule)
+    except ValueError as error:
+        _need(False, f"{error} (--global-batch-size {args.global_batch_size} / "
+                     f"(--micro-batch-size {mbs} x data-parallel size {dp}) microbatches)")
 
 
 def _fsdp2_config(args, ddp):

@@ -26,6 +26,7 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
+from megatron.training.configs_from_args import check_training_microbatches
 from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
 from megatron.training.errors import exit_with_error, is_reporting_rank, report_error
 from megatron.training.exit_signal import (
@@ -52,7 +53,6 @@ from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
 from megatron.training.training_log import TrainingLogger
 from megatron.training.wandb_log import resolve_save_dir
 
-
 _SILENT_RANK_GRACE_S = 1.0
 
 
@@ -62,6 +62,7 @@ def _configs_or_exit(argv: Optional[Sequence[str]]):
         args = parse_args(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         build_configs(args, world_size)  # flags and files, before the tokenizer is loaded
+        check_training_microbatches(args)
         tokenizer = build_tokenizer_from_args(args)
         return args, build_configs(args, world_size, tokenizer), tokenizer
     except (ConfigError, ValueError, FileNotFoundError, PermissionError, NotADirectoryError,
