@@ -40,10 +40,10 @@ import torch
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.core.transformer.attention import sdpa_kernel_for
+from megatron.training.memory_params import chunk_span
 from megatron.training.memory_schedules import (
     is_zero_bubble,
     pipeline_schedule,
-    schedule_chunk_span,
     walk_peak,
     weight_grad_record_bytes,
 )
@@ -285,7 +285,7 @@ def rotary_bytes(config, setup: ActivationSetup) -> int:
 def chunk_bytes(config, setup: ActivationSetup, pipeline_rank: int, chunk: int = 0) -> int:
     """One microbatch's stored activations in one model chunk (placed as its schedule places
     it: zbv's V puts the embedding and the loss on rank 0)."""
-    span = schedule_chunk_span(config, pipeline_rank, chunk)
+    span = chunk_span(config, pipeline_rank, chunk)
     total = layers_bytes(config, setup, span.end - span.start) + rotary_bytes(config, setup)
     if span.pre_process:
         total += embedding_bytes(config, setup)
@@ -343,7 +343,7 @@ def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
             if live > live_peak:
                 live_peak, in_flight = live, count
     layers = max(span.end - span.start for span in
-                 (schedule_chunk_span(config, pipeline_rank, c) for c in chunks))
+                 (chunk_span(config, pipeline_rank, c) for c in chunks))
     return StageActivations(pipeline_rank, in_flight, live_peak,
                             recompute_working_bytes(config, setup, layers),
                             cp_kv_in_flight_bytes(config, setup) if layers else 0,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
+from megatron.core.pipeline_placement import placement_for_schedule, virtual_stage_of
 
 FP32 = 4
 
@@ -113,13 +114,16 @@ class ChunkSpan:
 
 
 def chunk_span(config, pipeline_rank: int, chunk: int = 0) -> ChunkSpan:
+    """Layers and ends of a chunk in the placement its schedule runs (the loop, or zbv's V,
+    where rank 0 holds both the embedding and the output layer)."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    placement = placement_for_schedule(getattr(config, "pipeline_schedule", None))
     start, end = chunk_layer_range(
         config.num_layers, pp, pipeline_rank, chunk, vpp,
         config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage,
         config.account_for_embedding_in_pipeline_split,
-        config.account_for_loss_in_pipeline_split)
-    stage = chunk * pp + pipeline_rank
+        config.account_for_loss_in_pipeline_split, placement)
+    stage = virtual_stage_of(pipeline_rank, chunk, pp, vpp, placement)
     return ChunkSpan(start, end, stage == 0, stage == pp * (vpp or 1) - 1)
 
 

@@ -13,12 +13,11 @@ those amounts (``live_bytes_per_step``), not by a formula, so it follows the ord
 change. Linear weights that run whole in B (biases, norms, the embedding) keep nothing.
 
 Under zbv rank r holds virtual stages r (chunk 0) and 2p-1-r (chunk 1): the embedding and the
-output layer (and its loss) are both on rank 0 (``schedule_chunk_span``).
+output layer (and its loss) are both on rank 0 (``chunk_span``).
 """
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.pipeline_parallel.schedule_order import (
     BACKWARD,
     FORWARD,
@@ -26,8 +25,7 @@ from megatron.core.pipeline_parallel.schedule_order import (
     ZERO_BUBBLE,
     Step,
 )
-from megatron.core.pipeline_placement import placement_for_schedule, virtual_stage_of
-from megatron.training.memory_params import ChunkSpan
+from megatron.training.memory_params import chunk_span
 
 
 def pipeline_schedule(config) -> str:
@@ -40,19 +38,6 @@ def pipeline_schedule(config) -> str:
 
 def is_zero_bubble(config) -> bool:
     return config.pipeline_model_parallel_size > 1 and pipeline_schedule(config) in ZERO_BUBBLE
-
-
-def schedule_chunk_span(config, pipeline_rank: int, chunk: int = 0) -> ChunkSpan:
-    """Layers and ends of a chunk in the placement its schedule runs (loop, or zbv's V)."""
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    placement = placement_for_schedule(getattr(config, "pipeline_schedule", None))
-    start, end = chunk_layer_range(
-        config.num_layers, pp, pipeline_rank, chunk, vpp,
-        config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage,
-        config.account_for_embedding_in_pipeline_split,
-        config.account_for_loss_in_pipeline_split, placement)
-    stage = virtual_stage_of(pipeline_rank, chunk, pp, vpp, placement)
-    return ChunkSpan(start, end, stage == 0, stage == pp * (vpp or 1) - 1)
 
 
 def _linear_records(config, setup) -> List[int]:
@@ -75,7 +60,7 @@ def weight_grad_record_bytes(config, setup, pipeline_rank: int, chunk: int = 0) 
     """Bytes one microbatch's deferred W of one chunk keeps from its B to its W: the
     transformer layers' four linears and, on the last stage, the output layer (its input and
     the logits' gradient, [s, b, V/t] in the activation dtype)."""
-    span = schedule_chunk_span(config, pipeline_rank, chunk)
+    span = chunk_span(config, pipeline_rank, chunk)
     total = (span.end - span.start) * sum(_linear_records(config, setup))
     if span.post_process:
         tp = config.tensor_model_parallel_size

@@ -22,6 +22,7 @@ from typing import Iterator, List, Optional
 from megatron.core.distributed.distributed_data_parallel_config import ddp_config_for_optimizer
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
 from megatron.training.memory_params import OptimizerSetup
 from megatron.training.theoretical_memory import optimizer_setup_from
 
@@ -53,6 +54,11 @@ class Layout:
     grad_reduce_in_fp32: bool = True
     context_parallel: int = 1  # ranks a sequence is split over (the ring, --cp-comm-type p2p)
     memory_mode: Optional[str] = None  # one of MEMORY_MODES
+    schedule: Optional[str] = None  # None: 1F1B/interleaved by virtual_pipeline; zb-h1; zbv
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return 2 if self.schedule == "zbv" else (self.virtual_pipeline or 1)
 
     @property
     def fsdp2(self) -> bool:
@@ -71,6 +77,8 @@ class Layout:
                       "--cp-comm-type", CP_COMM_TYPE]
         if v:
             flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (p * v))]
+        if self.schedule:
+            flags += ["--pipeline-schedule", self.schedule]
         if t > 1:
             flags.append("--sequence-parallel")
         flags += ["--micro-batch-size", str(self.micro_batch_size),
@@ -107,7 +115,8 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new.tensor_model_parallel_size, new.pipeline_model_parallel_size = t, p
     new.context_parallel_size, new.cp_comm_type = layout.context_parallel, CP_COMM_TYPE
     new.num_layers_per_virtual_pipeline_stage = args.num_layers // (p * v) if v else None
-    new.virtual_pipeline_model_parallel_size = v
+    new.virtual_pipeline_model_parallel_size = 2 if layout.schedule == "zbv" else v
+    new.pipeline_schedule = layout.schedule
     new.sequence_parallel = t > 1
     new.micro_batch_size, new.global_batch_size = layout.micro_batch_size, layout.global_batch_size
     new.recompute_granularity = layout.recompute
@@ -198,17 +207,36 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
     for p in [p for p in _divisors(num_layers) if num_gpus % (t * c * p) == 0]:
         d = num_gpus // (t * c * p)
         fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
-        chunks = [None] + ([v for v in _divisors(num_layers // p) if v > 1] if p > 1 else [])
-        for v in chunks:
-            # The interleaved schedule runs microbatches in groups of PP.
+        for v, schedule in _schedules(num_layers, p):
             batches = [b for b in fitting
-                       if v is None or (global_batch_size // (b * d)) % p == 0]
+                       if _schedule_takes(p, v, schedule, global_batch_size // (b * d))]
             for recompute in RECOMPUTE_CHOICES:
                 for sharded in _sharding_choices(mode, p, c, d):
                     family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
-                                     grad_reduce_in_fp32, c, mode) for b in batches]
+                                     grad_reduce_in_fp32, c, mode, schedule) for b in batches]
                     if family:
                         yield family
+
+
+def _schedules(num_layers: int, p: int):
+    """(virtual pipeline size, --pipeline-schedule) pairs a pipeline of ``p`` ranks can run:
+    1F1B, interleaved by every virtual size, ZB-H1, and ZB-V where the layers cut into 2 p."""
+    if p == 1:
+        return [(None, None)]
+    pairs = [(None, None)] + [(v, None) for v in _divisors(num_layers // p) if v > 1]
+    pairs.append((None, "zb-h1"))
+    if num_layers % (2 * p) == 0:
+        pairs.append((None, "zbv"))
+    return pairs
+
+
+def _schedule_takes(p: int, v: Optional[int], schedule: Optional[str], microbatches: int):
+    """The schedules' microbatch rules (schedule_order.check_schedule_settings)."""
+    try:
+        check_schedule_settings(p, microbatches, 2 if schedule == "zbv" else v, schedule)
+    except ValueError:
+        return False
+    return True
 
 
 def _sharding_choices(mode: Optional[str], p: int, c: int, d: int):

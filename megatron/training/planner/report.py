@@ -10,7 +10,7 @@ from megatron.training.planner.workload import Workload
 from megatron.training.theoretical_memory import GIB
 
 MIB = 2 ** 20
-COLUMNS = ("#", "TP", "CP", "PP", "VPP", "DP", "MBS", "recompute", "dist-opt", "mem GiB",
+COLUMNS = ("#", "TP", "CP", "PP", "VPP/sched", "DP", "MBS", "recompute", "dist-opt", "mem GiB",
            "bubble", "step s", "tok/s/GPU", "MFU")
 
 
@@ -27,7 +27,7 @@ def _cells(rank: int, row: PlanRow) -> List[str]:
         sharded += "+" + lay.memory_mode
     return [str(rank), str(lay.tensor_parallel), str(lay.context_parallel),
             str(lay.pipeline_parallel),
-            str(lay.virtual_pipeline or "-"), str(lay.data_parallel),
+            str(lay.schedule or lay.virtual_pipeline or "-"), str(lay.data_parallel),
             str(lay.micro_batch_size), lay.recompute or "none", sharded,
             f"{row.memory.max_total / GIB:.1f}", f"{step.bubble_fraction:.3f}",
             f"{step.step_s:.2f}", f"{step.tokens_per_s_per_gpu:.0f}", f"{step.mfu:.1%}"]
@@ -91,7 +91,8 @@ def row_dict(row: PlanRow, workload: Workload) -> Dict:
         "tensor_parallel": lay.tensor_parallel, "context_parallel": lay.context_parallel,
         "cp_comm_type": CP_COMM_TYPE if lay.context_parallel > 1 else None,
         "pipeline_parallel": lay.pipeline_parallel,
-        "virtual_pipeline": lay.virtual_pipeline, "data_parallel": lay.data_parallel,
+        "virtual_pipeline": lay.virtual_pipeline, "pipeline_schedule": lay.schedule,
+        "data_parallel": lay.data_parallel,
         "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
         "recompute": lay.recompute, "distributed_optimizer": lay.distributed_optimizer,
         "memory_mode": lay.memory_mode,

@@ -46,7 +46,7 @@ CP every per-microbatch activation below is that of s/c tokens):
 """
 from dataclasses import dataclass
 
-from megatron.core.pipeline_parallel.simulate import theoretical_bubble
+from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
 from megatron.training.flops import mfu, num_floating_point_operations
 from megatron.training.memory_params import chunk_span
 from megatron.training.planner.layouts import Layout
@@ -129,6 +129,32 @@ def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> 
         batch_size=batch, swiglu=config.activation == "swiglu", kv_channels=config.kv_channels)
 
 
+def weight_gradient_seconds(config, layout: Layout, seq_length: int, layers: int,
+                            has_logits: bool, padded_vocab_size: int, flop_rate: float) -> float:
+    """The W part of a microbatch's backward on a stage (zero-bubble schedules): the weight-
+    gradient GEMMs, as many FLOPs as the linear layers' forward, i.e. a layer's forward less
+    its attention core (Q K^T and softmax x V: 2 x 2 b s^2 a d), and the output layer's."""
+    b, s = layout.micro_batch_size, seq_length
+    core = 2 * 2 * b * s * s * config.num_attention_heads * config.kv_channels
+    linear = _flops(config, s, b, 1, 0) // 3 - core
+    logits = _flops(config, s, b, 0, padded_vocab_size) // 3 if has_logits else 0
+    return (layers * linear + logits) / flop_rate
+
+
+def zero_bubble_seconds(layout: Layout, forward_s: float, backward_s: float, comm_s: float,
+                        weight_s: float) -> float:
+    """Idle time of the zero-bubble schedules (simulate.zero_bubble_idle) with the slowest
+    stage's costs: F the forward, W the weight-gradient GEMMs, B the rest of the backward.
+    A microbatch's communication (TP, CP, p2p) goes 1:2 to F and B; W has none. A zbv chunk
+    is half the stage. The formulas are exact for equal costs (tests/unit/
+    test_zero_bubble_order.py); with unequal ones they are the schedules' design bound."""
+    f = forward_s + comm_s / 3
+    b = backward_s - weight_s + 2 * comm_s / 3
+    chunks = layout.chunks_per_rank
+    return zero_bubble_idle(layout.pipeline_parallel, layout.schedule, f / chunks, b / chunks,
+                            weight_s / chunks)
+
+
 def recompute_flops_per_layer(config, layout: Layout, seq_length: int) -> int:
     """Extra forward work of one layer and microbatch under the layout's recomputation."""
     b, s = layout.micro_batch_size, seq_length
@@ -175,7 +201,7 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
     estimate, whose per-stage gradient and parameter buffers are what DP moves)."""
     t, p, d = layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel
     c = layout.context_parallel
-    v, b, m = layout.virtual_pipeline or 1, layout.micro_batch_size, layout.num_microbatches
+    v, b, m = layout.chunks_per_rank, layout.micro_batch_size, layout.num_microbatches
     s, h, e = seq_length, config.hidden_size, dtype_bytes(config.params_dtype)
     flop_rate = t * c * cluster.peak_tflops * 1e12 * cluster.compute_efficiency
     intra = cluster.intra_node_bandwidth_gbs * GB
@@ -205,6 +231,13 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         p2p_s = 2 * v * message / cluster.group_bandwidth(cluster.num_gpus)
     microbatch_s = forward_s + backward_s + tp_s + cp_exposed_s + p2p_s
     bubble_s = (p - 1) / v * microbatch_s
+    if layout.schedule is not None:
+        weight_s = weight_gradient_seconds(
+            config, layout, s, stage_layers[slowest],
+            any(chunk_span(config, slowest, k).post_process for k in range(v)),
+            padded_vocab_size, flop_rate)
+        bubble_s = zero_bubble_seconds(layout, forward_s, backward_s,
+                                       tp_s + cp_exposed_s + p2p_s, weight_s)
 
     dp_s = dp_exposed_s = 0.0
     if d * c > 1:  # gradients are reduced (and the optimizer sharded) over DP x CP
@@ -231,7 +264,7 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         compute_s=forward_s + backward_s, tensor_parallel_s=tp_s, pipeline_p2p_s=p2p_s,
         microbatch_s=microbatch_s, num_microbatches=m, bubble_s=bubble_s,
         data_parallel_s=dp_s, data_parallel_exposed_s=dp_exposed_s, step_s=step_s,
-        bubble_fraction=theoretical_bubble(p, m, layout.virtual_pipeline),
+        bubble_fraction=bubble_s / (m * microbatch_s + bubble_s) if p > 1 else 0.0,
         model_flops=model_flops,
         mfu=mfu(model_flops, step_s, cluster.num_gpus, cluster.peak_tflops),
         tokens_per_s_per_gpu=layout.global_batch_size * s / (step_s * cluster.num_gpus),
