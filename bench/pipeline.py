@@ -15,6 +15,10 @@ same weights: every layer's initial weights depend only on its layer number):
 - the V: two chunks per rank, 4 virtual stages, rank r holding stages r and 3-r (the embedding
   and the output layer both on rank 0), for ours zbv and torch's ZBV and DualPipeV.
 
+The split is balanced: at the default sizes the output layer and loss (vocab 512) cost about a
+ninth of a layer, so each rank computes about two layers in either layout (with a large vocab
+the rank holding the output layer is the slowest and the others idle: not what is compared).
+
 Every schedule on a layout runs the SAME module objects on the SAME microbatches (global batch
 = microbatches x micro batch, split along the batch dimension). Torch's schedules run those
 modules with their linear layers computed through plain autograd (see bench/pipeline_peer.py:
@@ -76,7 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--groups", type=int, default=2, help="query groups (GQA)")
     p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=512,
+                   help="small, so the output layer (1/9 of a layer at the default sizes) "
+                        "leaves the stages balanced")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
