@@ -20,9 +20,9 @@ import torch.distributed as dist
 from megatron.core import device
 from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import (
-    _PARALLEL_ATTRS,
     Float16OptimizerWithFloat16Params,
     _model_grad,
+    main_param_like,
 )
 
 
@@ -43,10 +43,7 @@ def host_main_param_groups(param_groups: List[Dict]):
         for param in group["params"]:
             host = next(hosts).view(param.shape)
             host.copy_(param.detach())
-            main = torch.nn.Parameter(host)
-            for attr in _PARALLEL_ATTRS:
-                if hasattr(param, attr):
-                    setattr(main, attr, getattr(param, attr))
+            main = main_param_like(host, param)
             model_of[main] = param
             mains.append(main)
         main_groups.append({**group, "params": mains})

@@ -201,6 +201,15 @@ _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
                    "shared_embedding", "sequence_parallel")
 
 
+def main_param_like(data: torch.Tensor, param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A main param holding ``data`` with ``param``'s parallel attributes (TP partitioning,
+    sequence parallel, shared embedding), which clipping and the checkpoint names read."""
+    main = torch.nn.Parameter(data)
+    for attr in _PARALLEL_ATTRS:
+        if hasattr(param, attr):
+            setattr(main, attr, getattr(param, attr))
+    return main
+
 def fp32_main_param_groups(param_groups: List[Dict]):
     """Param groups whose bf16/fp16 params are replaced by fp32 copies (the main params), and
     the map from each main param to its model param."""
@@ -208,13 +217,8 @@ def fp32_main_param_groups(param_groups: List[Dict]):
     for group in param_groups:
         mains = []
         for param in group["params"]:
-            if param.dtype == torch.float32:
-                main = param
-            else:
-                main = torch.nn.Parameter(param.detach().float())
-                for attr in _PARALLEL_ATTRS:
-                    if hasattr(param, attr):
-                        setattr(main, attr, getattr(param, attr))
+            main = param if param.dtype == torch.float32 else \
+                main_param_like(param.detach().float(), param)
             model_of[main] = param
             mains.append(main)
         main_groups.append({**group, "params": mains})
