@@ -1,6 +1,7 @@
 """The planner and the zero-bubble schedules: it enumerates zb-h1 and zbv where they run,
 prints --pipeline-schedule in their rows, costs their bubble with the schedules' formulas
 from the stage's F, B and W, and its flags build exactly the configs it costed."""
+import dataclasses
 import shlex
 
 import pytest
@@ -63,7 +64,7 @@ def test_bubble_is_the_schedules_formula_with_the_stage_costs(schedule):
         config = layout_config(workload, lay)
         step = estimate_step_time(config, lay, cluster, layout_memory(workload, lay, config),
                                   512, 1024)
-        one_f1b = estimate_step_time(config, lay.__class__(**{**lay.__dict__, "schedule": None}),
+        one_f1b = estimate_step_time(config, dataclasses.replace(lay, schedule=None),
                                      cluster, layout_memory(workload, lay, config), 512, 1024)
         flop_rate = lay.tensor_parallel * cluster.peak_tflops * 1e12 * cluster.compute_efficiency
         slowest_layers = config.num_layers // lay.pipeline_parallel
@@ -88,7 +89,7 @@ def test_zero_bubble_rows_rank_above_their_1f1b_twins():
     twins = 0
     for lay, row in by_layout.items():
         if lay.pipeline_parallel > 1 and lay.virtual_pipeline is None and lay.schedule is None:
-            twin = by_layout.get(lay.__class__(**{**lay.__dict__, "schedule": "zb-h1"}))
+            twin = by_layout.get(dataclasses.replace(lay, schedule="zb-h1"))
             if twin is not None:
                 twins += 1
                 assert twin.step.step_s < row.step.step_s
