@@ -1,0 +1,126 @@
+"""Top-k router: fp32 logits, scores, top-k selection, load-balancing losses.
+
+Tokens arrive flattened from [s, b, h], so token t belongs to sequence t % b (the per-sequence
+aux loss relies on that order). The losses are returned already multiplied by their
+coefficients, for the caller to add to the model's loss.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def route(logits, topk, score_function="softmax", pre_softmax=False, topk_norm=False,
+          expert_bias=None):
+    """logits [T, E] fp32 -> (probs [T, k], indices [T, k]).
+
+    softmax, pre_softmax=False (Megatron's default): top-k of the logits, softmax over those k.
+    softmax, pre_softmax=True: softmax over all E, then top-k (optionally renormalised).
+    sigmoid: sigmoid scores, top-k (optionally renormalised).
+    expert_bias [E] is added to what the top-k ranks, never to the returned gate weights.
+    """
+    if score_function == "softmax" and not pre_softmax:
+        top_logits, indices = _topk(logits, topk, expert_bias)
+        return torch.softmax(top_logits, dim=-1), indices
+    scores = torch.softmax(logits, dim=-1) if score_function == "softmax" else logits.sigmoid()
+    probs, indices = _topk(scores, topk, expert_bias)
+    if topk_norm:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, indices
+
+
+def _topk(values, k, bias):
+    if bias is None:
+        return torch.topk(values, k, dim=-1)
+    _, indices = torch.topk(values + bias, k, dim=-1)
+    return values.gather(-1, indices), indices
+
+
+def aux_loss_scores(logits, score_function):
+    """Per-token distribution over all experts that the aux loss balances (P): the softmax,
+    or the sigmoid scores normalised to sum to 1 (as Megatron does)."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = logits.sigmoid()
+    return scores / scores.sum(dim=-1, keepdim=True)
+
+
+def switch_aux_loss(scores, indices, num_experts):
+    """Switch/GShard load balancing: E * sum_e f_e * P_e, where f_e is the fraction of the
+    T*k routing choices that picked expert e and P_e the mean score of expert e."""
+    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(scores.dtype)
+    fraction = counts / indices.numel()
+    mean_score = scores.mean(dim=0)
+    return num_experts * torch.sum(fraction * mean_score)
+
+
+def seq_aux_loss(scores, indices, num_experts, num_sequences):
+    """The Switch loss per sequence (tokens ordered [s, b]), averaged over the b sequences."""
+    seq_len = scores.shape[0] // num_sequences
+    seq_scores = scores.reshape(seq_len, num_sequences, num_experts)
+    seq_indices = indices.reshape(seq_len, num_sequences, -1)
+    one_hot = F.one_hot(seq_indices, num_experts).sum(dim=2).to(scores.dtype)  # [s, b, E]
+    fraction = one_hot.sum(dim=0) / (seq_len * indices.shape[-1])  # [b, E]
+    mean_score = seq_scores.mean(dim=0)  # [b, E]
+    return num_experts * torch.sum(fraction * mean_score, dim=-1).mean()
+
+
+def z_loss(logits):
+    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+@torch.no_grad()
+def update_expert_bias(bias, tokens_per_expert, rate):
+    """Aux-loss-free balancing step, in place: raise the bias of under-loaded experts and
+    lower that of over-loaded ones by `rate` (the sign of mean load minus own load)."""
+    load = tokens_per_expert.to(bias.dtype)
+    bias.add_(torch.sign(load.mean() - load) * rate)
+    return bias
+
+
+class TopKRouter(torch.nn.Module):
+    def __init__(self, config, hidden_size, init_method_std=0.02):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, hidden_size))
+        torch.nn.init.normal_(self.weight, std=init_method_std)
+        if config.moe_router_enable_expert_bias:
+            # Buffers, not parameters: the optimizer never sees them.
+            experts = config.num_moe_experts
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, hidden, num_sequences=1):
+        """hidden [T, h] -> (probs [T, k] fp32, indices [T, k], losses dict)."""
+        cfg = self.config
+        logits = F.linear(hidden.float(), self.weight.float())  # fp32 router
+        probs, indices = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
+                               cfg.moe_router_pre_softmax, cfg.moe_router_topk_norm,
+                               self.expert_bias)
+        if self.expert_bias is not None and self.training:
+            self.local_tokens_per_expert += torch.bincount(
+                indices.reshape(-1), minlength=cfg.num_moe_experts)
+        return probs, indices, self._losses(logits, indices, num_sequences)
+
+    def _losses(self, logits, indices, num_sequences):
+        cfg, losses = self.config, {}
+        balancing = cfg.moe_router_load_balancing_type
+        if balancing != "none" and cfg.moe_aux_loss_coeff > 0:
+            scores = aux_loss_scores(logits, cfg.moe_router_score_function)
+            if balancing == "aux_loss":
+                loss = switch_aux_loss(scores, indices, cfg.num_moe_experts)
+            else:
+                loss = seq_aux_loss(scores, indices, cfg.num_moe_experts, num_sequences)
+            losses["aux_loss"] = cfg.moe_aux_loss_coeff * loss
+        if cfg.moe_z_loss_coeff:
+            losses["z_loss"] = cfg.moe_z_loss_coeff * z_loss(logits)
+        return losses
+
+    def update_expert_bias(self):
+        """Apply the aux-loss-free update from the counts since the last call, then reset
+        them (called once per optimizer step; under DP the counts are summed first)."""
+        update_expert_bias(self.expert_bias, self.local_tokens_per_expert,
+                           self.config.moe_router_bias_update_rate)
+        self.local_tokens_per_expert.zero_()
