@@ -114,7 +114,8 @@ def test_matches_hf(case, grouped_gemm):
     torch.testing.assert_close(x_ours.grad, x_hf.grad.transpose(0, 1), atol=TOL, rtol=0)
     ours = dict(layer.named_parameters())
     for name, grad in _hf_grads(block).items():
-        torch.testing.assert_close(ours[name].grad, grad, atol=TOL, rtol=TOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(ours[name].grad, grad, atol=TOL, rtol=TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --- dispatch ---------------------------------------------------------------------------------
@@ -182,3 +183,145 @@ def test_tokens_routed_equals_tk_minus_dropped():
     assert state.num_dropped == dropped
     assert expert_input.shape[0] == tokens_per_expert.sum() == num_tokens * topk - dropped
     assert tokens_per_expert.tolist() == counts.clamp(max=capacity).tolist()
+
+
+# --- the whole layer with dropping, against a per-token loop ---------------------------------
+
+def _reference_layer(layer, x):
+    """The layer written token by token: sigmoid scores, top-k of scores + bias, renormalised;
+    each expert keeps its `capacity` highest-probability choices (earlier token on ties)."""
+    cfg, tokens = layer.config, x.reshape(-1, x.shape[-1])
+    num_tokens, topk, experts = tokens.shape[0], cfg.moe_router_topk, cfg.num_moe_experts
+    capacity = math.ceil(num_tokens * topk / experts * cfg.moe_expert_capacity_factor)
+    choices = {e: [] for e in range(experts)}
+    for t in range(num_tokens):
+        scores = torch.sigmoid(tokens[t] @ layer.router.weight.T)
+        chosen = torch.topk(scores.detach() + layer.router.expert_bias, topk).indices.tolist()
+        total = sum(scores[e] for e in chosen)
+        for e in chosen:
+            choices[e].append((scores[e] / total, t))
+    out = [torch.zeros(x.shape[-1]) for _ in range(num_tokens)]
+    w1, w2 = layer.experts.weight1, layer.experts.weight2
+    for e, picks in choices.items():
+        picks.sort(key=lambda pick: (-pick[0].item(), pick[1]))
+        for prob, t in picks[:capacity]:
+            gate, up = (w1[e] @ tokens[t]).chunk(2)
+            out[t] = out[t] + prob * (w2[e] @ (F.silu(gate) * up))
+    dropped = sum(max(0, len(picks) - capacity) for picks in choices.values())
+    return torch.stack(out).reshape(x.shape), dropped
+
+
+@pytest.mark.parametrize("grouped_gemm,pad", [(False, False), (True, False), (True, True)])
+def test_layer_with_dropping_matches_token_loop(grouped_gemm, pad):
+    torch.manual_seed(2)
+    layer = MoELayer(_config(num_moe_experts=6, moe_router_score_function="sigmoid",
+                             moe_router_topk_norm=True, moe_router_enable_expert_bias=True,
+                             moe_expert_capacity_factor=1.0, moe_grouped_gemm=grouped_gemm,
+                             moe_pad_expert_input_to_capacity=pad), HIDDEN, init_method_std=0.2)
+    layer.router.expert_bias.copy_(torch.tensor([1.0, 0.5, 0, 0, 0, -100.0]))  # 5: no tokens
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, aux = layer(x_ours)
+    expected, dropped = _reference_layer(layer, x_ref)
+    assert dropped > 0 and aux["num_dropped"] == dropped
+    assert aux["tokens_per_expert"][5] == (math.ceil(SEQ * BATCH * 2 / 6) if pad else 0)
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+    upstream = torch.randn_like(x)
+    grads = torch.autograd.grad((out * upstream).sum(), [x_ours, *layer.parameters()])
+    ref_grads = torch.autograd.grad((expected * upstream).sum(), [x_ref, *layer.parameters()])
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, atol=TOL, rtol=TOL)
+    assert torch.count_nonzero(grads[1][5]) == 0  # expert 5's weight1 gradient
+
+
+def test_grouped_gemm_falls_back_when_unaligned():
+    """h=6 fp32: 24-byte rows, which torch._grouped_mm refuses; the loop runs instead."""
+    experts = SwiGLUExperts(3, 6, 8, grouped_gemm=True)
+    x = torch.randn(5, 6)
+    assert not grouped_mm_applies(x, experts.weight1, experts.weight2)
+    out = experts(x, torch.tensor([2, 0, 3]))
+    expected = torch.cat([experts._forward_loop(x[:2], torch.tensor([2, 0, 0])),
+                          experts._forward_loop(x[2:], torch.tensor([0, 0, 3]))])
+    assert torch.equal(out, expected)
+
+
+# --- router -----------------------------------------------------------------------------------
+
+def test_aux_losses_against_formula():
+    torch.manual_seed(3)
+    cfg = _config(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    layer = MoELayer(cfg, HIDDEN, init_method_std=0.3)
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    _, aux = layer(x)
+    logits = x.reshape(-1, HIDDEN) @ layer.router.weight.T
+    chosen = torch.topk(logits, 2).indices
+
+    def balance(token_ids):
+        total = 0.0
+        for e in range(4):
+            f_e = sum(int(e in chosen[t]) for t in token_ids) / (len(token_ids) * 2)
+            p_e = sum(torch.softmax(logits[t], -1)[e].item() for t in token_ids) / len(token_ids)
+            total += f_e * p_e
+        return 4 * total
+
+    all_tokens = range(SEQ * BATCH)
+    z = sum(torch.logsumexp(logits[t], -1).item() ** 2 for t in all_tokens) / (SEQ * BATCH)
+    assert aux["aux_loss"].item() == pytest.approx(0.01 * balance(all_tokens), rel=1e-5)
+    assert aux["z_loss"].item() == pytest.approx(0.001 * z, rel=1e-5)
+    layer.config.moe_router_load_balancing_type = "seq_aux_loss"
+    _, aux = layer(x)
+    per_seq = [balance(range(b, SEQ * BATCH, BATCH)) for b in range(BATCH)]  # token = s*b + b
+    assert aux["aux_loss"].item() == pytest.approx(0.01 * sum(per_seq) / BATCH, rel=1e-5)
+    layer.config.moe_router_load_balancing_type = "none"
+    assert "aux_loss" not in layer(x)[1]
+
+
+@pytest.mark.parametrize("score_function,pre_softmax", [("softmax", False), ("softmax", True),
+                                                        ("sigmoid", False)])
+def test_expert_bias_changes_choice_not_gate_weights(score_function, pre_softmax):
+    torch.manual_seed(4)
+    logits = torch.randn(20, 4)
+    bias = torch.tensor([0.0, 0.0, 0.0, 50.0])
+    plain_probs, plain = route(logits, 2, score_function, pre_softmax)
+    probs, indices = route(logits, 2, score_function, pre_softmax, expert_bias=bias)
+    assert (indices == 3).any(dim=-1).all() and not torch.equal(indices, plain)
+    if score_function == "softmax" and not pre_softmax:  # softmax over the chosen logits
+        expected = torch.softmax(logits.gather(-1, indices), -1)
+    else:
+        scores = logits.softmax(-1) if pre_softmax else logits.sigmoid()
+        expected = scores.gather(-1, indices)
+    assert torch.equal(probs, expected)
+    # Rows that chose expert 3 anyway make the same choice, so get the same gate weights.
+    same = (plain == 3).any(-1)
+    assert same.any()
+    assert torch.equal(probs[same].sort(-1).values, plain_probs[same].sort(-1).values)
+
+
+def test_update_expert_bias_by_hand():
+    bias = torch.tensor([0.5, 0.0, 0.0, -0.5])
+    update_expert_bias(bias, torch.tensor([4, 0, 2, 2]), rate=0.1)  # mean load 2
+    assert torch.allclose(bias, torch.tensor([0.4, 0.1, 0.0, -0.5]))
+    layer = MoELayer(_config(moe_router_enable_expert_bias=True), HIDDEN)
+    layer(torch.randn(SEQ, BATCH, HIDDEN))
+    assert layer.router.local_tokens_per_expert.sum() == SEQ * BATCH * 2
+    layer.router.update_expert_bias()
+    assert layer.router.expert_bias.abs().max() == pytest.approx(1e-3)
+    assert layer.router.local_tokens_per_expert.sum() == 0
+    assert "expert_bias" not in dict(layer.named_parameters())
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("moe_router_topk", dict(moe_router_topk=5)),
+    ("moe_router_score_function", dict(moe_router_score_function="relu")),
+    ("moe_router_pre_softmax", dict(moe_router_score_function="sigmoid",
+                                    moe_router_pre_softmax=True)),
+    ("moe_router_load_balancing_type", dict(moe_router_load_balancing_type="sinkhorn")),
+    ("moe_expert_capacity_factor", dict(moe_expert_capacity_factor=0.0)),
+    ("moe_token_drop_policy", dict(moe_token_drop_policy="random")),
+    ("moe_pad_expert_input_to_capacity", dict(moe_pad_expert_input_to_capacity=True)),
+    ("moe_shared_expert_gate", dict(moe_shared_expert_gate=True)),
+    ("moe_aux_loss_coeff", dict(moe_aux_loss_coeff=-1.0)),
+])
+def test_config_errors_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=f"MoEConfig.{field}="):
+        _config(**kwargs)
