@@ -48,6 +48,7 @@ _EXPERT_MODEL = "expert_model"
 _EXPERT_TENSOR = "expert_tensor"
 _EXPERT_DATA = "expert_data"
 _EXPERT_TENSOR_AND_MODEL = "expert_tensor_and_model"
+_EXPERT_TENSOR_MODEL_PIPELINE = "expert_tensor_model_pipeline"
 
 
 def rank_layout(world_size: int, tensor_model_parallel_size: int,
@@ -505,6 +506,9 @@ def expert_rank_layout(world_size: int, pipeline_model_parallel_size: int,
                              for t, e, p in every(etp, ep, pp)),
         _EXPERT_TENSOR_AND_MODEL: sorted([rank(t, e, d, p) for e in range(ep) for t in range(etp)]
                                          for d, p in every(edp, pp)),
+        _EXPERT_TENSOR_MODEL_PIPELINE: sorted(
+            [rank(t, e, d, p) for p in range(pp) for e in range(ep) for t in range(etp)]
+            for (d,) in every(edp)),
     }
 
 
@@ -619,3 +623,13 @@ def get_expert_tensor_and_model_parallel_group() -> dist.ProcessGroup:
 
 def get_expert_tensor_and_model_parallel_ranks() -> List[int]:
     return list(_expert_ranks(_EXPERT_TENSOR_AND_MODEL))
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup:
+    """ETP x EP x PP ranks of one expert-data-parallel replica: every expert weight of the
+    model once (the expert part of the gradient norm is summed over it)."""
+    return _expert_group(_EXPERT_TENSOR_MODEL_PIPELINE)
+
+
+def get_expert_tensor_model_pipeline_parallel_ranks() -> List[int]:
+    return list(_expert_ranks(_EXPERT_TENSOR_MODEL_PIPELINE))

@@ -13,36 +13,42 @@ EXPECTED = {
         expert_model=[[0, 1], [2, 3], [4, 5], [6, 7]],
         expert_data=[[0, 2, 4, 6], [1, 3, 5, 7]],
         expert_tensor_and_model=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        expert_tensor_model_pipeline=[[0, 1], [2, 3], [4, 5], [6, 7]],
     ),
     (8, 1, 4, 1): dict(
         expert_tensor=S8,
         expert_model=[[0, 1, 2, 3], [4, 5, 6, 7]],
         expert_data=[[0, 4], [1, 5], [2, 6], [3, 7]],
         expert_tensor_and_model=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        expert_tensor_model_pipeline=[[0, 1, 2, 3], [4, 5, 6, 7]],
     ),
     (8, 2, 2, 1): dict(
         expert_tensor=S8,
         expert_model=[[0, 1], [2, 3], [4, 5], [6, 7]],
         expert_data=[[0, 2], [1, 3], [4, 6], [5, 7]],
         expert_tensor_and_model=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        expert_tensor_model_pipeline=[[0, 1, 4, 5], [2, 3, 6, 7]],
     ),
     (8, 2, 2, 2): dict(
         expert_tensor=[[0, 1], [2, 3], [4, 5], [6, 7]],
         expert_model=[[0, 2], [1, 3], [4, 6], [5, 7]],
         expert_data=S8,
         expert_tensor_and_model=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        expert_tensor_model_pipeline=[[0, 1, 2, 3, 4, 5, 6, 7]],
     ),
     (8, 1, 2, 4): dict(
         expert_tensor=[[0, 1, 2, 3], [4, 5, 6, 7]],
         expert_model=[[0, 4], [1, 5], [2, 6], [3, 7]],
         expert_data=S8,
         expert_tensor_and_model=[[0, 1, 2, 3, 4, 5, 6, 7]],
+        expert_tensor_model_pipeline=[[0, 1, 2, 3, 4, 5, 6, 7]],
     ),
     (16, 2, 2, 2): dict(
         expert_tensor=[[2 * i, 2 * i + 1] for i in range(8)],
         expert_model=[[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
         expert_data=[[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
         expert_tensor_and_model=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+        expert_tensor_model_pipeline=[[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]],
     ),
 }
 
@@ -67,11 +73,12 @@ def test_expert_layout_partitions_each_pipeline_stage(world, tp, cp, pp, ep, etp
     edp = len(layout["expert_data"][0])
     assert etp * ep * edp * pp == world
     sizes = {"expert_tensor": etp, "expert_model": ep, "expert_data": edp,
-             "expert_tensor_and_model": etp * ep}
+             "expert_tensor_and_model": etp * ep, "expert_tensor_model_pipeline": etp * ep * pp}
     for kind, groups in layout.items():
         assert sorted(r for g in groups for r in g) == list(range(world)), kind
         assert all(len(g) == sizes[kind] for g in groups), kind
-        assert all(len({stage_of[r] for r in g}) == 1 for g in groups), kind
+        if kind != "expert_tensor_model_pipeline":
+            assert all(len({stage_of[r] for r in g}) == 1 for g in groups), kind
 
 
 @pytest.mark.parametrize("world,tp,cp,pp", [(8, 2, 1, 2), (8, 2, 2, 1), (16, 2, 2, 2)])
