@@ -21,6 +21,10 @@ class ModelParallelConfig:
     # how attention sees the other ranks' keys/values: "p2p" (a ring) or "all_gather".
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
+    # Mixture of experts: the routed experts split over this many ranks (EP), and each
+    # expert's weights over expert_tensor_parallel_size ranks (None = the TP size).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     params_dtype: torch.dtype = torch.float32
     # False when weights will be loaded anyway (skips the master-weight init).
     perform_initialization: bool = True
@@ -48,8 +52,11 @@ class ModelParallelConfig:
         if self.cp_comm_type not in ("p2p", "all_gather"):
             raise ValueError(f"cp_comm_type must be 'p2p' or 'all_gather', got "
                              f"{self.cp_comm_type!r}.")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size"):
+                     "context_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         vpp = self.virtual_pipeline_model_parallel_size

@@ -4,6 +4,7 @@ from typing import Optional
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel.layer_split import stage_layer_counts
+from megatron.core.transformer.moe.moe_config import MoEConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
@@ -53,6 +54,9 @@ class TransformerConfig(ModelParallelConfig):
     # torch.compile each layer's element-wise regions (norm + residual, activation, RoPE), not
     # the GEMMs, attention or TP collectives (--torch-compile).
     torch_compile: bool = False
+    # Mixture of experts in place of the MLP of the layers moe.moe_layer_freq picks (None =
+    # dense everywhere).
+    moe: Optional[MoEConfig] = None
 
     def __post_init__(self):
         def need(cond, message):
@@ -117,3 +121,29 @@ class TransformerConfig(ModelParallelConfig):
              "distribute_saved_activations needs recompute_granularity 'full'.")
         need(not (self.distribute_saved_activations and self.sequence_parallel),
              "distribute_saved_activations is redundant with sequence_parallel; use one.")
+        if self.moe is not None:
+            self._check_moe(need)
+
+    def _check_moe(self, need):
+        moe, tp, ep = self.moe, self.tensor_model_parallel_size, self.expert_model_parallel_size
+        need(self.activation == "swiglu" and not self.add_bias_linear,
+             "the MoE experts are SwiGLU FFNs without biases: use --swiglu and "
+             "--disable-bias-linear.")
+        need(moe.num_moe_experts % ep == 0,
+             f"num_moe_experts {moe.num_moe_experts} is not divisible by "
+             f"expert_model_parallel_size {ep}; every EP rank holds the same number of experts.")
+        need(tp == 1 or self.sequence_parallel,
+             f"MoE with tensor_model_parallel_size {tp} needs sequence_parallel (Megatron's "
+             f"rule: each TP rank routes its own part of the sequence); add "
+             f"--sequence-parallel.")
+        need(self.context_parallel_size == 1,
+             "MoE does not compose with context parallelism yet; drop "
+             "--context-parallel-size.")
+        etp = self.expert_tensor_parallel_size
+        need(moe.moe_ffn_hidden_size % etp == 0,
+             f"moe_ffn_hidden_size {moe.moe_ffn_hidden_size} is not divisible by "
+             f"expert_tensor_parallel_size {etp}.")
+        if not isinstance(moe.moe_layer_freq, int):
+            need(len(moe.moe_layer_freq) == self.num_layers,
+                 f"moe_layer_freq lists {len(moe.moe_layer_freq)} layers, the model has "
+                 f"{self.num_layers}.")

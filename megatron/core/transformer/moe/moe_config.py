@@ -4,11 +4,12 @@ Kept apart from TransformerConfig until the MoE layer is wired into the model; e
 combination is a ValueError that names the field and says how to fix it.
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
@@ -70,8 +71,17 @@ class MoEConfig:
     moe_grouped_gemm: bool = False
     """Run the experts as grouped GEMMs (torch._grouped_mm where it applies)."""
 
+    moe_layer_freq: Union[int, List[int]] = 1
+    """Which layers are MoE (Megatron's meaning): N makes 0-based layer i MoE iff i % N == 0;
+    a list gives 1 (MoE) or 0 (dense) per layer."""
+
+    moe_token_dispatcher_type: str = "alltoall"
+    """How tokens reach the expert-parallel ranks: "alltoall", or "allgather" (the simple
+    reference: every rank sees every token)."""
+
     def __post_init__(self):
         self._check_sizes()
+        self._check_layer_freq()
         self._check_router()
         self._check_capacity()
         self._check_shared_expert()
@@ -85,6 +95,23 @@ class MoEConfig:
         if not 1 <= self.moe_router_topk <= self.num_moe_experts:
             _fail("moe_router_topk", self.moe_router_topk,
                   f"use 1..num_moe_experts ({self.num_moe_experts})")
+
+    def _check_layer_freq(self):
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                _fail("moe_layer_freq", freq, "use N >= 1 (every N-th layer) or a 0/1 list")
+        elif not freq or any(v not in (0, 1) for v in freq):
+            _fail("moe_layer_freq", freq, "a list must hold one 0 or 1 per layer")
+        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
+            _fail("moe_token_dispatcher_type", self.moe_token_dispatcher_type,
+                  f"use one of {TOKEN_DISPATCHERS}")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether the layer with this 1-based global number has experts."""
+        if isinstance(self.moe_layer_freq, int):
+            return (layer_number - 1) % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_number - 1])
 
     def _check_router(self):
         if self.moe_router_score_function not in SCORE_FUNCTIONS:
