@@ -27,6 +27,8 @@ class TransformerConfig(ModelParallelConfig):
     activation: str = "gelu"  # gelu (exact), gelu_tanh (GPT-2's), swiglu (LLaMA's)
     add_bias_linear: bool = True
     add_qkv_bias: Optional[bool] = None  # default add_bias_linear
+    # config.normalization over each query and key head's dim before RoPE (Qwen3's q/k_norm).
+    qk_layernorm: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     position_embedding_type: str = "learned_absolute"
