@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe import LocalDispatcher, MoEConfig, MoELayer
 from megatron.core.transformer.moe.experts import SwiGLUExperts, grouped_mm_applies
 from megatron.core.transformer.moe.router import route, update_expert_bias
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.distributed import run_distributed
 
 TOL = 1e-5
 SEQ, BATCH, HIDDEN, FFN, SHARED_FFN = 8, 3, 32, 24, 40
@@ -28,6 +30,14 @@ SEQ, BATCH, HIDDEN, FFN, SHARED_FFN = 8, 3, 32, 24, 40
 def _config(**kw):
     base = dict(num_moe_experts=4, moe_ffn_hidden_size=FFN, moe_router_topk=2)
     return MoEConfig(**{**base, **kw})
+
+
+def _layer(moe_config, init_method_std=0.02):
+    """An MoE layer of a one-layer model (fp32, one process) with these MoE settings."""
+    return MoELayer(TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, activation="swiglu",
+        add_bias_linear=False, init_method_std=init_method_std, scaled_output_init=False,
+        moe=moe_config))
 
 
 # --- against Hugging Face -------------------------------------------------------------------
@@ -75,9 +85,9 @@ def _copy_from_hf(layer, block):
         layer.experts.weight2.copy_(block.experts.down_proj)
         if layer.shared_experts is not None:
             mlp = block.shared_expert
-            layer.shared_experts.weight1.copy_(
+            layer.shared_experts.linear_fc1.weight.copy_(
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            layer.shared_experts.weight2.copy_(mlp.down_proj.weight)
+            layer.shared_experts.linear_fc2.weight.copy_(mlp.down_proj.weight)
             layer.shared_experts.gate_weight.copy_(block.shared_expert_gate.weight)
 
 
@@ -87,9 +97,9 @@ def _hf_grads(block):
              "experts.weight2": block.experts.down_proj.grad}
     if hasattr(block, "shared_expert"):
         mlp = block.shared_expert
-        grads["shared_experts.weight1"] = torch.cat([mlp.gate_proj.weight.grad,
-                                                     mlp.up_proj.weight.grad])
-        grads["shared_experts.weight2"] = mlp.down_proj.weight.grad
+        grads["shared_experts.linear_fc1.weight"] = torch.cat([mlp.gate_proj.weight.grad,
+                                                               mlp.up_proj.weight.grad])
+        grads["shared_experts.linear_fc2.weight"] = mlp.down_proj.weight.grad
         grads["shared_experts.gate_weight"] = block.shared_expert_gate.weight.grad
     return grads
 
@@ -97,15 +107,20 @@ def _hf_grads(block):
 @pytest.mark.parametrize("grouped_gemm", [False, True])
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_matches_hf(case, grouped_gemm):
+    # One process with parallel_state: the shared expert is the tensor-parallel MLP.
+    run_distributed(_compare_with_hf, 1, tp=1, case=case, grouped_gemm=grouped_gemm)
+
+
+def _compare_with_hf(case, grouped_gemm):
     block = _hf_block(case.split("_pre")[0])
-    layer = MoELayer(_config(moe_grouped_gemm=grouped_gemm, **HF_CASES[case]), HIDDEN)
+    layer = _layer(_config(moe_grouped_gemm=grouped_gemm, **HF_CASES[case]))
     _copy_from_hf(layer, block)
     assert grouped_mm_applies(torch.zeros(1, HIDDEN), layer.experts.weight1,
                               layer.experts.weight2)
     x = torch.randn(SEQ, BATCH, HIDDEN)
     upstream = torch.randn(SEQ, BATCH, HIDDEN)
     x_ours, x_hf = x.clone().requires_grad_(), x.transpose(0, 1).contiguous().requires_grad_()
-    out, aux = layer(x_ours)
+    out, aux = layer.forward_with_aux(x_ours)
     out_hf = block(x_hf)
     torch.testing.assert_close(out, out_hf.transpose(0, 1), atol=TOL, rtol=0)
     assert aux["tokens_per_expert"].sum() == SEQ * BATCH * 2 and aux["num_dropped"] == 0
@@ -190,7 +205,7 @@ def test_tokens_routed_equals_tk_minus_dropped():
 def _reference_layer(layer, x):
     """The layer written token by token: sigmoid scores, top-k of scores + bias, renormalised;
     each expert keeps its `capacity` highest-probability choices (earlier token on ties)."""
-    cfg, tokens = layer.config, x.reshape(-1, x.shape[-1])
+    cfg, tokens = layer.config.moe, x.reshape(-1, x.shape[-1])
     num_tokens, topk, experts = tokens.shape[0], cfg.moe_router_topk, cfg.num_moe_experts
     capacity = math.ceil(num_tokens * topk / experts * cfg.moe_expert_capacity_factor)
     choices = {e: [] for e in range(experts)}
@@ -214,14 +229,14 @@ def _reference_layer(layer, x):
 @pytest.mark.parametrize("grouped_gemm,pad", [(False, False), (True, False), (True, True)])
 def test_layer_with_dropping_matches_token_loop(grouped_gemm, pad):
     torch.manual_seed(2)
-    layer = MoELayer(_config(num_moe_experts=6, moe_router_score_function="sigmoid",
-                             moe_router_topk_norm=True, moe_router_enable_expert_bias=True,
-                             moe_expert_capacity_factor=1.0, moe_grouped_gemm=grouped_gemm,
-                             moe_pad_expert_input_to_capacity=pad), HIDDEN, init_method_std=0.2)
+    layer = _layer(_config(num_moe_experts=6, moe_router_score_function="sigmoid",
+                           moe_router_topk_norm=True, moe_router_enable_expert_bias=True,
+                           moe_expert_capacity_factor=1.0, moe_grouped_gemm=grouped_gemm,
+                           moe_pad_expert_input_to_capacity=pad), 0.2)
     layer.router.expert_bias.copy_(torch.tensor([1.0, 0.5, 0, 0, 0, -100.0]))  # 5: no tokens
     x = torch.randn(SEQ, BATCH, HIDDEN)
     x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out, aux = layer(x_ours)
+    out, aux = layer.forward_with_aux(x_ours)
     expected, dropped = _reference_layer(layer, x_ref)
     assert dropped > 0 and aux["num_dropped"] == dropped
     assert aux["tokens_per_expert"][5] == (math.ceil(SEQ * BATCH * 2 / 6) if pad else 0)
@@ -250,9 +265,9 @@ def test_grouped_gemm_falls_back_when_unaligned():
 def test_aux_losses_against_formula():
     torch.manual_seed(3)
     cfg = _config(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    layer = MoELayer(cfg, HIDDEN, init_method_std=0.3)
+    layer = _layer(cfg, 0.3)
     x = torch.randn(SEQ, BATCH, HIDDEN)
-    _, aux = layer(x)
+    _, aux = layer.forward_with_aux(x)
     logits = x.reshape(-1, HIDDEN) @ layer.router.weight.T
     chosen = torch.topk(logits, 2).indices
 
@@ -268,12 +283,12 @@ def test_aux_losses_against_formula():
     z = sum(torch.logsumexp(logits[t], -1).item() ** 2 for t in all_tokens) / (SEQ * BATCH)
     assert aux["aux_loss"].item() == pytest.approx(0.01 * balance(all_tokens), rel=1e-5)
     assert aux["z_loss"].item() == pytest.approx(0.001 * z, rel=1e-5)
-    layer.config.moe_router_load_balancing_type = "seq_aux_loss"
-    _, aux = layer(x)
+    layer.config.moe.moe_router_load_balancing_type = "seq_aux_loss"
+    _, aux = layer.forward_with_aux(x)
     per_seq = [balance(range(b, SEQ * BATCH, BATCH)) for b in range(BATCH)]  # token = s*b + b
     assert aux["aux_loss"].item() == pytest.approx(0.01 * sum(per_seq) / BATCH, rel=1e-5)
-    layer.config.moe_router_load_balancing_type = "none"
-    assert "aux_loss" not in layer(x)[1]
+    layer.config.moe.moe_router_load_balancing_type = "none"
+    assert "aux_loss" not in layer.forward_with_aux(x)[1]
 
 
 @pytest.mark.parametrize("score_function,pre_softmax", [("softmax", False), ("softmax", True),
@@ -301,8 +316,8 @@ def test_update_expert_bias_by_hand():
     bias = torch.tensor([0.5, 0.0, 0.0, -0.5])
     update_expert_bias(bias, torch.tensor([4, 0, 2, 2]), rate=0.1)  # mean load 2
     assert torch.allclose(bias, torch.tensor([0.4, 0.1, 0.0, -0.5]))
-    layer = MoELayer(_config(moe_router_enable_expert_bias=True), HIDDEN)
-    layer(torch.randn(SEQ, BATCH, HIDDEN))
+    layer = _layer(_config(moe_router_enable_expert_bias=True))
+    layer.forward_with_aux(torch.randn(SEQ, BATCH, HIDDEN))
     assert layer.router.local_tokens_per_expert.sum() == SEQ * BATCH * 2
     layer.router.update_expert_bias()
     assert layer.router.expert_bias.abs().max() == pytest.approx(1e-3)

@@ -47,8 +47,10 @@ _ACTIVATIONS = {"swiglu": _swiglu, "gelu_tanh": _gelu_tanh, "gelu": F.gelu}
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ffn_hidden_size=None):
+        """``ffn_hidden_size`` overrides the config's (an MoE layer's shared expert)."""
         super().__init__()
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         self.activation = config.activation
         activation = _ACTIVATIONS[config.activation]
         # --torch-compile: SwiGLU's chunk, SiLU and product become one kernel.
@@ -62,11 +64,11 @@ class MLP(torch.nn.Module):
         out_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
                     if config.scaled_output_init else init_method_normal(config.init_method_std))
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size * (2 if gated else 1), config=config,
+            config.hidden_size, ffn_hidden_size * (2 if gated else 1), config=config,
             bias=config.add_bias_linear, stride=2 if gated else 1,
             init_method=init_method_normal(config.init_method_std))
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, config=config,
+            ffn_hidden_size, config.hidden_size, config=config,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             init_method=out_init)
 

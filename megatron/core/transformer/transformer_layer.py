@@ -1,4 +1,5 @@
-"""Pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+"""Pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x)) (or the MoE layer in
+its place, where config.moe says)."""
 import contextlib
 
 import torch
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norms import build_norm
 
 
@@ -26,7 +28,10 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        if config.moe is not None and config.moe.is_moe_layer(layer_number):
+            self.mlp = MoELayer(config, layer_number)
+        else:
+            self.mlp = MLP(config)
 
     def _residual(self, residual, output, bias):
         if bias is not None:

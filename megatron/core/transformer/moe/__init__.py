@@ -1,4 +1,4 @@
-"""Mixture of experts: config, router, dispatch, experts and the layer (EP=1 so far)."""
+"""Mixture of experts: config, router, dispatch, experts and the MoE layer."""
 from megatron.core.transformer.moe.experts import SwiGLUExperts
 from megatron.core.transformer.moe.local_dispatcher import LocalDispatcher
 from megatron.core.transformer.moe.moe_config import MoEConfig

@@ -1,29 +1,37 @@
 """Token dispatch over the expert-parallel (EP) ranks: all-to-all, and all-gather as the
 simple reference. Each of the EP ranks holds E / EP consecutive experts (rank r: experts
-r*E/EP ... (r+1)*E/EP - 1).
+r*E/EP ... (r+1)*E/EP - 1), and with expert tensor parallelism (ETP) each of the ETP ranks
+of an EP rank holds a slice of those experts' f (experts.py): every ETP rank computes every
+row of its experts, partially, and the partial outputs are summed over the ETP group.
 
 Same API as LocalDispatcher (EP=1), so the MoE layer can hold either:
     expert_input, tokens_per_local_expert, state = dispatcher.permute(hidden, indices, probs)
     output = dispatcher.unpermute(expert_output, state)
 hidden [T, h] (T may differ between ranks, and be 0), indices/probs [T, k] with GLOBAL expert
-ids. expert_input holds the rows this rank's experts receive, grouped by local expert and,
-within an expert, by source rank then token: the order LocalDispatcher gives on the EP ranks'
-tokens concatenated, so EP > 1 computes exactly what EP = 1 does. unpermute returns this
-rank's tokens, each the gate-weighted sum of its k expert outputs. Both are differentiable
-(hidden and probs): every collective is an autograd function whose backward is the reverse
-collective. No capacity dropping here yet.
+ids. Capacity, dropping and padding are decided on this rank's own tokens first
+(capacity.plan_rows, as at EP = 1). expert_input holds the rows this rank's experts receive,
+grouped by local expert and, within an expert, by source rank (global rank order of the
+ETP x EP group) then the source's token order: the order LocalDispatcher gives on those
+ranks' tokens concatenated (with capacity: each rank's plan, merged by expert), so EP > 1
+computes exactly what EP = 1 does. unpermute takes the (ETP-partial) expert output and returns
+this rank's tokens, each the gate-weighted sum of its kept expert outputs. Both are
+differentiable (hidden and probs): every collective is an autograd function whose backward is
+the reverse collective. state.num_dropped: T*k minus the choices kept on this rank.
 """
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import collectives, parallel_state
+from megatron.core.transformer.moe.capacity import RowPlan, combine, plan_rows, source_rows
 
 
 def _all_to_all(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
                 group) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x.clone()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
@@ -86,25 +94,46 @@ class _ReduceScatterRows(torch.autograd.Function):
         return _gather_rows(grad.contiguous(), sizes, group), None, None, None
 
 
+def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """[group size, *counts.shape]: every rank's counts (same shape everywhere)."""
+    out = counts.new_empty((dist.get_world_size(group) * counts.numel(),))
+    collectives.all_gather_into_tensor(out, counts.reshape(-1).contiguous(), group=group)
+    return out.view(-1, *counts.shape)
+
+
 @dataclass
-class EPState:
-    row_token: torch.Tensor  # [rows] the token (of this rank, or of all for all-gather) of a row
-    row_probs: torch.Tensor  # [rows] its gate weight
-    num_tokens: int          # T on this rank
-    # all-to-all: rows sent to / received from each rank, and the sort into local-expert order
-    send_splits: Optional[List[int]] = None
-    recv_splits: Optional[List[int]] = None
-    expert_order: Optional[torch.Tensor] = None
-    # all-gather: every EP rank's T
-    rank_sizes: Optional[List[int]] = None
+class AllToAllState:
+    plan: RowPlan             # this rank's rows, in the order they are sent
+    send_splits: List[int]    # rows sent to / received from each EP rank
+    recv_splits: List[int]
+    etp_sizes: List[int]      # rows each ETP rank received from its EP all-to-all
+    expert_order: torch.Tensor  # arrival order -> local-expert order
+
+    @property
+    def num_dropped(self):
+        return self.plan.num_dropped
+
+
+@dataclass
+class AllGatherState:
+    plan: RowPlan             # this rank's rows
+    rows: RowPlan             # the local experts' rows, tokens indexed over the whole group
+    token_sizes: List[int]    # every group rank's T
+
+    @property
+    def num_dropped(self):
+        return self.plan.num_dropped
 
 
 class _EPDispatcher:
-    def __init__(self, num_experts: int, group=None):
-        self.group = group if group is not None else \
-            parallel_state.get_expert_model_parallel_group()
-        self.ep_size = dist.get_world_size(self.group)
-        self.ep_rank = dist.get_rank(self.group)
+    def __init__(self, num_experts: int, capacity_factor=None, drop_policy="probs",
+                 pad_to_capacity=False):
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.etp_group = parallel_state.get_expert_tensor_parallel_group()
+        self.ep_size = dist.get_world_size(self.ep_group)
+        self.ep_rank = dist.get_rank(self.ep_group)
+        self.etp_size = dist.get_world_size(self.etp_group)
+        self.etp_rank = dist.get_rank(self.etp_group)
         if num_experts % self.ep_size != 0:
             raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by "
                              f"expert-model-parallel-size ({self.ep_size}): each EP rank "
@@ -112,81 +141,95 @@ class _EPDispatcher:
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
         self.first_local = self.ep_rank * self.num_local
+        self.plan_args = (capacity_factor, drop_policy, pad_to_capacity)
 
-    @staticmethod
-    def _flat(indices: torch.Tensor, probs: torch.Tensor):
-        """(expert, token, prob) of every routing choice, token-major."""
-        tokens, topk = indices.shape
-        flat_token = torch.arange(tokens, device=indices.device).repeat_interleave(topk)
-        return indices.reshape(-1), flat_token, probs.reshape(-1)
+    def _plan(self, indices, probs) -> RowPlan:
+        return plan_rows(indices, probs, self.num_experts, *self.plan_args)
 
 
 class AllToAllDispatcher(_EPDispatcher):
-    """Megatron's alltoall dispatcher: each rank sends every routing choice to the rank of its
-    expert (counts first, so the receivers know the split sizes), and the answers come back
-    the same way."""
+    """Megatron's alltoall dispatcher: each rank sends its kept rows to the EP rank of their
+    expert (counts first, so the receivers know the split sizes); with ETP > 1 the received
+    rows are all-gathered over the ETP group and the partial outputs reduce-scattered back;
+    the answers return the same way."""
 
     def permute(self, hidden, indices, probs):
-        flat_expert, flat_token, flat_probs = self._flat(indices, probs)
-        # Sorting by global expert also groups the rows by destination rank.
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        per_rank = [self.num_local] * self.ep_size
-        # received[r, l]: rows rank r sends to my local expert l
-        received = _all_to_all(counts, per_rank, per_rank, self.group).view(self.ep_size, -1)
-        send_splits = counts.view(self.ep_size, -1).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
-        row_token = flat_token[order]
-        arrived = _AllToAll.apply(hidden.index_select(0, row_token), recv_splits, send_splits,
-                                  self.group)
-        # Rows arrive by source rank, each source's by local expert: regroup by local expert.
-        local_ids = torch.arange(self.num_local, device=hidden.device).repeat(self.ep_size)
-        arrived_expert = torch.repeat_interleave(local_ids, received.reshape(-1))
-        expert_order = torch.argsort(arrived_expert, stable=True)
-        state = EPState(row_token, flat_probs[order], hidden.shape[0], send_splits,
-                        recv_splits, expert_order)
-        return arrived.index_select(0, expert_order), received.sum(0), state
+        plan = self._plan(indices, probs)
+        ep, etp, local = self.ep_size, self.etp_size, self.num_local
+        per_rank = [local] * ep
+        # received[r, l]: rows EP rank r sends to my local expert l
+        received = _all_to_all(plan.tokens_per_expert, per_rank, per_rank, self.ep_group)
+        send_splits = plan.tokens_per_expert.view(ep, local).sum(1).tolist()
+        recv_splits = received.view(ep, local).sum(1).tolist()
+        arrived = _AllToAll.apply(source_rows(hidden, plan), recv_splits, send_splits,
+                                  self.ep_group)
+        every = received.view(1, ep, local)  # [ETP source, EP source, local expert]
+        if etp > 1:
+            every = _gather_counts(received.view(ep, local), self.etp_group)
+        etp_sizes = every.view(etp, -1).sum(1).tolist()
+        if etp > 1:
+            arrived = _GatherRows.apply(arrived, etp_sizes, self.etp_rank, self.etp_group)
+        # Regroup by local expert, then source rank in the ETP x EP group (ep * ETP + etp).
+        dev = hidden.device
+        key = (torch.arange(local, device=dev).view(1, 1, local) * (ep * etp)
+               + torch.arange(ep, device=dev).view(1, ep, 1) * etp
+               + torch.arange(etp, device=dev).view(etp, 1, 1))
+        expert_order = torch.argsort(
+            torch.repeat_interleave(key.reshape(-1), every.reshape(-1)), stable=True)
+        state = AllToAllState(plan, send_splits, recv_splits, etp_sizes, expert_order)
+        return arrived.index_select(0, expert_order), every.sum((0, 1)), state
 
-    def unpermute(self, expert_output, state: EPState):
-        back_to_arrival = torch.empty_like(state.expert_order)
-        back_to_arrival[state.expert_order] = torch.arange(
-            state.expert_order.numel(), device=state.expert_order.device)
-        rows = _AllToAll.apply(expert_output.index_select(0, back_to_arrival),
-                               state.send_splits, state.recv_splits, self.group)
-        weighted = rows * state.row_probs.to(rows.dtype).unsqueeze(-1)
-        out = rows.new_zeros(state.num_tokens, rows.shape[1])
-        return out.index_add(0, state.row_token, weighted)
+    def unpermute(self, expert_output, state: AllToAllState):
+        order = state.expert_order
+        back_to_arrival = torch.empty_like(order)
+        back_to_arrival[order] = torch.arange(order.numel(), device=order.device)
+        rows = expert_output.index_select(0, back_to_arrival)
+        if self.etp_size > 1:  # sum the partial outputs, keep the rows this rank received
+            rows = _ReduceScatterRows.apply(rows, state.etp_sizes, self.etp_rank,
+                                            self.etp_group)
+        rows = _AllToAll.apply(rows, state.send_splits, state.recv_splits, self.ep_group)
+        return combine(rows, state.plan)
 
 
 class AllGatherDispatcher(_EPDispatcher):
-    """Megatron's allgather dispatcher: every rank gathers all EP ranks' tokens, probs and
-    choices, keeps the choices of its experts, and unpermute reduce-scatters (sums) the
-    partial outputs back to the tokens' ranks. Simple, and more traffic than all-to-all."""
+    """Megatron's allgather dispatcher: every rank of the ETP x EP group gathers all the
+    group's tokens and kept rows, keeps the rows of its local experts, and unpermute
+    reduce-scatters (sums) the partial outputs back to the tokens' ranks. Simple, and more
+    traffic than all-to-all."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        self.rank = dist.get_rank(self.group)
 
     def permute(self, hidden, indices, probs):
-        mine = torch.tensor([hidden.shape[0]], device=hidden.device)
-        sizes_t = mine.new_empty(self.ep_size)
-        collectives.all_gather_into_tensor(sizes_t, mine, group=self.group)
-        sizes = sizes_t.tolist()
-        every_hidden = _GatherRows.apply(hidden, sizes, self.ep_rank, self.group)
-        every_probs = _GatherRows.apply(probs, sizes, self.ep_rank, self.group)
-        every_indices = _gather_rows(indices, sizes, self.group)
-        flat_expert, flat_token, flat_probs = self._flat(every_indices, every_probs)
-        local = flat_expert - self.first_local
+        plan = self._plan(indices, probs)
+        sizes = _gather_counts(torch.tensor([plan.num_tokens, plan.row_token.numel()],
+                                            device=hidden.device), self.group)
+        token_sizes, row_sizes = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+        total = sum(token_sizes)
+        offset = sum(token_sizes[:self.rank])
+        # Tokens indexed over the group; padding rows read the zero row at index `total`.
+        row_token = torch.where(plan.row_token == plan.num_tokens, total,
+                                plan.row_token + offset)
+        every_token = _gather_rows(row_token, row_sizes, self.group)
+        every_expert = _gather_rows(plan.row_expert, row_sizes, self.group)
+        every_probs = _GatherRows.apply(plan.row_probs, row_sizes, self.rank, self.group)
+        every_hidden = _GatherRows.apply(hidden, token_sizes, self.rank, self.group)
+        local = every_expert - self.first_local
         is_mine = (local >= 0) & (local < self.num_local)
-        # Other ranks' choices sort after every local expert (key num_local) and are cut off.
-        key = torch.where(is_mine, local, self.num_local)
-        order = torch.argsort(key, stable=True)[:int(is_mine.sum())]
+        # Other ranks' experts sort after every local expert (key num_local) and are cut off.
+        order = torch.argsort(torch.where(is_mine, local, self.num_local),
+                              stable=True)[:int(is_mine.sum())]
         tokens_per_local_expert = torch.bincount(local[order], minlength=self.num_local)
-        row_token = flat_token[order]
-        state = EPState(row_token, flat_probs[order], hidden.shape[0], rank_sizes=sizes)
-        return every_hidden.index_select(0, row_token), tokens_per_local_expert, state
+        rows = RowPlan(every_token[order], every_probs[order], every_expert[order],
+                       tokens_per_local_expert, total, True, 0)
+        state = AllGatherState(plan, rows, token_sizes)
+        return source_rows(every_hidden, rows), tokens_per_local_expert, state
 
-    def unpermute(self, expert_output, state: EPState):
-        weighted = expert_output * state.row_probs.to(expert_output.dtype).unsqueeze(-1)
-        partial = expert_output.new_zeros(sum(state.rank_sizes), expert_output.shape[1])
-        partial = partial.index_add(0, state.row_token, weighted)
-        return _ReduceScatterRows.apply(partial, state.rank_sizes, self.ep_rank, self.group)
+    def unpermute(self, expert_output, state: AllGatherState):
+        partial = combine(expert_output, state.rows)
+        return _ReduceScatterRows.apply(partial, state.token_sizes, self.rank, self.group)
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

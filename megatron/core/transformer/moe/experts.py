@@ -9,9 +9,57 @@ moe_grouped_gemm the two projections are torch._grouped_mm calls where that appl
 has it, fp32/bf16, every row stride a multiple of 16 bytes); otherwise the fallback loops over
 the experts on contiguous slices (one F.linear pair per expert, not per token), which needs
 the counts on the host.
+
+Expert parallelism (EP) and expert tensor parallelism (ETP): a rank holds E/EP experts (local
+expert l is global expert ep_rank*E/EP + l) and, of each, the ETP rank's slice of f: weight1
+[E/EP, 2f/ETP, h] = [gate rows of the slice; up rows of the slice] (the stride-2 split of
+[gate; up]) and weight2 [E/EP, h, f/ETP]. With ETP > 1 the output is partial (fc2 over this
+rank's f slice); the dispatcher sums it over the ETP group.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from megatron.core import parallel_state
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which experts, and which slice of their f, this rank holds."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+
+    @classmethod
+    def from_parallel_state(cls):
+        """This rank's shard from the expert groups (EP = ETP = 1 when they do not exist)."""
+        if not parallel_state.expert_parallel_is_initialized():
+            return cls()
+        return cls(parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_rank(),
+                   parallel_state.get_expert_tensor_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_rank())
+
+    def check(self, num_experts, ffn_hidden_size):
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by "
+                             f"expert-model-parallel-size ({self.ep_size}).")
+        if ffn_hidden_size % self.etp_size:
+            raise ValueError(f"moe_ffn_hidden_size ({ffn_hidden_size}) must be divisible by "
+                             f"expert-tensor-parallel-size ({self.etp_size}).")
+
+    def cut(self, weight1, weight2):
+        """Full weight1 [E, 2f, h] and weight2 [E, h, f] -> this rank's [E/EP, 2f/ETP, h] and
+        [E/EP, h, f/ETP] (views of the full tensors)."""
+        num_experts, ffn = weight2.shape[0], weight2.shape[2]
+        self.check(num_experts, ffn)
+        local, part = num_experts // self.ep_size, ffn // self.etp_size
+        experts = slice(self.ep_rank * local, (self.ep_rank + 1) * local)
+        cols = slice(self.etp_rank * part, (self.etp_rank + 1) * part)
+        gate, up = weight1[experts].chunk(2, dim=1)
+        return torch.cat([gate[:, cols], up[:, cols]], dim=1), weight2[experts][:, :, cols]
 
 
 def grouped_mm_applies(x, weight1, weight2):
@@ -46,18 +94,37 @@ def _swiglu(x):
 
 class SwiGLUExperts(torch.nn.Module):
     def __init__(self, num_experts, hidden_size, ffn_hidden_size, grouped_gemm=False,
-                 init_method_std=0.02, output_init_std=None):
+                 init_method_std=0.02, output_init_std=None, shard=None):
+        """shard: an ExpertShard (default: from parallel_state's expert groups). The FULL
+        [E, ...] weights are drawn from the current RNG and this rank keeps its shard, so the
+        global weights do not depend on EP or ETP."""
         super().__init__()
+        self.shard = shard or ExpertShard.from_parallel_state()
+        self.shard.check(num_experts, ffn_hidden_size)
         self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.shard.ep_size
         self.grouped_gemm = grouped_gemm
-        self.weight1 = torch.nn.Parameter(
-            torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
-        self.weight2 = torch.nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
-        torch.nn.init.normal_(self.weight1, std=init_method_std)
-        torch.nn.init.normal_(self.weight2, std=output_init_std or init_method_std)
+        full1 = torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size)
+        full2 = torch.empty(num_experts, hidden_size, ffn_hidden_size)
+        torch.nn.init.normal_(full1, std=init_method_std)
+        torch.nn.init.normal_(full2, std=output_init_std or init_method_std)
+        local1, local2 = self.shard.cut(full1, full2)
+        self.weight1 = torch.nn.Parameter(local1.clone())
+        self.weight2 = torch.nn.Parameter(local2.clone())
+        for weight in (self.weight1, self.weight2):
+            weight.expert_parallel = True  # reduced over the expert-DP group, not DP
+            weight.tensor_model_parallel = self.shard.etp_size > 1
+
+    @torch.no_grad()
+    def load_full(self, weight1, weight2):
+        """Copy this rank's shard of full weight1 [E, 2f, h] / weight2 [E, h, f]."""
+        local1, local2 = self.shard.cut(weight1, weight2)
+        self.weight1.copy_(local1)
+        self.weight2.copy_(local2)
 
     def forward(self, expert_input, tokens_per_expert):
-        """expert_input [N, h] grouped by expert, tokens_per_expert [E] -> [N, h]."""
+        """expert_input [N, h] grouped by local expert, tokens_per_expert [E/EP] -> [N, h]
+        (partial over the ETP group when ETP > 1)."""
         if self.grouped_gemm and grouped_mm_applies(expert_input, self.weight1, self.weight2):
             return self._forward_grouped(expert_input, tokens_per_expert)
         return self._forward_loop(expert_input, tokens_per_expert)

@@ -3,8 +3,14 @@
 Tokens arrive flattened from [s, b, h], so token t belongs to sequence t % b (the per-sequence
 aux loss relies on that order). The losses are returned already multiplied by their
 coefficients, for the caller to add to the model's loss.
+
+Under sequence parallelism each TP rank routes its own part of the sequence (``group``, the
+TP group): the token counts are summed over it first, and each rank returns its share of the
+loss (its tokens' scores over the whole micro batch's token count), so the shares add up over
+TP to the loss of the whole micro batch, whatever the TP size.
 """
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -43,29 +49,44 @@ def aux_loss_scores(logits, score_function):
     return scores / scores.sum(dim=-1, keepdim=True)
 
 
-def switch_aux_loss(scores, indices, num_experts):
+def _summed_over(counts, group):
+    """counts summed over the ranks of ``group`` (no gradient: counts have none), and the
+    number of ranks."""
+    if group is None:
+        return counts, 1
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts, dist.get_world_size(group)
+
+
+def switch_aux_loss(scores, indices, num_experts, group=None):
     """Switch/GShard load balancing: E * sum_e f_e * P_e, where f_e is the fraction of the
     T*k routing choices that picked expert e and P_e the mean score of expert e."""
     counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(scores.dtype)
-    fraction = counts / indices.numel()
-    mean_score = scores.mean(dim=0)
+    counts, ranks = _summed_over(counts, group)
+    tokens = scores.shape[0] * ranks
+    fraction = counts / (tokens * indices.shape[-1])
+    mean_score = scores.sum(dim=0) / tokens
     return num_experts * torch.sum(fraction * mean_score)
 
 
-def seq_aux_loss(scores, indices, num_experts, num_sequences):
+def seq_aux_loss(scores, indices, num_experts, num_sequences, group=None):
     """The Switch loss per sequence (tokens ordered [s, b]), averaged over the b sequences."""
     seq_len = scores.shape[0] // num_sequences
     seq_scores = scores.reshape(seq_len, num_sequences, num_experts)
     seq_indices = indices.reshape(seq_len, num_sequences, -1)
     one_hot = F.one_hot(seq_indices, num_experts).sum(dim=2).to(scores.dtype)  # [s, b, E]
-    fraction = one_hot.sum(dim=0) / (seq_len * indices.shape[-1])  # [b, E]
-    mean_score = seq_scores.mean(dim=0)  # [b, E]
+    counts, ranks = _summed_over(one_hot.sum(dim=0), group)  # [b, E]
+    full_len = seq_len * ranks
+    fraction = counts / (full_len * indices.shape[-1])
+    mean_score = seq_scores.sum(dim=0) / full_len  # [b, E]
     return num_experts * torch.sum(fraction * mean_score, dim=-1).mean()
 
 
-def z_loss(logits):
+def z_loss(logits, group=None):
     """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
+    ranks = 1 if group is None else dist.get_world_size(group)
+    return torch.logsumexp(logits, dim=-1).square().sum() / (logits.shape[0] * ranks)
 
 
 @torch.no_grad()
@@ -78,9 +99,10 @@ def update_expert_bias(bias, tokens_per_expert, rate):
 
 
 class TopKRouter(torch.nn.Module):
-    def __init__(self, config, hidden_size, init_method_std=0.02):
+    def __init__(self, config, hidden_size, init_method_std=0.02, sequence_group=None):
         super().__init__()
         self.config = config
+        self.sequence_group = sequence_group  # the TP group under SP (see the module doc)
         self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, hidden_size))
         torch.nn.init.normal_(self.weight, std=init_method_std)
         if config.moe_router_enable_expert_bias:
@@ -88,7 +110,7 @@ class TopKRouter(torch.nn.Module):
             experts = config.num_moe_experts
             self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert",
-                                 torch.zeros(experts, dtype=torch.float32))
+                                 torch.zeros(experts, dtype=torch.float32), persistent=False)
         else:
             self.expert_bias = None
 
@@ -99,23 +121,24 @@ class TopKRouter(torch.nn.Module):
         probs, indices = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
                                cfg.moe_router_pre_softmax, cfg.moe_router_topk_norm,
                                self.expert_bias)
-        if self.expert_bias is not None and self.training:
+        # Recomputation runs a forward twice: count the one with grad enabled.
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += torch.bincount(
                 indices.reshape(-1), minlength=cfg.num_moe_experts)
         return probs, indices, self._losses(logits, indices, num_sequences)
 
     def _losses(self, logits, indices, num_sequences):
-        cfg, losses = self.config, {}
+        cfg, losses, group = self.config, {}, self.sequence_group
         balancing = cfg.moe_router_load_balancing_type
         if balancing != "none" and cfg.moe_aux_loss_coeff > 0:
             scores = aux_loss_scores(logits, cfg.moe_router_score_function)
             if balancing == "aux_loss":
-                loss = switch_aux_loss(scores, indices, cfg.num_moe_experts)
+                loss = switch_aux_loss(scores, indices, cfg.num_moe_experts, group)
             else:
-                loss = seq_aux_loss(scores, indices, cfg.num_moe_experts, num_sequences)
+                loss = seq_aux_loss(scores, indices, cfg.num_moe_experts, num_sequences, group)
             losses["aux_loss"] = cfg.moe_aux_loss_coeff * loss
         if cfg.moe_z_loss_coeff:
-            losses["z_loss"] = cfg.moe_z_loss_coeff * z_loss(logits)
+            losses["z_loss"] = cfg.moe_z_loss_coeff * z_loss(logits, group)
         return losses
 
     def update_expert_bias(self):
