@@ -1,13 +1,15 @@
 """Hugging Face <-> this project: configs and full (unsharded) state dicts.
 
 Supported: ``LlamaForCausalLM`` (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope scaling, tied or
-untied embeddings; Mistral shares the layout) and ``GPT2LMHeadModel``. Combine with
-``tp_sharding`` for a TP rank's or a pipeline stage's share.
+untied embeddings; Mistral shares the layout), ``GPT2LMHeadModel``, and the LLaMA-like MoE
+models of ``hf_moe_conversion`` (Mixtral, Qwen2-MoE, Qwen3-MoE). Combine with ``tp_sharding``
+for a TP rank's or a pipeline stage's share.
 """
 from typing import Dict, Tuple
 
 import torch
 
+from megatron.core.models import hf_moe_conversion as moe_hf
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 LLAMA, GPT2 = "llama", "gpt2"
@@ -20,8 +22,14 @@ def architecture_of(hf_config) -> str:
         return LLAMA
     if model_type == "gpt2":
         return GPT2
+    if model_type in moe_hf.MOE_MODEL_TYPES:
+        return model_type
     raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: llama, "
-                     f"mistral, gpt2.")
+                     f"mistral, gpt2, {', '.join(moe_hf.MOE_MODEL_TYPES)}.")
+
+
+def _llama_like(arch: str) -> bool:
+    return arch != GPT2
 
 
 def _rope_settings(hf_config) -> dict:
@@ -47,7 +55,7 @@ def _rope_settings(hf_config) -> dict:
 def config_from_hf(hf_config, **overrides) -> Tuple[TransformerConfig, dict]:
     """(TransformerConfig, model kwargs: vocab_size, share_embeddings_and_output_weights)."""
     arch = architecture_of(hf_config)
-    if arch == LLAMA:
+    if _llama_like(arch):
         if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
             raise ValueError("LLaMA checkpoints with attention_bias or mlp_bias are not "
                              "supported.")
@@ -65,6 +73,8 @@ def config_from_hf(hf_config, **overrides) -> Tuple[TransformerConfig, dict]:
             hidden_dropout=0.0, scaled_output_init=False,
             init_method_std=getattr(hf_config, "initializer_range", 0.02),
             **_rope_settings(hf_config))
+        if arch in moe_hf.MOE_MODEL_TYPES:
+            kwargs.update(moe_hf.moe_transformer_kwargs(hf_config))
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     else:
         if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False) or \
@@ -142,14 +152,49 @@ _HF_LAYER_PREFIX = {LLAMA: "model.layers.{}.", GPT2: "transformer.h.{}."}
 _HF_EMBEDDING = {LLAMA: "model.embed_tokens.weight", GPT2: "transformer.wte.weight"}
 
 
-def _one_to_one_pairs(arch: str, num_layers: int):
-    """(our name, HF name, transposed) for every one-to-one parameter of the model."""
-    pairs = list(_ONE_TO_ONE[arch]["global"])
-    for i in range(num_layers):
-        theirs = _HF_LAYER_PREFIX[arch].format(i)
-        pairs += [(f"decoder.layers.{i}.{o}", theirs + t, tr)
-                  for o, t, tr in _ONE_TO_ONE[arch]["layer"]]
+_QK_NORMS = [("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", False),
+             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", False)]
+
+
+def _one_to_one_pairs(arch: str, config: TransformerConfig):
+    """(our name, HF name, transposed) for every one-to-one parameter of the model (the MoE
+    models' MLPs are mapped layer by layer: _mlp_from_hf)."""
+    family = arch if arch == GPT2 else LLAMA
+    pairs = list(_ONE_TO_ONE[family]["global"])
+    layer = [p for p in _ONE_TO_ONE[family]["layer"]
+             if arch in (LLAMA, GPT2) or not p[0].startswith("mlp.")]
+    layer += _QK_NORMS if config.qk_layernorm else []
+    for i in range(config.num_layers):
+        theirs = _HF_LAYER_PREFIX[family].format(i)
+        pairs += [(f"decoder.layers.{i}.{o}", theirs + t, tr) for o, t, tr in layer]
     return pairs
+
+
+def _is_moe_layer(config: TransformerConfig, index: int) -> bool:
+    return config.moe is not None and config.moe.is_moe_layer(index + 1)
+
+
+def _mlp_from_hf(hf_state, i: int, src: str, dst: str, arch: str, config: TransformerConfig,
+                 hf_config) -> Dict[str, torch.Tensor]:
+    if _is_moe_layer(config, i):
+        return moe_hf.moe_layer_from_hf(hf_state, src, dst, arch,
+                                        moe_hf.num_experts_of(hf_config))
+    out = {dst + "mlp.linear_fc1.weight": torch.cat(
+        [hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]])}
+    if arch != LLAMA:  # LLaMA's fc2 is one of the one-to-one pairs
+        out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
+    return out
+
+
+def _mlp_to_hf(state, i: int, src: str, dst: str, arch: str, config: TransformerConfig,
+               expert_layout: str) -> Dict[str, torch.Tensor]:
+    if _is_moe_layer(config, i):
+        return moe_hf.moe_layer_to_hf(state, src, dst, arch, expert_layout)
+    gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
+    out = {dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up}
+    if arch != LLAMA:
+        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
+    return out
 
 
 def hf_to_megatron(hf_state: Dict[str, torch.Tensor], hf_config,
@@ -159,16 +204,17 @@ def hf_to_megatron(hf_state: Dict[str, torch.Tensor], hf_config,
     config, model_kwargs = config_from_hf(hf_config)
     rows = padded_vocab_size or model_kwargs["vocab_size"]
     out = {ours: hf_state[theirs].t() if transposed else hf_state[theirs]
-           for ours, theirs, transposed in _one_to_one_pairs(arch, config.num_layers)}
-    out["embedding.word_embeddings.weight"] = _pad_rows(hf_state[_HF_EMBEDDING[arch]], rows)
+           for ours, theirs, transposed in _one_to_one_pairs(arch, config)}
+    family = GPT2 if arch == GPT2 else LLAMA
+    out["embedding.word_embeddings.weight"] = _pad_rows(hf_state[_HF_EMBEDDING[family]], rows)
     for i in range(config.num_layers):
-        src, dst = _HF_LAYER_PREFIX[arch].format(i), f"decoder.layers.{i}."
-        if arch == LLAMA:
-            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-                *(hf_state[f"{src}self_attn.{x}_proj.weight"] for x in "qkv"),
-                config.num_query_groups)
-            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]])
+        src, dst = _HF_LAYER_PREFIX[family].format(i), f"decoder.layers.{i}."
+        if family == LLAMA:
+            for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
+                out[dst + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                    *(hf_state[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv"),
+                    config.num_query_groups)
+            out.update(_mlp_from_hf(hf_state, i, src, dst, arch, config, hf_config))
         else:
             heads = config.num_attention_heads
             out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
@@ -180,23 +226,28 @@ def hf_to_megatron(hf_state: Dict[str, torch.Tensor], hf_config,
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def megatron_to_hf(state: Dict[str, torch.Tensor], hf_config) -> Dict[str, torch.Tensor]:
-    """Our full state dict -> a HF state dict (vocab padding dropped)."""
+def megatron_to_hf(state: Dict[str, torch.Tensor], hf_config,
+                   expert_layout: str = moe_hf.PER_EXPERT) -> Dict[str, torch.Tensor]:
+    """Our full state dict -> a HF state dict (vocab padding dropped); MoE experts in
+    ``expert_layout`` (per expert: the on-disk layout every transformers version loads)."""
     arch = architecture_of(hf_config)
     config, model_kwargs = config_from_hf(hf_config)
     vocab = model_kwargs["vocab_size"]
     out = {theirs: state[ours].t() if transposed else state[ours]
-           for ours, theirs, transposed in _one_to_one_pairs(arch, config.num_layers)}
+           for ours, theirs, transposed in _one_to_one_pairs(arch, config)}
+    family = GPT2 if arch == GPT2 else LLAMA
     embedding = state["embedding.word_embeddings.weight"][:vocab]
-    out[_HF_EMBEDDING[arch]] = embedding
+    out[_HF_EMBEDDING[family]] = embedding
     for i in range(config.num_layers):
-        src, dst = f"decoder.layers.{i}.", _HF_LAYER_PREFIX[arch].format(i)
+        src, dst = f"decoder.layers.{i}.", _HF_LAYER_PREFIX[family].format(i)
         q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
-        if arch == LLAMA:
+        if family == LLAMA:
             out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
                         dst + "self_attn.v_proj.weight": v})
-            gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
-            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+            if config.add_qkv_bias:
+                biases = _split_qkv(state[src + "self_attention.linear_qkv.bias"], config)
+                out.update({dst + f"self_attn.{x}_proj.bias": t for x, t in zip("qkv", biases)})
+            out.update(_mlp_to_hf(state, i, src, dst, arch, config, expert_layout))
         else:
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
             out[dst + "attn.c_attn.bias"] = torch.cat(

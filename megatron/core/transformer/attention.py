@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.cp_blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
+from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
@@ -95,6 +96,16 @@ def check_attention_partition(config, tp_size: int) -> None:
                          f"key/value groups.")
 
 
+def _build_head_norm(config):
+    """A norm over one head's dim, shared by all heads. TP splits the heads, so each rank's
+    weight gradient covers only its heads: marked (sequence_parallel) for finalize_model_grads'
+    sum over TP, with or without sequence parallelism."""
+    norm = build_norm(config, config.kv_channels)
+    for p in norm.parameters():
+        p.sequence_parallel = True
+    return norm
+
+
 class SelfAttention(torch.nn.Module):
     def __init__(self, config, layer_number: int):
         super().__init__()
@@ -117,6 +128,9 @@ class SelfAttention(torch.nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             init_method=out_init)
+        if config.qk_layernorm:
+            self.q_layernorm = _build_head_norm(config)
+            self.k_layernorm = _build_head_norm(config)
 
     def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
                 packed_seq_params: Optional[PackedSeqParams] = None):
@@ -130,6 +144,8 @@ class SelfAttention(torch.nn.Module):
         query, key, value = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
         query = query.reshape(b, s, self.local_heads, self.head_dim)
         key, value = key.squeeze(3), value.squeeze(3)
+        if self.config.qk_layernorm:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_cos is not None:
             query = self.apply_rotary(query, rotary_cos, rotary_sin)
             key = self.apply_rotary(key, rotary_cos, rotary_sin)
