@@ -26,6 +26,12 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 )
 from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
 
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """A routed expert's weight: held by the expert-parallel ranks, reduced over expert-DP."""
+    return getattr(param, "expert_parallel", False)
+
+
 # ZeRO-2, overlapped: launching a bucket's reduction first waits for (and frees) the bucket
 # launched this many before it; it had a bucket's backward to complete.
 MAX_BUCKETS_IN_FLIGHT = 2
@@ -64,13 +70,16 @@ class DistributedDataParallel(torch.nn.Module):
         for param in module.parameters():
             if param.requires_grad:
                 grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-                by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
-        # Reverse registration order ~ the order backward produces gradients.
+                key = (is_expert(param), param.dtype, grad_dtype)
+                by_dtype.setdefault(key, []).append(param)
+        # Reverse registration order ~ the order backward produces gradients. Routed experts'
+        # gradients are reduced over the ranks holding the same experts (expert-DP); they
+        # already hold the sum over their EP ranks' tokens, so they are scaled by 1/DP too.
         self.buffers = [GradBuffer(params[::-1], grad_dtype, bucket_size,
-                                   self.data_parallel_group, 1.0 / dp_size,
+                                   self._reduction_group(expert), 1.0 / dp_size,
                                    shard=ddp_config.use_distributed_optimizer,
                                    shard_grads=ddp_config.shard_gradients)
-                        for (_, grad_dtype), params in by_dtype.items()]
+                        for (expert, _, grad_dtype), params in by_dtype.items()]
         self._bucket_of = {p: bucket for b in self.buffers for p, bucket in b.bucket_of.items()}
         # The sharded buckets in forward order (by their first parameter's registration),
         # the order the next forward needs their all-gathers; [:_gathers_launched] are issued.
@@ -84,6 +93,11 @@ class DistributedDataParallel(torch.nn.Module):
         if ddp_config.overlap_param_gather:
             self._register_param_gather_waits()
         self.broadcast_params()
+
+    def _reduction_group(self, expert: bool):
+        if expert:
+            return parallel_state.get_expert_data_parallel_group()
+        return self.data_parallel_group
 
     def _buckets(self):
         return [bucket for buffer in self.buffers for bucket in buffer.buckets]
@@ -198,7 +212,12 @@ class DistributedDataParallel(torch.nn.Module):
         src = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
         with torch.no_grad():
             for param in self.module.parameters():
-                dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+                if is_expert(param):
+                    dist.broadcast(param.data,
+                                   src=parallel_state.get_expert_data_parallel_ranks()[0],
+                                   group=parallel_state.get_expert_data_parallel_group())
+                else:
+                    dist.broadcast(param.data, src=src, group=self.data_parallel_group)
 
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()

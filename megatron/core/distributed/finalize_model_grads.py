@@ -40,11 +40,30 @@ def allreduce_sequence_parallel_grads(model_chunks: List[torch.nn.Module]) -> No
         grad.copy_(synced)
 
 
+def update_router_expert_biases(model_chunks: List[torch.nn.Module]) -> None:
+    """Aux-loss-free balancing: each router's token counts since the last step, summed over
+    every rank routing tokens for the same layers (TP x DP of the stage), move its expert
+    bias, identically on every rank (one collective for all routers)."""
+    routers = [m for chunk in model_chunks for m in unwrap_model(chunk).modules()
+               if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    counts = [r.local_tokens_per_expert for r in routers]
+    flat = torch._utils._flatten_dense_tensors(counts)
+    dist.all_reduce(flat, group=parallel_state.get_tensor_and_data_parallel_group())
+    for count, summed in zip(counts, torch._utils._unflatten_dense_tensors(flat, counts)):
+        count.copy_(summed)
+    for router in routers:
+        router.update_expert_bias()
+
+
 def finalize_model_grads(model_chunks: List[torch.nn.Module]) -> None:
     """DP reduction (waiting for overlapped buckets), sequence-parallel gradients over TP,
-    and the tied embedding's two copies summed over the first and last pipeline stage."""
+    the tied embedding's two copies summed over the first and last pipeline stage, and the
+    routers' expert-bias update."""
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()
     allreduce_sequence_parallel_grads(model_chunks)
     allreduce_tied_embedding_grads(model_chunks)
+    update_router_expert_biases(model_chunks)

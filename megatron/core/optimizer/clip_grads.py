@@ -3,9 +3,10 @@
 Each rank sums the squares of the gradients it owns (tensor-parallel duplicates and the second
 copy of a tied embedding are counted once, on one rank); the sums are added over the
 model-parallel group (TP x PP). Data-parallel replicas hold the same reduced gradients, so
-they are not added again.
+they are not added again. With routed experts (spread over the EP ranks of the DP group) the
+plain optimizer sums over every rank instead, counting each DP replica once.
 """
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,16 @@ def count_zeros_fp32(grads_for_norm: List[torch.Tensor], model_parallel_group) -
     return int(total.item())
 
 
-def is_counted_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` enters the global norm."""
+def is_counted_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int,
+                       replica_ranks: Optional[Tuple[int, int]] = None) -> bool:
+    """Whether this rank's copy of ``param`` enters the global norm. ``replica_ranks`` =
+    (DP rank, expert-DP rank) when the sum runs over data-parallel replicas too (routed
+    experts with the plain optimizer): then only the first replica counts."""
+    if getattr(param, "expert_parallel", False):
+        # A routed expert's weight differs on every expert-TP and EP rank.
+        return replica_ranks is None or replica_ranks[1] == 0
     if getattr(param, "shared_embedding", False):
         return False  # the last stage's copy of the tied embedding; the first stage counts it
     if not getattr(param, "tensor_model_parallel", False) and tensor_parallel_rank > 0:
         return False  # the same on every TP rank; TP rank 0 counts it
-    return True
+    return replica_ranks is None or replica_ranks[0] == 0

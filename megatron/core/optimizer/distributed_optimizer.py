@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
-from megatron.core.collectives import all_gather_into_tensor
 from megatron.core.optimizer.named_state import (
     check_covers,
     check_numel,
@@ -88,6 +87,9 @@ class DistributedOptimizer(MegatronOptimizer):
     # --- the step ------------------------------------------------------------------------------
     def _reduction_group(self):
         return None  # shards differ over DP too: reduce over every rank
+
+    def _replica_ranks(self):
+        return None  # ... and no shard is held twice
 
     def _model_param(self, main_param):
         return self._model_of[main_param]

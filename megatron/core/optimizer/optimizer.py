@@ -14,6 +14,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    is_counted_in_norm,
+)
 from megatron.core.optimizer.named_state import (
     check_covers,
     check_numel,
@@ -25,12 +31,6 @@ from megatron.core.optimizer.named_state import (
     wrap_state,
 )
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
-from megatron.core.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32,
-    count_zeros_fp32,
-    get_grad_norm_fp32,
-    is_counted_in_norm,
-)
 
 
 def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -76,15 +76,26 @@ class MegatronOptimizer:
 
     def _grads_for_norm(self) -> List[torch.Tensor]:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        replicas = self._replica_ranks()
         return [grad for param, grad in self._main_params_and_grads()
-                if is_counted_in_norm(self._model_param(param), tp_rank)]
+                if is_counted_in_norm(self._model_param(param), tp_rank, replicas)]
+
+    def _replica_ranks(self):
+        """(DP rank, expert-DP rank) when the reductions run over DP replicas, else None."""
+        if self._reduction_group() is not None:
+            return None
+        return (parallel_state.get_data_parallel_rank(with_context_parallel=True),
+                parallel_state.get_expert_data_parallel_rank())
 
     def _model_param(self, main_param: torch.nn.Parameter) -> torch.nn.Parameter:
         return main_param
 
     def _reduction_group(self):
         """Ranks whose gradients together make the model's: the model-parallel group (DP
-        replicas hold the same reduced gradients)."""
+        replicas hold the same reduced gradients); with routed experts every rank (None),
+        since the EP ranks inside the DP group hold different experts."""
+        if parallel_state.expert_parallel_is_initialized():
+            return None
         return parallel_state.get_model_parallel_group()
 
     def _unscale_and_check_for_inf(self) -> bool:

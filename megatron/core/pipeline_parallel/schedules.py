@@ -46,6 +46,7 @@ from megatron.core.tensor_parallel.weight_grad_store import (
     WeightGradStore,
     deferring_weight_grads,
 )
+from megatron.core.transformer.moe.moe_layer import set_aux_loss_scale
 
 
 def get_forward_backward_func() -> Callable:
@@ -62,6 +63,10 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
                  input_tensor: Optional[torch.Tensor], forward_data_store: List, config,
                  is_last_stage: bool, collect_non_loss_data: bool = False) -> torch.Tensor:
     """Run one microbatch through one model chunk; on the last stage turn it into the loss."""
+    if getattr(config, "moe", None) is not None:  # the MoE losses' share of the gradient
+        scale = 1.0 if config.grad_scale_func is None else \
+            float(config.grad_scale_func(torch.ones(1)))
+        set_aux_loss_scale(scale / num_microbatches)
     unwrap_model(model).set_input_tensor(input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if not is_last_stage:
