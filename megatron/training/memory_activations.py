@@ -40,6 +40,7 @@ import torch
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.core.transformer.attention import sdpa_kernel_for
+from megatron.training.memory_moe import dispatch_buffer_bytes, is_moe_layer, moe_layer_terms
 from megatron.training.memory_params import chunk_span
 from megatron.training.memory_schedules import (
     is_zero_bubble,
@@ -89,9 +90,9 @@ def _norm_terms(config, tokens: int, h: int, e: int) -> Dict[str, int]:
     return {"norm input (fp32)": FP32 * tokens * h, "norm statistics": 2 * FP32 * tokens}
 
 
-def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
+def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, int]:
     """Bytes one transformer layer keeps for backward, one microbatch, no recomputation, on
-    one tensor-parallel rank."""
+    one tensor-parallel rank; ``moe``: an MoE layer (its MLP terms from memory_moe)."""
     tp = config.tensor_model_parallel_size
     s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
     h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
@@ -123,6 +124,10 @@ def layer_terms(config, setup: ActivationSetup) -> Dict[str, int]:
         add(name, value)
     add("attention output projection input", e * tokens * heads * d)
     add("dropout masks", 2 * m * sharded_tokens * h)
+    if moe:
+        for name, value in moe_layer_terms(config, sharded_tokens, e, b).items():
+            add(name, value)
+        return terms
     add("MLP input", e * sharded_tokens * h)
     add("MLP intermediate", e * tokens * f // tp * (3 if config.activation == "swiglu" else 2))
     return terms
@@ -201,12 +206,13 @@ def cp_kv_in_flight_bytes(config, setup: ActivationSetup) -> int:
     return 2 * kv_tokens * setup.local_seq_length(config) * (setup.activation_bytes + FP32)
 
 
-def layer_bytes(config, setup: ActivationSetup, recompute: Optional[str] = None) -> int:
+def layer_bytes(config, setup: ActivationSetup, recompute: Optional[str] = None,
+                moe: bool = False) -> int:
     """One layer, one microbatch. ``recompute``: None, "selective" (the attention core is
     recomputed where the kernel keeps the s x s softmax; a no-op with a fused kernel, which
     keeps only Q, K, V, output and log-sum-exp) or "full" (nothing but the span inputs, see
     ``chunk_bytes``)."""
-    terms = layer_terms(config, setup)
+    terms = layer_terms(config, setup, moe)
     if recompute == "selective" and not setup.flash_attention(config):
         tp = config.tensor_model_parallel_size
         core = _attention_core_terms(config, setup, config.num_attention_heads // tp,
@@ -223,17 +229,20 @@ def _hidden_input_bytes(config, setup: ActivationSetup) -> int:
     return setup.activation_bytes * (tokens // tp if divided else tokens) * config.hidden_size
 
 
-def layers_bytes(config, setup: ActivationSetup, num_layers: int) -> int:
-    """``num_layers`` consecutive layers of a chunk under the config's recomputation."""
+def layers_bytes(config, setup: ActivationSetup, num_layers: int, start: int = 0) -> int:
+    """``num_layers`` consecutive layers of a chunk (the first is global layer ``start``,
+    0-based: MoE and dense layers differ) under the config's recomputation."""
     granularity = config.recompute_granularity
     if granularity != "full":
-        return num_layers * layer_bytes(config, setup, granularity)
+        return sum(layer_bytes(config, setup, granularity, is_moe_layer(config, i))
+                   for i in range(start, start + num_layers))
     k = config.recompute_num_layers
     if config.recompute_method == "uniform":  # one saved input per group of k layers
         return math.ceil(num_layers / k) * _hidden_input_bytes(config, setup)
     recomputed = min(k, num_layers)  # "block": the first k layers one by one
-    return recomputed * _hidden_input_bytes(config, setup) + \
-        (num_layers - recomputed) * layer_bytes(config, setup)
+    return recomputed * _hidden_input_bytes(config, setup) + sum(
+        layer_bytes(config, setup, moe=is_moe_layer(config, i))
+        for i in range(start + recomputed, start + num_layers))
 
 
 def recompute_working_bytes(config, setup: ActivationSetup, num_layers: int) -> int:
@@ -242,7 +251,9 @@ def recompute_working_bytes(config, setup: ActivationSetup, num_layers: int) -> 
     if config.recompute_granularity != "full":
         return 0
     span = config.recompute_num_layers if config.recompute_method == "uniform" else 1
-    return min(span, num_layers) * layer_bytes(config, setup)
+    largest = max(layer_bytes(config, setup, moe=moe) for moe in
+                  ((False, True) if getattr(config, "moe", None) else (False,)))
+    return min(span, num_layers) * largest
 
 
 def embedding_bytes(config, setup: ActivationSetup) -> int:
@@ -286,7 +297,8 @@ def chunk_bytes(config, setup: ActivationSetup, pipeline_rank: int, chunk: int =
     """One microbatch's stored activations in one model chunk (placed as its schedule places
     it: zbv's V puts the embedding and the loss on rank 0)."""
     span = chunk_span(config, pipeline_rank, chunk)
-    total = layers_bytes(config, setup, span.end - span.start) + rotary_bytes(config, setup)
+    total = layers_bytes(config, setup, span.end - span.start, span.start) + \
+        rotary_bytes(config, setup)
     if span.pre_process:
         total += embedding_bytes(config, setup)
     elif setup.activation_bytes != FP32 and config.recompute_granularity != "full" and \
@@ -310,10 +322,12 @@ class StageActivations:
     # linear inputs kept from B to W) of ``deferred`` (chunk, microbatch) at the peak.
     weight_grad_bytes: int = 0
     deferred: int = 0
+    moe_dispatch_bytes: int = 0  # an MoE layer's dispatcher rows in flight (transient)
 
     @property
     def peak_bytes(self) -> int:
-        return self.stored_bytes + self.recompute_working_bytes + self.cp_kv_in_flight_bytes
+        return self.stored_bytes + self.recompute_working_bytes + \
+            self.cp_kv_in_flight_bytes + self.moe_dispatch_bytes
 
 
 def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
@@ -347,4 +361,14 @@ def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
     return StageActivations(pipeline_rank, in_flight, live_peak,
                             recompute_working_bytes(config, setup, layers),
                             cp_kv_in_flight_bytes(config, setup) if layers else 0,
-                            records, deferred)
+                            records, deferred, moe_dispatch_in_flight(config, setup, layers))
+
+
+def moe_dispatch_in_flight(config, setup: ActivationSetup, layers: int) -> int:
+    """The dispatcher's send/receive (all-gather: gathered) rows of one MoE layer."""
+    if not layers or getattr(config, "moe", None) is None:
+        return 0
+    tp, tokens = config.tensor_model_parallel_size, \
+        setup.local_seq_length(config) * setup.micro_batch_size
+    sharded = tokens // tp if config.sequence_parallel and tp > 1 else tokens
+    return dispatch_buffer_bytes(config, sharded, setup.activation_bytes)

@@ -23,6 +23,12 @@ from typing import List, Optional, Tuple
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.pipeline_placement import placement_for_schedule, virtual_stage_of
+from megatron.training.memory_moe import (
+    expert_data_parallel_size,
+    is_expert_param,
+    is_moe_layer,
+    moe_mlp_params,
+)
 
 FP32 = 4
 
@@ -95,6 +101,8 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
     if config.add_bias_linear:
         shapes.append(ParamShape(prefix + "self_attention.linear_proj.bias", h))
     shapes += [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
+    if is_moe_layer(config, number):
+        return shapes + moe_mlp_params(config, prefix + "mlp.")
     shapes.append(ParamShape(prefix + "mlp.linear_fc1.weight", fc1 * h, fc1))
     if config.add_bias_linear:
         shapes.append(ParamShape(prefix + "mlp.linear_fc1.bias", fc1))
@@ -265,8 +273,17 @@ def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
         return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
                                  share_embeddings_and_output_weights)
     total = ModelStateBytes()
+    expert_setup = dataclasses.replace(
+        setup, data_parallel_size=expert_data_parallel_size(config, setup.data_parallel_size))
     for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank,
                                      share_embeddings_and_output_weights):
-        add_states(total, chunk_state_bytes(shapes, setup, param_bytes, data_parallel_rank,
+        # Routed experts have DDP buffers of their own, sharded over the expert-DP group.
+        experts = [s for s in shapes if is_expert_param(s)]
+        dense = [s for s in shapes if not is_expert_param(s)]
+        add_states(total, chunk_state_bytes(dense, setup, param_bytes, data_parallel_rank,
                                             alone))
+        if experts:
+            add_states(total, chunk_state_bytes(
+                experts, expert_setup, param_bytes,
+                data_parallel_rank % expert_setup.data_parallel_size))
     return total

@@ -121,6 +121,8 @@ def format_report(estimate: MemoryEstimate) -> str:
                          f"inputs of {a.deferred} backward(s) awaiting W)") + recompute
         if a.cp_kv_in_flight_bytes:  # the context-parallel ring's send and receive buffers
             recompute += f" + {_gib(a.cp_kv_in_flight_bytes)} cp kv in flight"
+        if a.moe_dispatch_bytes:  # the MoE dispatcher's rows of one layer in flight
+            recompute += f" + {_gib(a.moe_dispatch_bytes)} moe dispatch buffers"
         if stage.transient_bytes:  # ZeRO-2 / FSDP2: state after the step vs. backward's peak
             recompute += (f" + {_gib(stage.transient_bytes)} during forward/backward only "
                           f"(full gradient buckets / gathered parameters)")

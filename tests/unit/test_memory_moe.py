@@ -1,0 +1,153 @@
+"""The memory estimate's MoE terms (memory_moe.py) against real MoE modules.
+
+Activations: the bytes autograd saves for one MoE layer's forward (saved_tensors_hooks,
+unique storages, parameters excluded, the layer input included: it is the MLP input term), as
+test_theoretical_memory.py measures them, must equal ``moe_layer_terms`` exactly for router
+variants, grouped GEMM, aux/z-loss, shared expert (gated), and capacity with and without
+padding (the estimate assumes balanced routing: the cases here drop or keep what it assumes).
+Parameters: the estimate's shapes of an MoE layer at EP / ETP equal the numel of a real
+SwiGLUExperts built with the rank's E/EP experts and f/ETP, plus router and shared expert.
+State: expert gradients and optimizer state shard over the expert-DP group (DP x TP / (ETP x
+EP)), dense ones over DP, each by the formula of memory_params' docstring.
+"""
+import pytest
+import torch
+
+from megatron.core.transformer.moe import MoEConfig
+from megatron.core.transformer.moe.experts import SwiGLUExperts
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.memory_activations import ActivationSetup, layer_terms
+from megatron.training.memory_moe import (
+    dispatch_buffer_bytes,
+    expert_data_parallel_size,
+    is_expert_param,
+    moe_layer_terms,
+    moe_mlp_params,
+)
+from megatron.training.memory_params import OptimizerSetup, chunk_param_shapes, rank_state_bytes
+from tests.distributed import run_distributed
+from tests.unit.test_theoretical_memory import _ptrs, _unique_bytes
+
+HIDDEN, SEQ, MBS = 16, 6, 2
+
+
+def _config(num_layers=2, tp=1, ep=1, etp=None, **moe):
+    base = dict(num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2)
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2, activation="swiglu",
+        add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
+        attention_dropout=0.0, ffn_hidden_size=24, tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, moe=MoEConfig(**{**base, **moe}))
+
+
+CASES = [dict(), dict(moe_grouped_gemm=True),
+         dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+         dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01),
+         dict(moe_router_pre_softmax=True, moe_router_topk_norm=True),
+         dict(moe_router_score_function="sigmoid"),
+         dict(moe_shared_expert_intermediate_size=12),
+         dict(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True),
+         dict(moe_expert_capacity_factor=0.5),
+         dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
+              moe_grouped_gemm=True)]
+
+
+def _saved_by_moe_layer(config):
+    torch.manual_seed(0)
+    layer = MoELayer(config)
+    x = torch.randn(SEQ, MBS, HIDDEN, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, aux = layer.forward_with_aux(x)
+    (out.square().sum() + sum(aux.get(n, 0) for n in ("aux_loss", "z_loss"))).backward()
+    return _unique_bytes(saved, exclude=_ptrs(layer.parameters())), aux
+
+
+def _measure_moe_layer(moe):
+    measured, aux = _saved_by_moe_layer(_config(**moe))
+    return measured, aux["num_dropped"]
+
+
+@pytest.mark.parametrize("moe", CASES, ids=lambda c: ",".join(c) or "default")
+def test_moe_layer_activations_equal_saved_bytes(moe):
+    config = _config(**moe)
+    # one process with its groups: the shared expert is a tensor-parallel MLP
+    measured, dropped = run_distributed(_measure_moe_layer, 1, tp=1, moe=moe)[0]
+    tokens = SEQ * MBS
+    if config.moe.moe_expert_capacity_factor is not None:
+        assert dropped == tokens  # capacity 0.5: half of the k T = 2 T choices
+    assert measured == sum(moe_layer_terms(config, tokens, 4, MBS).values())
+
+
+def test_layer_terms_swap_the_mlp_for_the_moe_terms():
+    config = _config(moe_grouped_gemm=True)
+    setup = ActivationSetup(SEQ, MBS, 4, 64, device="cpu")
+    dense, moe = layer_terms(config, setup), layer_terms(config, setup, moe=True)
+    assert "MLP intermediate" in dense and "MLP intermediate" not in moe
+    attention = {k: v for k, v in dense.items() if not k.startswith("MLP")}
+    mlp = moe_layer_terms(config, SEQ * MBS, 4, MBS)
+    assert sum(moe.values()) == sum(attention.values()) + sum(mlp.values())
+
+
+@pytest.mark.parametrize("ep,etp", [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_moe_params_per_rank_equal_a_built_layer(ep, etp):
+    config = _config(tp=etp, ep=ep, etp=etp, moe_shared_expert_intermediate_size=12,
+                     moe_shared_expert_gate=True)
+    moe, h = config.moe, HIDDEN
+    experts = SwiGLUExperts(moe.num_moe_experts // ep, h, moe.moe_ffn_hidden_size // etp)
+    shapes = {s.name.split("mlp.")[1]: s.numel for s in moe_mlp_params(config, "x.mlp.")}
+    assert shapes["experts.weight1"] == experts.weight1.numel()
+    assert shapes["experts.weight2"] == experts.weight2.numel()
+    assert shapes["router.weight"] == moe.num_moe_experts * h
+    shared = 12 // etp  # the shared expert splits over TP (= ETP here) like a dense MLP
+    assert shapes["shared_experts.linear_fc1.weight"] == 2 * shared * h
+    assert shapes["shared_experts.linear_fc2.weight"] == h * shared
+    assert shapes["shared_experts.gate_weight"] == h
+
+
+def _real_params(config):
+    return {name: p.numel() for name, p in MoELayer(config).named_parameters()}
+
+
+def test_moe_layer_params_at_ep1_equal_the_real_layer():
+    config = _config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True)
+    real = run_distributed(_real_params, 1, tp=1, config=config)[0]
+    estimated = {s.name.split("mlp.")[1]: s.numel for s in moe_mlp_params(config, "x.mlp.")}
+    assert estimated == real
+
+
+def test_moe_layer_freq_picks_which_layers_have_experts():
+    config = _config(num_layers=4, moe_layer_freq=2)
+    names = [s.name for s in chunk_param_shapes(config, 64, 0)]
+    assert any(n.startswith("decoder.layers.0.mlp.experts") for n in names)
+    assert any(n.startswith("decoder.layers.1.mlp.linear_fc1") for n in names)
+    assert any(n.startswith("decoder.layers.2.mlp.router") for n in names)
+    assert not any(n.startswith("decoder.layers.3.mlp.router") for n in names)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_state_shards_over_expert_data_parallel(ep):
+    """fp32 params, Adam, distributed optimizer: 8 + 8/d bytes a parameter with d = DP for
+    dense and EDP = DP x TP / (ETP x EP) for experts (no padding: sizes divide)."""
+    dp = 8
+    config = _config(ep=ep)
+    setup = OptimizerSetup(data_parallel_size=dp, use_distributed_optimizer=True)
+    state = rank_state_bytes(config, 64, setup, 0, 4)
+    shapes = chunk_param_shapes(config, 64, 0)
+    dense = sum(s.numel for s in shapes if not is_expert_param(s))
+    expert = sum(s.numel for s in shapes if is_expert_param(s))
+    edp = expert_data_parallel_size(config, dp)
+    assert edp == dp // ep
+    assert state.params + state.grads == 8 * (dense + expert)
+    assert state.optimizer_states == 8 * dense // dp + 8 * expert // edp
+
+
+def test_dispatch_buffers():
+    tokens, e = 12, 4
+    assert dispatch_buffer_bytes(_config(), tokens, e) == 0
+    alltoall = _config(ep=2)
+    assert dispatch_buffer_bytes(alltoall, tokens, e) == 2 * 2 * tokens * HIDDEN * e
+    allgather = _config(ep=2, moe_token_dispatcher_type="allgather")
+    assert dispatch_buffer_bytes(allgather, tokens, e) == 2 * 2 * tokens * HIDDEN * e
