@@ -31,7 +31,11 @@ from megatron.training.checkpointing.paths import (
 from megatron.training.checkpointing.safe_io import safe_load
 from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
 from megatron.training.gpt_step import model_provider_for
-from megatron.training.initialize import initialize_megatron, seed_for_model_init
+from megatron.training.initialize import (
+    expert_sizes,
+    initialize_megatron,
+    seed_for_model_init,
+)
 from megatron.training.tokenizer.null import NullTokenizer
 
 # The flags that shape the model (and its vocabulary padding): what a model takes from its
@@ -168,7 +172,9 @@ def build_model_from_checkpoint(load_dir: str, ckpt_step: Optional[int] = None,
     configs = build_configs(args, world_size, tokenizer)
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, configs.training.seed,
-                        configs.training.device)
+                        configs.training.device,
+                        expert_model_parallel_size=expert_sizes(configs.transformer)[0],
+                        expert_tensor_parallel_size=expert_sizes(configs.transformer)[1])
     provider = model_provider_for(model_class)
     state = torch.get_rng_state()
     seed_for_model_init(configs.training.seed)

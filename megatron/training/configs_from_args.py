@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel.schedule_order import check_schedule_settin
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
+from megatron.training.moe_flags import moe_config_from_args
 from megatron.training.training_config import (
     ConfigError,
     MegatronConfigs,
@@ -64,7 +65,28 @@ def _check_world(args, world_size: int) -> int:
               f"--num-query-groups {args.num_query_groups} is not divisible by "
               f"--tensor-model-parallel-size {tp}.")
     args.data_parallel_size = dp
+    _check_expert_world(args, world_size)
     return dp
+
+
+def _check_expert_world(args, world_size: int) -> None:
+    """EP x expert-TP must cut a pipeline stage's ranks (TP x CP x DP) evenly."""
+    if getattr(args, "num_experts", None) is None:
+        return
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    stage = world_size // args.pipeline_model_parallel_size
+    _need(ep >= 1 and etp >= 1 and stage % (ep * etp) == 0,
+          f"--expert-model-parallel-size {ep} x expert tensor parallel size {etp} = "
+          f"{ep * etp} does not divide the {stage} ranks of a pipeline stage (world size "
+          f"{world_size} / --pipeline-model-parallel-size {args.pipeline_model_parallel_size});"
+          f" choose expert sizes whose product divides it.")
+    _need(args.num_experts % ep == 0,
+          f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
+          f"{ep}; every EP rank holds the same number of experts.")
+    _need(args.moe_router_topk <= args.num_experts,
+          f"--moe-router-topk {args.moe_router_topk} is more than --num-experts "
+          f"{args.num_experts}.")
 
 
 def check_training_microbatches(args) -> None:
@@ -105,6 +127,8 @@ def _fsdp2_config(args, ddp):
                or args.ddp_bucket_size is not None),
           f"{flag} overlaps its own collectives per layer; drop --overlap-grad-reduce, "
           "--overlap-param-gather and --ddp-bucket-size.")
+    _need(getattr(args, "num_experts", None) is None,
+          f"{flag} with --num-experts (mixture of experts) is not supported yet.")
     _need(args.ckpt_format != "torch" or (args.save is None and args.load is None),
           f"{flag} saves and loads the sharded checkpoint format only: use --ckpt-format "
           "torch_dist (the default), not --ckpt-format torch.")
@@ -203,6 +227,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_schedule=getattr(args, "pipeline_schedule", None),
         sequence_parallel=args.sequence_parallel, params_dtype=params_dtype_of(args),
         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        moe=moe_config_from_args(args),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         torch_compile=args.torch_compile,
         num_layers=args.num_layers, hidden_size=args.hidden_size,

@@ -9,6 +9,7 @@ from megatron.core.optimizer.optimizer_param_scheduler import (
     WD_INCR_STYLES,
     WSD_DECAY_STYLES,
 )
+from megatron.training.moe_flags import add_moe_args
 from megatron.training.tokenizer.build import add_tokenizer_args
 from megatron.training.training_config import ConfigError
 
@@ -335,5 +336,6 @@ def get_parser() -> argparse.ArgumentParser:
                 _add_optimizer_args, _add_training_args, _add_checkpoint_args,
                 _add_logging_args, _add_data_args):
         add(parser)
+    add_moe_args(parser)
     add_tokenizer_args(parser)
     return parser

@@ -79,12 +79,23 @@ def seed_for_model_init(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def expert_sizes(config) -> tuple:
+    """(EP, expert-TP) of an MoE model's TransformerConfig, (None, None) for a dense one."""
+    if getattr(config, "moe", None) is None:
+        return None, None
+    return config.expert_model_parallel_size, config.expert_tensor_parallel_size
+
+
 def initialize_megatron(tensor_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1,
                         virtual_pipeline_model_parallel_size: Optional[int] = None,
                         seed: int = 1234, device_type: Optional[str] = None,
                         distributed_timeout_minutes: float = 10.0,
-                        context_parallel_size: int = 1) -> None:
+                        context_parallel_size: int = 1,
+                        expert_model_parallel_size: Optional[int] = None,
+                        expert_tensor_parallel_size: Optional[int] = None) -> None:
+    """Join the process group, make parallel_state's groups (the expert groups too when an
+    expert size is given: an MoE model) and seed."""
     if device_type not in (None, "auto"):
         device.set_device_type(device_type)
     # Before any CUDA work: CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when its context starts.
@@ -98,5 +109,7 @@ def initialize_megatron(tensor_model_parallel_size: int = 1,
     parallel_state.initialize_model_parallel(tensor_model_parallel_size,
                                              pipeline_model_parallel_size,
                                              virtual_pipeline_model_parallel_size,
-                                             distributed_timeout_minutes, context_parallel_size)
+                                             distributed_timeout_minutes, context_parallel_size,
+                                             expert_model_parallel_size,
+                                             expert_tensor_parallel_size)
     set_random_seeds(seed)

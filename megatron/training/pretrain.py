@@ -36,7 +36,7 @@ from megatron.training.exit_signal import (
     interrupted,
 )
 from megatron.training.flops import num_floating_point_operations
-from megatron.training.initialize import initialize_megatron
+from megatron.training.initialize import expert_sizes, initialize_megatron
 from megatron.training.nan_guard import NanGuard
 from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.theoretical_memory import report_theoretical_memory
@@ -188,7 +188,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     device.check_requested_device(t.device, source=f"--device {t.device}")
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device,
-                        t.distributed_timeout_minutes, args.context_parallel_size)
+                        t.distributed_timeout_minutes, args.context_parallel_size,
+                        *expert_sizes(configs.transformer))
     model = build_model(_with_configs(model_provider, configs), configs.transformer,
                         configs.ddp, t.seed)
     optimizer = get_megatron_optimizer(configs.optimizer, model)
