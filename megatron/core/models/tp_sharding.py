@@ -3,9 +3,13 @@ pipeline stage's layers. Pure tensor code, so offline conversion tools can use i
 
 Parameter names are this project's (Megatron-core's): ``embedding.word_embeddings.weight``,
 ``decoder.layers.{i}.self_attention.linear_qkv.weight``, ``output_layer.weight``...
+
+The stacked MoE experts (``mlp.experts.weight1`` [E, 2f, h], ``weight2`` [E, h, f]) are split
+over expert-parallel ranks on dim 0 (contiguous: EP rank r holds experts r*E/EP ...), then
+over expert-TP ranks like linear_fc1 (dim 1, stride 2) and linear_fc2 (dim 2).
 """
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,6 +25,17 @@ _PARTITION_DIMS = {
     "linear_fc2.weight": 1,
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# stacked expert weight suffix -> (dim, stride) split over expert-TP ranks; dim 0 goes by EP.
+_EXPERT_ETP_DIMS = {"mlp.experts.weight1": (1, 2), "mlp.experts.weight2": (2, 1)}
+
+
+def expert_partition_of(name: str) -> Optional[Tuple[int, int]]:
+    """(dim, stride) along which a stacked expert weight is split over expert-TP ranks (its
+    dim 0, the experts, goes by EP), or None if ``name`` is no stacked expert weight."""
+    for suffix, part in _EXPERT_ETP_DIMS.items():
+        if name.endswith(suffix):
+            return part
+    return None
 
 
 def partition_of(name: str, gated_mlp: bool) -> Optional[Tuple[int, int]]:
@@ -48,23 +63,69 @@ def merge_tensor(shards: List[torch.Tensor], dim: int, stride: int) -> torch.Ten
 
 
 def shard_state_dict(full: Dict[str, torch.Tensor], tp_size: int, tp_rank: int,
-                     gated_mlp: bool) -> Dict[str, torch.Tensor]:
+                     gated_mlp: bool, ep_size: int = 1, ep_rank: int = 0,
+                     etp_size: Optional[int] = None,
+                     etp_rank: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """One rank's share: dense entries by (tp_size, tp_rank), stacked experts by (ep_size,
+    ep_rank) and (etp_size, etp_rank), which default to the TP ones (Megatron's default
+    expert_tensor_parallel_size = TP)."""
+    etp_size, etp_rank = (tp_size, tp_rank) if etp_size is None else (etp_size, etp_rank)
     out = {}
     for name, tensor in full.items():
+        expert = expert_partition_of(name)
+        if expert is not None:
+            mine = shard_tensor(tensor, 0, 1, ep_size, ep_rank)
+            out[name] = shard_tensor(mine, *expert, etp_size, etp_rank)
+            continue
         part = partition_of(name, gated_mlp)
         out[name] = tensor.clone() if part is None else shard_tensor(tensor, *part, tp_size,
                                                                       tp_rank)
     return out
 
 
-def merge_state_dicts(shards: List[Dict[str, torch.Tensor]],
-                      gated_mlp: bool) -> Dict[str, torch.Tensor]:
+def merge_state_dicts(shards: List[Dict[str, torch.Tensor]], gated_mlp: bool,
+                      ranks: Optional[Sequence[Tuple[int, int, int]]] = None
+                      ) -> Dict[str, torch.Tensor]:
+    """Full tensors from the shards of several ranks. ``ranks[i]`` = (tp_rank, ep_rank,
+    etp_rank) of ``shards[i]`` (default: shard i is TP rank i, no EP, expert TP = TP); dense
+    entries come from one shard per TP rank, experts from one per (EP, expert-TP) rank."""
+    ranks = [(t, 0, t) for t in range(len(shards))] if ranks is None else list(ranks)
+    if len(ranks) != len(shards):
+        raise ValueError(f"{len(shards)} shards but {len(ranks)} rank tuples.")
+    by_tp = _one_per(shards, [r[0] for r in ranks], "tensor-parallel")
+    by_expert = _one_per(shards, [r[1:] for r in ranks], "(expert-parallel, expert-TP)")
+    ep_size = 1 + max(r[1] for r in ranks)
+    etp_size = 1 + max(r[2] for r in ranks)
     out = {}
     for name in shards[0]:
+        expert = expert_partition_of(name)
+        if expert is not None:
+            per_ep = [merge_tensor([by_expert[(e, x)][name] for x in range(etp_size)], *expert)
+                      for e in range(ep_size)]
+            out[name] = torch.cat(per_ep)
+            continue
         part = partition_of(name, gated_mlp)
-        tensors = [s[name] for s in shards]
+        tensors = [s[name] for s in by_tp]
         out[name] = tensors[0].clone() if part is None else merge_tensor(tensors, *part)
     return out
+
+
+def _one_per(shards, keys, what: str):
+    """The first shard of each key, checked to cover a full grid: a list for int keys, a
+    dict for tuples."""
+    found = {}
+    for key, shard in zip(keys, shards):
+        found.setdefault(key, shard)
+    if isinstance(keys[0], int):
+        missing = set(range(1 + max(keys))) - set(found)
+        if missing:
+            raise ValueError(f"no shard of {what} rank(s) {sorted(missing)}.")
+        return [found[k] for k in range(len(found))]
+    grid = {(e, x) for e in range(1 + max(k[0] for k in keys))
+            for x in range(1 + max(k[1] for k in keys))}
+    if grid - set(found):
+        raise ValueError(f"no shard of {what} rank(s) {sorted(grid - set(found))}.")
+    return found
 
 
 def select_layers(full: Dict[str, torch.Tensor], layer_range: Tuple[int, int],
