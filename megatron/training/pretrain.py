@@ -37,6 +37,7 @@ from megatron.training.exit_signal import (
 )
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import expert_sizes, initialize_megatron
+from megatron.training.moe_metrics import gather_moe_metrics
 from megatron.training.nan_guard import NanGuard
 from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.theoretical_memory import report_theoretical_memory
@@ -111,6 +112,15 @@ def _data_loader(dataset, configs, consumed_samples: int):
         dataset, consumed_samples, t.dataloader_type, t.micro_batch_size,
         num_workers=t.num_workers, data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(), seed=t.seed)
+
+
+def _log_moe(logger, model, configs, iteration: int) -> None:
+    """Every rank (a collective): the MoE layers' losses and expert load since the last log."""
+    transformer = configs.transformer
+    if transformer.moe is not None:
+        logger.log_moe(iteration, gather_moe_metrics(
+            model, transformer.num_layers, transformer.moe.num_moe_experts,
+            transformer.tensor_model_parallel_size))
 
 
 def _flops(configs, args) -> int:
@@ -275,6 +285,7 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                                 consumed_samples=consumed_train)
             if iteration % t.log_interval == 0:  # the logger just synchronized anyway
                 token_guard.check(iteration)
+                _log_moe(logger, model, configs, iteration)
             checkpoints.poll()
             if nan_guard.check(iteration, grad_norm, losses):
                 checkpoints.save(iteration, consumed_train, consumed_valid)  # the last good state

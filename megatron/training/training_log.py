@@ -294,6 +294,21 @@ class TrainingLogger:
     def _mfu(self, seconds: float) -> float:
         return mfu(self.flops_per_iteration, seconds, self.num_devices, self.peak_tflops)
 
+    def log_moe(self, iteration: int, metrics: Mapping[str, float]) -> Optional[str]:
+        """The MoE layers' interval means (moe_metrics.gather_moe_metrics): one console
+        line of the layer means, every entry to the writers."""
+        if not metrics:
+            return None
+        if self.writer is not None:
+            for tag, value in metrics.items():
+                self.writer.add_scalar(tag if tag.startswith("moe/") else f"moe/{tag}", value,
+                                       iteration)
+        fields = [f" {k}: {v:.6E} |" if "loss" in k else f" {k}: {v:.3f} |"
+                  for k, v in metrics.items() if not k.startswith("moe/")]
+        line = f" MoE at iteration {iteration} |" + "".join(fields)
+        self._print(line)
+        return line
+
     def _extras(self, iteration: int, seconds: float) -> Sequence[Tuple[str, str]]:
         """Our fields after Megatron's: tokens/s/device, MFU %, memory, ETA."""
         extras = []

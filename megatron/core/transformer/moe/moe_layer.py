@@ -148,6 +148,7 @@ class MoELayer(torch.nn.Module):
             if name in aux:
                 value = aux[name].detach().float()
                 self.metrics[name] = self.metrics.get(name, 0) + value
+        self.metrics["forwards"] = self.metrics.get("forwards", 0) + 1
 
     def take_metrics(self):
         """The sums since the last call (this rank's share), and reset."""

@@ -1,0 +1,55 @@
+"""What the MoE layers report per log interval: each layer's aux and z losses and how evenly its
+experts were loaded (Megatron logs the same: load_balancing_loss, z_loss per layer).
+
+Each MoELayer sums its values over the training forwards since the last read (its share under
+sequence parallelism) and counts them. At the log interval every rank reads its layers into one
+[layers, 3 + E] tensor and one all-reduce over all ranks adds up the TP shares, the pipeline
+stages (each layer lives on one) and the DP replicas; dividing by the forwards (counted once
+per TP group) gives the mean per micro batch, what one process reports for the same batches.
+"""
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device
+from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+
+def moe_layers(model_chunks: List[torch.nn.Module]) -> List[MoELayer]:
+    return [m for chunk in model_chunks for m in unwrap_model(chunk).modules()
+            if isinstance(m, MoELayer)]
+
+
+def gather_moe_metrics(model_chunks, num_layers: int, num_experts: int,
+                       tensor_parallel_size: int) -> Dict[str, float]:
+    """Collective over every rank. Returns {"load balancing loss", "z loss": means over the
+    MoE layers (present only if enabled), "max/mean tokens per expert": the worst layer's,
+    plus per-layer "moe/<name> layer <n>" entries for TensorBoard}."""
+    table = device.zeros(num_layers, 3 + num_experts, dtype=torch.float32)
+    for layer in moe_layers(model_chunks):
+        row, metrics = table[layer.layer_number - 1], layer.take_metrics()
+        for column, name in enumerate(("aux_loss", "z_loss", "forwards")):
+            if name in metrics:
+                row[column] += metrics[name]
+        if "routed_per_expert" in metrics:
+            row[3:] += metrics["routed_per_expert"]
+    dist.all_reduce(table)
+    table = table.cpu()
+    routed = table[:, 3:]
+    is_moe = routed.sum(dim=1) > 0
+    micro_batches = (table[:, 2:3] / tensor_parallel_size).clamp(min=1)
+    losses = table[:, :2] / micro_batches
+    out = {}
+    for column, label in enumerate(("load balancing loss", "z loss")):
+        if losses[is_moe, column].any():
+            out[label] = losses[is_moe, column].mean().item()
+            for n in is_moe.nonzero().flatten().tolist():
+                out[f"moe/{label} layer {n + 1}"] = losses[n, column].item()
+    if is_moe.any():
+        imbalance = routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)
+        out["max/mean tokens per expert"] = imbalance[is_moe].max().item()
+        for n in is_moe.nonzero().flatten().tolist():
+            out[f"moe/max/mean tokens per expert layer {n + 1}"] = imbalance[n].item()
+    return out
