@@ -165,6 +165,62 @@ def test_ep_etp_equal_ep1(dispatcher, world, ep, etp, tokens):
                 assert got["rows"] == kept == counts.sum() and counts[list(UNUSED)].sum() == 0
 
 
+def _identity_experts(ep, etp, tokens):
+    """Gate weights 1 and experts that return their input (on ETP rank 0; 0 on the others, so
+    the ETP sum is the input again): every token comes back times the number of its kept
+    choices, and so does its gradient (exact: sums of at most k=2 equal terms and zeros)."""
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
+    hidden, indices, probs, grad = _inputs(dist.get_rank(), tokens[dist.get_rank()],
+                                           probs_one=True)
+    scale = float(ps.get_expert_tensor_parallel_rank() == 0)
+    failures = []
+    for kind in sorted(DISPATCHERS):
+        for name, plan in PLANS.items():
+            leaf = hidden.clone().requires_grad_()
+            dispatcher = DISPATCHERS[kind](EXPERTS, *plan)
+            expert_input, _, state = dispatcher.permute(leaf, indices, probs)
+            out = dispatcher.unpermute(expert_input * scale, state)
+            out.backward(grad)
+            kept = LocalDispatcher(EXPERTS, *plan).permute(hidden, indices, probs)[2]
+            times = torch.bincount(kept.row_token, kept.row_probs, tokens[dist.get_rank()] + 1)
+            times = times[:-1].unsqueeze(-1)  # kept choices per token (padding rows: index T)
+            if not (torch.equal(out, times * hidden) and torch.equal(leaf.grad, times * grad)
+                    and times.sum() == hidden.shape[0] * TOPK - state.num_dropped):
+                failures.append((kind, name))
+    return failures
+
+
+@pytest.mark.parametrize("world,ep,etp,tokens", LAYOUTS[1:])
+def test_dispatch_combine_is_identity_with_etp(world, ep, etp, tokens):
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_identity_experts, world_size=world, ep=ep, etp=etp,
+                              tokens=tokens)
+    assert results == [[]] * world
+
+
+def test_shard_cut_is_the_stride_two_split_of_gate_up():
+    """E=4, f=4, h=3; EP=2, ETP=2, rank (ep 1, etp 1): global experts 2 and 3, gate rows 2-3
+    and up rows 6-7 of weight1 (f slice 2-3), columns 2-3 of weight2."""
+    weight1 = torch.arange(4 * 8 * 3.0).view(4, 8, 3)
+    weight2 = torch.arange(4 * 3 * 4.0).view(4, 3, 4)
+    local1, local2 = ExpertShard(ep_size=2, ep_rank=1, etp_size=2, etp_rank=1).cut(weight1,
+                                                                                   weight2)
+    assert torch.equal(local1, weight1[2:4][:, [2, 3, 6, 7]])
+    assert torch.equal(local2, weight2[2:4][:, :, 2:4])
+    experts = SwiGLUExperts(4, 3, 4, shard=ExpertShard(2, 1, 2, 1))
+    experts.load_full(weight1, weight2)
+    assert torch.equal(experts.weight1, local1) and torch.equal(experts.weight2, local2)
+    assert experts.num_local_experts == 2 and experts.weight1.shape == (2, 4, 3)
+    for weight in experts.parameters():
+        assert weight.expert_parallel and weight.tensor_model_parallel
+    assert not SwiGLUExperts(4, 3, 4).weight1.tensor_model_parallel  # no expert groups: 1 x 1
+    with pytest.raises(ValueError, match=r"moe_ffn_hidden_size \(4\) must be divisible by "
+                                         r"expert-tensor-parallel-size \(3\)"):
+        SwiGLUExperts(4, 3, 4, shard=ExpertShard(etp_size=3))
+
+
 if __name__ == "__main__":  # the largest differences per layout, for the docstring
     from tests.distributed import run_distributed
     for world, ep, etp, tokens in LAYOUTS:
