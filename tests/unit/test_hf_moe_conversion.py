@@ -166,10 +166,14 @@ def test_expert_shard_merge_round_trip(ep, etp):
         merge_state_dicts([s for s, _ in without_ep0], True, [r for _, r in without_ep0])
 
 
-def _gathered_grads(model, tp, ep, etp):
-    """Every rank's gradients merged into full tensors (TP-partial replicated ones summed)."""
+def _gathered_grads(model):
+    """Every rank's gradients merged into full tensors (TP-partial replicated ones summed).
+    Every DP rank feeds the same batch here, and an expert sees the tokens of all of them: its
+    gradient is divided by DP, as DDP's 1/DP scaling does in training."""
     allreduce_sequence_parallel_grads([model])
-    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    dp = ps.get_data_parallel_world_size()
+    local = {n: p.grad / dp if getattr(p, "expert_parallel", False) else p.grad.clone()
+             for n, p in model.named_parameters()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (local, (ps.get_tensor_model_parallel_rank(),
                                               ps.get_expert_model_parallel_rank(),
@@ -203,7 +207,7 @@ def _compare(name, tp_size, ep_size):
     dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
     loss = model(tokens, labels=labels)
     loss.sum().backward()
-    grads = megatron_to_hf(_gathered_grads(model, tp, ep, etp), hf.config,
+    grads = megatron_to_hf(_gathered_grads(model), hf.config,
                            expert_layout=moe_hf.STACKED)
     errors = {"logits": (torch.cat(parts, -1) - hf_logits).abs().max().item(),
               "loss": (loss - hf_loss).abs().max().item()}
