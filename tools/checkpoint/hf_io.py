@@ -14,7 +14,11 @@ from conversion_utils import ConversionError, Progress
 
 # architectures entry -> model_type
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "GPT2LMHeadModel": "gpt2"}
+             "GPT2LMHeadModel": "gpt2", "MixtralForCausalLM": "mixtral",
+             "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gpt2": "GPT2Config",
+                   "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+                   "qwen3_moe": "Qwen3MoeConfig"}
 SUPPORTED_TEXT = ", ".join(f"{a} (model_type {t})" for a, t in SUPPORTED.items())
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -55,10 +59,8 @@ def read_config_file(path: str):
             f"in {path}; supported: {SUPPORTED_TEXT}.")
     import transformers  # deferred: seconds to import
 
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "gpt2": transformers.GPT2Config}[model_type]
-    config = cls.from_dict(raw)
-    if model_type in ("llama", "mistral") and getattr(config, "hidden_act", "silu") != "silu":
+    config = getattr(transformers, _CONFIG_CLASSES[model_type]).from_dict(raw)
+    if model_type != "gpt2" and getattr(config, "hidden_act", "silu") != "silu":
         raise ConversionError(f"{path}: hidden_act {config.hidden_act!r} is not supported "
                               f"(LLaMA's MLP is SwiGLU: 'silu').")
     return config

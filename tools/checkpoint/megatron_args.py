@@ -4,6 +4,7 @@ same model. A checkpoint's args start from the parser's defaults, so a reader ca
 model from ``{**parser defaults, **saved args}`` alone."""
 from typing import Dict, List, Optional
 
+import megatron_moe_args
 from conversion_utils import ConversionError
 from megatron.core.models.hf_conversion import GPT2, LLAMA, config_from_hf
 from megatron.core.utils import vocab_size_with_padding
@@ -97,6 +98,7 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
                     rope_high_freq_factor=config.rope_high_freq_factor,
                     rope_original_max_position_embeddings=(
                         config.rope_original_max_position_embeddings))
+    args.update(megatron_moe_args.moe_args_from_config(config))
     return args
 
 
@@ -107,6 +109,8 @@ def architecture_of_args(args: Dict) -> str:
     if arch == LLAMA:
         wanted = {"normalization": "RMSNorm", "position_embedding_type": "rope",
                   "disable_bias_linear": True, "add_qkv_bias": False, "rotary_percent": 1.0}
+        if megatron_moe_args.hf_model_type_of_args(args):  # Qwen2-MoE has qkv biases
+            del wanted["add_qkv_bias"]
     else:
         wanted = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
                   "disable_bias_linear": False, "untie_embeddings_and_output_weights": False}
@@ -140,7 +144,7 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
                             "high_freq_factor": args["rope_high_freq_factor"],
                             "original_max_position_embeddings":
                                 args["rope_original_max_position_embeddings"]}
-        config = transformers.LlamaConfig(
+        llama = dict(
             hidden_size=hidden, intermediate_size=args["ffn_hidden_size"],
             num_hidden_layers=args["num_layers"], num_attention_heads=heads,
             num_key_value_heads=args["num_query_groups"] if args["group_query_attention"]
@@ -149,7 +153,11 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
             rope_theta=args["rotary_base"], rope_scaling=rope_scaling, hidden_act="silu",
             attention_bias=False, mlp_bias=False, attention_dropout=args["attention_dropout"],
             tie_word_embeddings=not args["untie_embeddings_and_output_weights"], **common)
-        config.architectures = ["LlamaForCausalLM"]
+        if megatron_moe_args.hf_model_type_of_args(args):
+            config = megatron_moe_args.hf_moe_config(args, llama)
+        else:
+            config = transformers.LlamaConfig(**llama)
+            config.architectures = ["LlamaForCausalLM"]
     else:
         ffn = args["ffn_hidden_size"] or 4 * hidden
         config = transformers.GPT2Config(
@@ -212,7 +220,7 @@ def architecture_flags(args: Dict) -> List[str]:
         flags.append(f"--tokenizer-type {a['tokenizer_type']} --tokenizer-name-or-path "
                      f"{a['tokenizer_name_or_path']}")
     flags.append(f"--make-vocab-size-divisible-by {a['make_vocab_size_divisible_by']}")
-    return flags
+    return flags + megatron_moe_args.moe_flags(a)
 
 
 def flags_text(args: Dict, checkpoint_dir: str, arch: str, source: str, release: bool,

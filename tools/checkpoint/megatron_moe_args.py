@@ -1,0 +1,94 @@
+"""The mixture-of-experts part of a checkpoint's args (Megatron's flag names) for the HF MoE
+models (Mixtral, Qwen2-MoE, Qwen3-MoE): from our TransformerConfig, back to a HF config, and
+the launch flags."""
+from typing import Dict, List, Optional
+
+from megatron.core.models import hf_moe_conversion as moe_hf
+
+
+def moe_args_from_config(config) -> Dict:
+    """Args for ``config``'s MoE (nothing but the attention extras for a dense model)."""
+    out = {"qk_layernorm": bool(config.qk_layernorm), "add_qkv_bias": bool(config.add_qkv_bias)}
+    moe = config.moe
+    if moe is None:
+        return out
+    out.update(num_experts=moe.num_moe_experts, moe_ffn_hidden_size=moe.moe_ffn_hidden_size,
+               moe_router_topk=moe.moe_router_topk,
+               moe_router_pre_softmax=moe.moe_router_pre_softmax,
+               moe_router_topk_norm=moe.moe_router_topk_norm,
+               moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
+               moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+               moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
+               moe_shared_expert_gate=moe.moe_shared_expert_gate,
+               moe_layer_freq=moe.moe_layer_freq)
+    return out
+
+
+def hf_model_type_of_args(args: Dict) -> Optional[str]:
+    """Which HF MoE model a checkpoint's args describe (None: no experts)."""
+    if args.get("num_experts") is None:
+        return None
+    if args.get("qk_layernorm"):
+        return moe_hf.QWEN3_MOE
+    return moe_hf.QWEN2_MOE if args.get("moe_router_pre_softmax") else moe_hf.MIXTRAL
+
+
+_ARCHITECTURES = {moe_hf.MIXTRAL: "MixtralForCausalLM",
+                  moe_hf.QWEN2_MOE: "Qwen2MoeForCausalLM",
+                  moe_hf.QWEN3_MOE: "Qwen3MoeForCausalLM"}
+
+
+def hf_moe_config(args: Dict, llama_fields: Dict):
+    """The transformers config of an MoE checkpoint: LLaMA's fields (``llama_fields``) plus
+    the MoE ones, checked by hf_moe_config_fields against the model our config builds."""
+    import transformers
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.moe_flags import moe_config_from_args
+
+    kind = hf_model_type_of_args(args)
+
+    class _Args:  # moe_config_from_args reads attributes
+        pass
+
+    holder = _Args()
+    holder.__dict__.update(args)
+    ours = TransformerConfig(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"],
+        num_attention_heads=args["num_attention_heads"],
+        ffn_hidden_size=args["ffn_hidden_size"], kv_channels=llama_fields["head_dim"],
+        normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+        add_qkv_bias=bool(args.get("add_qkv_bias")), qk_layernorm=bool(args.get("qk_layernorm")),
+        moe=moe_config_from_args(holder))
+    fields = {k: v for k, v in llama_fields.items()
+              if k not in ("attention_bias", "mlp_bias", "rope_scaling")}
+    fields.update(moe_hf.hf_moe_config_fields(ours, kind))
+    cls = {moe_hf.MIXTRAL: transformers.MixtralConfig,
+           moe_hf.QWEN2_MOE: transformers.Qwen2MoeConfig,
+           moe_hf.QWEN3_MOE: transformers.Qwen3MoeConfig}[kind]
+    config = cls(**fields)
+    config.architectures = [_ARCHITECTURES[kind]]
+    return config
+
+
+def moe_flags(args: Dict) -> List[str]:
+    """Launch flags of the MoE settings (and the layout's expert-parallel sizes)."""
+    flags = ["--qk-layernorm"] if args.get("qk_layernorm") else []
+    if args.get("num_experts") is None:
+        return flags
+    freq = args["moe_layer_freq"]
+    flags += [f"--num-experts {args['num_experts']} --moe-ffn-hidden-size "
+              f"{args['moe_ffn_hidden_size']} --moe-router-topk {args['moe_router_topk']}",
+              f"--moe-layer-freq {freq if isinstance(freq, int) else str(freq).replace(' ', '')}",
+              f"--moe-router-load-balancing-type {args['moe_router_load_balancing_type']} "
+              f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff']!r}"]
+    flags += [flag for flag, on in (("--moe-router-pre-softmax", args["moe_router_pre_softmax"]),
+                                    ("--moe-router-topk-norm", args["moe_router_topk_norm"]),
+                                    ("--moe-shared-expert-gate", args["moe_shared_expert_gate"]))
+              if on]
+    if args.get("moe_shared_expert_intermediate_size"):
+        flags.append(f"--moe-shared-expert-intermediate-size "
+                     f"{args['moe_shared_expert_intermediate_size']}")
+    if args.get("expert_model_parallel_size", 1) > 1:
+        flags.append(f"--expert-model-parallel-size {args['expert_model_parallel_size']}")
+    return flags
