@@ -131,6 +131,28 @@ CASES = [
     ("swiglu-ffn-of-zero", "pretrain_gpt.py",  # no --ffn-hidden-size: the default is 0
      ["--swiglu", "--hidden-size", "8", "--num-attention-heads", "2"], None,
      ["--swiglu with --hidden-size 8 gives an FFN size of 0; pass --ffn-hidden-size."]),
+    # Mixture of experts: each refused at start, before any process group exists.
+    ("moe-experts-not-divisible-by-ep", "pretrain_llama.py",
+     ["--num-experts", "3", "--expert-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     ["--num-experts 3 is not divisible by --expert-model-parallel-size 2"]),
+    ("moe-topk-above-experts", "pretrain_llama.py",
+     ["--num-experts", "2", "--moe-router-topk", "3"], None,
+     ["--moe-router-topk 3 is more than --num-experts 2"]),
+    ("moe-ep-does-not-divide-world", "pretrain_llama.py",
+     ["--num-experts", "4", "--expert-model-parallel-size", "4"], {"WORLD_SIZE": "2"},
+     ["--expert-model-parallel-size 4 x expert tensor parallel size 1 = 4 does not divide the "
+      "2 ranks of a pipeline stage"]),
+    ("moe-tp-without-sequence-parallel", "pretrain_llama.py",
+     ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     ["MoE with tensor_model_parallel_size 2 needs sequence_parallel", "--sequence-parallel"]),
+    ("moe-gelu-experts", "pretrain_gpt.py", ["--num-experts", "4"], None,
+     ["the MoE experts are SwiGLU FFNs without biases: use --swiglu and "
+      "--disable-bias-linear."]),
+    ("moe-zero-experts", "pretrain_llama.py", ["--num-experts", "0"], None,
+     ["--num-experts must be >= 1, got 0"]),
+    ("moe-bad-layer-freq", "pretrain_llama.py",
+     ["--num-experts", "4", "--moe-layer-freq", "[1,0]"], None,
+     ["moe_layer_freq lists 2 layers, the model has 4"]),
 ]
 
 

@@ -85,7 +85,9 @@ def build_dispatcher(config):
     if config.expert_model_parallel_size == 1 and config.expert_tensor_parallel_size == 1:
         return LocalDispatcher(moe.num_moe_experts, moe.moe_expert_capacity_factor,
                                moe.moe_token_drop_policy, moe.moe_pad_expert_input_to_capacity)
-    return DISPATCHERS[moe.moe_token_dispatcher_type](moe.num_moe_experts)
+    return DISPATCHERS[moe.moe_token_dispatcher_type](
+        moe.num_moe_experts, moe.moe_expert_capacity_factor, moe.moe_token_drop_policy,
+        moe.moe_pad_expert_input_to_capacity)
 
 
 class MoELayer(torch.nn.Module):
@@ -103,9 +105,8 @@ class MoELayer(torch.nn.Module):
         self.experts = SwiGLUExperts(moe.num_moe_experts, config.hidden_size,
                                      moe.moe_ffn_hidden_size, moe.moe_grouped_gemm,
                                      config.init_method_std, _output_init_std(config))
-        for param in self.experts.parameters():
+        for param in self.experts.parameters():  # keeps the shard's parallel attributes
             param.data = param.data.to(device.current_device(), config.params_dtype)
-            param.expert_parallel = True
         self.dispatcher = build_dispatcher(config)
         self.shared_experts = SharedExpertMLP(config) \
             if moe.moe_shared_expert_intermediate_size is not None else None

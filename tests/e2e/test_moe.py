@@ -1,0 +1,48 @@
+"""Mixture-of-experts training through pretrain_llama.py equals one process (CPU, gloo, fp32).
+
+Each parallel run and its one-process reference are started together on the same flags and
+global batch: 10 iterations, the training and validation losses and the MoE layers' logged
+aux/z losses within 1e-5 relative. Not bitwise: TP splits the attention/shared-expert GEMM
+sums and SP splits the aux-loss sums over ranks; with EP alone the printed losses agree to
+the last digit."""
+import re
+
+import pytest
+
+from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, start_script
+
+MOE = ("--train-iters 10 --eval-interval 5 --num-experts 4 --moe-router-topk 2 "
+       "--moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001").split()
+CASES = {
+    # alltoall, grouped GEMM, Qwen2-MoE's gated shared expert, expert TP = TP = 2 with SP
+    "ep2_tp2_dp2": (["--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "24",
+                     "--moe-shared-expert-gate"],
+                    ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                     "--sequence-parallel"]),
+    # allgather, capacity dropping, expert bias, the distributed optimizer over expert-DP
+    "ep2_pp2_dp2": (["--moe-token-dispatcher-type", "allgather",
+                     "--moe-expert-capacity-factor", "1.0", "--moe-router-enable-expert-bias",
+                     "--moe-router-load-balancing-type", "seq_aux_loss"],
+                    ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                     "2", "--use-distributed-optimizer"]),
+}
+
+
+def _moe_losses(proc):
+    return [float(x) for x in re.findall(r"(?:load balancing|z) loss: ([0-9.E+-]+)",
+                                         proc.stdout)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expert_parallel_run_equals_one_process(case):
+    model, layout = CASES[case]
+    flags = TINY + LLAMA + MOE + model
+    runs = [start_script("pretrain_llama.py", flags),
+            start_script("pretrain_llama.py", flags + layout, nproc=8)]
+    (one, parallel) = [finish(run, timeout=400) for run in runs]
+    (want, want_valid), (got, got_valid) = parse_losses(one), parse_losses(parallel)
+    assert len(want) == 10 and len(want_valid) == 2
+    assert got == pytest.approx(want, rel=1e-5) and got_valid == pytest.approx(want_valid,
+                                                                                rel=1e-5)
+    want_moe, got_moe = _moe_losses(one), _moe_losses(parallel)
+    assert len(want_moe) == 20 and got_moe == pytest.approx(want_moe, rel=1e-5)
