@@ -240,6 +240,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         activation="swiglu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu",
         add_bias_linear=not args.disable_bias_linear,
         add_qkv_bias=True if args.add_qkv_bias else None,
+        qk_layernorm=getattr(args, "qk_layernorm", False),  # saved args may predate it
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         position_embedding_type=args.position_embedding_type,
         max_position_embeddings=args.max_position_embeddings, rotary_base=args.rotary_base,

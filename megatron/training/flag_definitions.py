@@ -94,6 +94,8 @@ def _add_network_args(parser):
                    help="GeLU's tanh approximation (GPT-2's 'gelu_new') instead of the exact one.")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize each query and key head before RoPE (Qwen3)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.1)
