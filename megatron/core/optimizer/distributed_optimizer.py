@@ -120,8 +120,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 shard.main.copy_(shard.bucket.param_data[shard.begin:shard.end])
 
     def state_dict(self, host_tensor=None) -> Optional[Dict]:
-        """Full per-parameter optimizer state (and fp32 main params where they are copies),
-        on DP rank 0 (None elsewhere). Every DP rank must call it (it gathers).
+        """Full per-parameter optimizer state (and fp32 main params where they are copies):
+        dense parameters' on DP rank 0, routed experts' on expert-DP rank 0 (None on ranks
+        that are neither). Every rank must call it (it gathers).
 
         ``host_tensor(name, key, shape)`` gives the fp32 host tensor to fill (e.g. a reused
         pinned buffer for an async save: pinned ones are filled without blocking, so record
@@ -154,29 +155,30 @@ class DistributedOptimizer(MegatronOptimizer):
         return float(self._step_slot.item())
 
     def _gather_state(self, keys, host_tensor):
-        """{name: {key: host tensor}} on DP rank 0, else None.
+        """{name: {key: host tensor}} on the ranks where some bucket's group has rank 0 (DP
+        rank 0 for dense buckets, expert-DP rank 0 for expert buckets), else None.
 
-        One state key of one bucket at a time is gathered to DP rank 0 and copied to host
-        before the next, into one device buffer: the whole bucket on DP rank 0, one shard
-        elsewhere. That is the extra device memory of a save (every key of the whole model
-        at once would not fit next to it)."""
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        root = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
-        params: Optional[Dict[str, Dict[str, torch.Tensor]]] = {} if dp_rank == 0 else None
+        One state key of one bucket at a time is gathered to its group's rank 0 and copied
+        to host before the next, into one device buffer: the whole bucket on that rank, one
+        shard elsewhere. That is the extra device memory of a save (every key of the whole
+        model at once would not fit next to it)."""
+        roots = [dist.get_rank(s.bucket.group) == 0 for s in self.shards]
+        dp_root = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        params: Optional[Dict[str, Dict[str, torch.Tensor]]] = \
+            {} if dp_root or any(roots) else None
         buffer = None
-        if keys or not all(s.in_place for s in self.shards):
-            buffer = device.empty(max(s.bucket.numel if dp_rank == 0 else
-                                      s.end - s.begin for s in self.shards),
+        if self.shards and (keys or not all(s.in_place for s in self.shards)):
+            buffer = device.empty(max(s.bucket.numel if root else s.end - s.begin
+                                      for s, root in zip(self.shards, roots)),
                                   dtype=torch.float32)
-        for shard in self.shards:
+        for shard, root in zip(self.shards, roots):
+            group = shard.bucket.group
             size = shard.end - shard.begin
-            if params is not None:  # entries in the file's order: per parameter, "param" first
+            if root:  # entries in the file's order: per parameter, "param" first
                 for param in shard.bucket.param_ranges:
                     params[self._names[param]] = {}
             for key in ([] if shard.in_place else ["param"]) + keys:
-                local = buffer[:size]  # on DP rank 0 also its slot of the gathered bucket
+                local = buffer[:size]  # on the root also its slot of the gathered bucket
                 if key == "param":
                     local.copy_(shard.main)
                 else:
@@ -188,11 +190,12 @@ class DistributedOptimizer(MegatronOptimizer):
                         else:
                             target.copy_(value)
                 gather_list = None
-                if params is not None:
+                if root:
                     gather_list = [local] + [buffer[r * size:(r + 1) * size]
-                                             for r in range(1, dp)]
-                dist.gather(local, gather_list, dst=root, group=group)
-                if params is not None:
+                                             for r in range(1, dist.get_world_size(group))]
+                dist.gather(local, gather_list, dst=dist.get_global_rank(group, 0),
+                            group=group)
+                if root:
                     for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
                         name = self._names[param]
                         host = host_tensor(name, key, param.shape)

@@ -3,6 +3,7 @@ from typing import Dict, List
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.experts import expert_layout
 
 
 def chunk_layer_range(chunk) -> List[int]:
@@ -29,16 +30,19 @@ def current_layout(model_chunks, configs) -> Dict:
         "gated_mlp": tc.activation == "swiglu",
         "tied_output": bool(first.share_embeddings_and_output_weights),
         "distributed_optimizer": bool(configs.optimizer.sharded),
+        **expert_layout(),
     }
 
 
 _MODEL_CUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
               "virtual_pipeline_model_parallel_size", "layer_ranges", "padded_vocab_size")
+_EXPERT_CUT = ("expert_model_parallel_size", "expert_tensor_parallel_size")  # 1 in older ones
 
 
 def same_model_cut(saved: Dict, current: Dict) -> bool:
     """True when this rank's own file holds exactly its tensors (DP may differ)."""
-    return all(saved.get(k) == current[k] for k in _MODEL_CUT)
+    return all(saved.get(k) == current[k] for k in _MODEL_CUT) and all(
+        saved.get(k, 1) == current[k] for k in _EXPERT_CUT)
 
 
 def model_key(chunk: int, virtual_size) -> str:

@@ -226,7 +226,9 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
     notes = []
     cut = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
            "virtual_pipeline_model_parallel_size", "data_parallel_size")
-    same_ranks = all(saved_layout.get(k) == layout[k] for k in cut)
+    same_ranks = all(saved_layout.get(k) == layout[k] for k in cut) and all(
+        saved_layout.get(k, 1) == layout[k]
+        for k in ("expert_model_parallel_size", "expert_tensor_parallel_size"))
     if not same_ranks:
         notes.append(
             f"resharded from TP={saved_layout.get('tensor_model_parallel_size')} x "

@@ -13,12 +13,12 @@ from megatron.core import parallel_state
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.optimizer.named_state import SavedTensor
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
-from megatron.training.checkpointing.boxes import Placement, copy_overlap, placement_of
+from megatron.training.checkpointing.boxes import Placement, copy_overlap
+from megatron.training.checkpointing.experts import expert_shard, tensor_parts
 from megatron.training.checkpointing.paths import CheckpointError
 from megatron.training.checkpointing.shard_file import ShardFile
 from megatron.training.checkpointing.sharded_index import (
     INDEX_DTYPES,
-    global_name,
     pieces_of,
     shard_file_name,
 )
@@ -97,16 +97,17 @@ def _holder(saved, wanted):
     return None
 
 
-def _placements(model_chunks, layout) -> List[Dict[str, tuple]]:
-    """Per chunk: {local name: (global name, placement)} for this rank."""
+def _placements(model_chunks, layout) -> List[Dict[str, list]]:
+    """Per chunk: {local name: [(global name, placement, first local flat element)]} for
+    this rank (one entry per local expert for a stacked expert weight)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cut = expert_shard()
     out = []
     for chunk, (start, _) in zip(model_chunks, layout["layer_ranges"]):
         names = {}
         for local, tensor in unwrap_model(chunk).state_dict().items():
-            names[local] = (global_name(local, start, layout["tied_output"]), placement_of(
-                local, tensor.shape, layout["gated_mlp"], layout["tensor_model_parallel_size"],
-                tp_rank, layout["vocab_size"]))
+            names[local] = [(name, placement, first) for name, placement, first, _ in
+                            tensor_parts(local, tensor.shape, start, layout, tp_rank, cut)]
         out.append(names)
     return out
 
@@ -124,20 +125,40 @@ class ModelReads:
         """Raise CheckpointError (before any weight is changed) if a tensor is missing, has
         another shape, or is not wholly covered by the saved pieces."""
         for names in self.names:
-            for name, placement in names.values():
-                self.reader.check_covered(f"model/{name}", placement)
+            for parts in names.values():
+                for name, placement, _ in parts:
+                    self.reader.check_covered(f"model/{name}", placement)
 
     def apply(self, model_chunks) -> None:
         with torch.no_grad():
             for chunk, names in zip(model_chunks, self.names):
                 state = unwrap_model(chunk).state_dict(keep_vars=True)
-                for local, (name, placement) in names.items():
-                    target, begin = state[local], 0
+                for local, parts in names.items():
+                    target = state[local]
                     if is_sharded(target):  # FSDP2: only the rows this rank holds
-                        begin, target = local_rows(target)
-                    target.copy_(self.reader.read(f"model/{name}", placement, begin,
-                                                  begin + target.numel(),
-                                                  dtype=target.dtype).view_as(target))
+                        (name, placement, _), = parts
+                        begin, rows = local_rows(target)
+                        rows.copy_(self.reader.read(f"model/{name}", placement, begin,
+                                                    begin + rows.numel(),
+                                                    dtype=rows.dtype).view_as(rows))
+                        continue
+                    flat = target.view(-1)
+                    for name, placement, first in parts:
+                        n = placement.local_numel
+                        flat[first:first + n].copy_(self.reader.read(
+                            f"model/{name}", placement, dtype=target.dtype))
+
+
+def _read_parts(reader: ShardedReader, key: str, parts, start: int, stop: int
+                ) -> torch.Tensor:
+    """Local flat elements [start, stop) of a tensor made of ``parts`` (fp32)."""
+    pieces = []
+    for name, placement, first in parts:
+        lo, hi = max(start, first), min(stop, first + placement.local_numel)
+        if lo < hi:
+            pieces.append(reader.read(f"optim/{key}/{name}", placement, lo - first,
+                                      hi - first, torch.float32))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def read_optimizer(reader: ShardedReader, model_chunks, layout) -> Optional[Dict]:
@@ -149,15 +170,13 @@ def read_optimizer(reader: ShardedReader, model_chunks, layout) -> Optional[Dict
     keys = ["param"] + list(meta["state_keys"])
     params = {}
     for c, names in enumerate(_placements(model_chunks, layout)):
-        for local, (name, placement) in names.items():
+        for local, parts in names.items():
             entry = {}
+            numel = sum(placement.local_numel for _, placement, _ in parts)
             for key in keys:
-                full = f"optim/{key}/{name}"
-                if reader.has(full):
+                if all(reader.has(f"optim/{key}/{name}") for name, _, _ in parts):
                     entry[key] = SavedTensor(
-                        placement.local_numel,
-                        lambda a, b, n=full, p=placement: reader.read(n, p, a, b,
-                                                                      torch.float32))
+                        numel, lambda a, b, k=key, p=parts: _read_parts(reader, k, p, a, b))
             params[f"{c}/{local}"] = entry
     return {**meta, "params": params}
 

@@ -22,7 +22,11 @@ from megatron.core import device, parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
-from megatron.training.checkpointing.boxes import placement_of
+from megatron.training.checkpointing.experts import (
+    expert_data_parallel,
+    expert_shard,
+    tensor_parts,
+)
 from megatron.training.checkpointing.layout import current_layout
 from megatron.training.checkpointing.paths import STAGING_SUFFIX, iteration_dir_name
 from megatron.training.checkpointing.rng_state import capture_rng_state
@@ -34,7 +38,6 @@ from megatron.training.checkpointing.sharded_index import (
     FORMAT,
     METADATA_FILE,
     VERSION,
-    global_name,
     shard_file_name,
 )
 from megatron.training.fault_injection import maybe_crash_while_writing
@@ -81,28 +84,45 @@ def _chunk_naming(model_chunks, layout) -> List[Tuple[object, int]]:
             zip(model_chunks, layout["layer_ranges"])]
 
 
+def _owners(named, dp_rank: int, dp_size: int) -> List[bool]:
+    """Whether this rank writes each (name, nbytes, is expert) of a replicated set: dense
+    tensors spread over the DP ranks, experts over the expert-DP ranks (those holding them)."""
+    edp_rank, edp_size = expert_data_parallel()
+    dense = _balanced({n: b for n, b, e in named if not e}, dp_size)
+    experts = _balanced({n: b for n, b, e in named if e}, edp_size)
+    return [(experts[n] == edp_rank) if e else (dense[n] == dp_rank) for n, _, e in named]
+
+
 def _add_weights(shard: _Shard, model_chunks, layout, dp_rank: int, dp_size: int) -> None:
-    tp, tp_rank = layout["tensor_model_parallel_size"], \
-        parallel_state.get_tensor_model_parallel_rank()
-    tied = layout["tied_output"]
-    entries = []
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cut = expert_shard()
+    entries = []  # (name, placement, values, local start, is expert, FSDP2-sharded)
     for module, offset in _chunk_naming(model_chunks, layout):
         for local, tensor in module.state_dict().items():
             if not torch.is_tensor(tensor):
                 raise TypeError(f"{local}: only tensors can be saved in the sharded format")
-            if tied and local == "output_layer.weight" and not module.pre_process:
+            if layout["tied_output"] and local == "output_layer.weight" and \
+                    not module.pre_process:
                 continue  # the first stage saves the embedding it copies
-            entries.append((f"model/{global_name(local, offset, tied)}", local, tensor))
-    owner = _balanced({n: t.numel() * t.element_size() for n, _, t in entries
-                       if not is_sharded(t)}, dp_size)
-    for name, local, tensor in entries:
-        placement = placement_of(local, tensor.shape, layout["gated_mlp"], tp, tp_rank,
-                                 layout["vocab_size"])
-        if is_sharded(tensor):  # FSDP2: each DP rank writes the rows it holds
-            begin, rows = local_rows(tensor)
-            shard.add(name, rows.detach(), placement, begin)
-        elif owner[name] == dp_rank:
-            shard.add(name, tensor.detach(), placement)
+            if is_sharded(tensor):  # FSDP2: each DP rank writes the rows it holds
+                begin, rows = local_rows(tensor)
+                (name, placement, _, _), = tensor_parts(local, tensor.shape, offset, layout,
+                                                        tp_rank, cut)
+                entries.append((f"model/{name}", placement, rows.detach(), begin, False, True))
+                continue
+            flat = tensor.detach().reshape(-1)
+            for name, placement, first, expert in tensor_parts(local, tensor.shape, offset,
+                                                               layout, tp_rank, cut):
+                values = flat[first:first + placement.local_numel]
+                entries.append((f"model/{name}", placement, values, 0, expert, False))
+    replicated = [e for e in entries if not e[5]]
+    owners = _owners([(e[0], e[2].numel() * e[2].element_size(), e[4]) for e in replicated],
+                     dp_rank, dp_size)
+    for (name, placement, values, _, _, _), mine in zip(replicated, owners):
+        if mine:
+            shard.add(name, values, placement)
+    for name, placement, values, begin, _, _ in (e for e in entries if e[5]):
+        shard.add(name, values, placement, begin)
 
 
 def _add_optimizer(shard: _Shard, optimizer, model_chunks, layout, replicated: bool,
@@ -110,26 +130,28 @@ def _add_optimizer(shard: _Shard, optimizer, model_chunks, layout, replicated: b
     """This rank's optimizer pieces; returns the non-tensor rest of the optimizer state."""
     parts, meta = optimizer.sharded_state()
     modules = _chunk_naming(model_chunks, layout)
-    tp, tp_rank = layout["tensor_model_parallel_size"], \
-        parallel_state.get_tensor_model_parallel_rank()
-    tied = layout["tied_output"]
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cut = expert_shard()
     shapes = {f"{c}/{n}": p.shape for c, (m, _) in enumerate(modules)
               for n, p in m.named_parameters()}
-    named = []
+    named = []  # (name, placement, begin within it, values, is expert)
     for name, begin, end, values in parts:
         chunk, local = name.split("/", 1)
         module, offset = modules[int(chunk)]
-        if tied and local == "output_layer.weight" and not module.pre_process:
+        if layout["tied_output"] and local == "output_layer.weight" and not module.pre_process:
             continue
-        placement = placement_of(local, shapes[name], layout["gated_mlp"], tp, tp_rank,
-                                 layout["vocab_size"])
-        for key, value in values.items():
-            named.append((f"optim/{key}/{global_name(local, offset, tied)}", placement, begin,
-                          value))
-    owner = _balanced({n: v.numel() * v.element_size() for n, _, _, v in named},
-                      dp_size) if replicated else None
-    for name, placement, begin, value in named:
-        if owner is None or owner[name] == dp_rank:
+        for saved, placement, first, expert in tensor_parts(local, shapes[name], offset,
+                                                            layout, tp_rank, cut):
+            lo, hi = max(begin, first), min(end, first + placement.local_numel)
+            if lo >= hi:
+                continue
+            for key, value in values.items():
+                named.append((f"optim/{key}/{saved}", placement, lo - first,
+                              value[lo - begin:hi - begin], expert))
+    owners = _owners([(n, v.numel() * v.element_size(), e) for n, _, _, v, e in named],
+                     dp_rank, dp_size) if replicated else [True] * len(named)
+    for (name, placement, begin, value, _), mine in zip(named, owners):
+        if mine:
             shard.add(name, value, placement, begin)
     return meta
 
