@@ -134,32 +134,39 @@ def _assert_equal(got, want, tol=0.0):
             assert err <= tol, f"{name}: {err:.3g} > {tol}"
 
 
-def _save_then_load(tmp_path, fmt, saved, loaded):
-    """``saved``/``loaded``: (world, TP, EP, optimizer kind)."""
-    (world, tp, ep, kind), (l_world, l_tp, l_ep, l_kind) = saved, loaded
+def _save_then_load(tmp_path, fmt, saved, loads):
+    """``saved`` and each of ``loads``: (world, TP, EP, optimizer kind)."""
+    world, tp, ep, kind = saved
     (weights, optim, step), fourth = run_distributed(
         _save_after_3_steps, world_size=world, tmp_path=tmp_path, cut=(tp, ep), kind=kind,
         fmt=fmt)[0]
     assert any(".mlp.experts." in n for n in weights) and optim["exp_avg"]
-    (l_weights, l_optim, l_step), l_fourth = run_distributed(
-        _load_and_step, world_size=l_world, tmp_path=tmp_path, cut=(l_tp, l_ep), kind=l_kind,
-        fmt=fmt)[0]
-    _assert_equal(l_weights, weights)
-    assert l_step == step == 3.0
-    assert sorted(l_optim) == sorted(optim) == ["exp_avg", "exp_avg_sq"]
-    for key in optim:
-        _assert_equal(l_optim[key], optim[key])
-    _assert_equal(l_fourth, fourth, 0.0 if saved == loaded else REASSOCIATION_TOL)
+    for loaded in loads:
+        l_world, l_tp, l_ep, l_kind = loaded
+        (l_weights, l_optim, l_step), l_fourth = run_distributed(
+            _load_and_step, world_size=l_world, tmp_path=tmp_path, cut=(l_tp, l_ep),
+            kind=l_kind, fmt=fmt)[0]
+        _assert_equal(l_weights, weights)
+        assert l_step == step == 3.0
+        assert sorted(l_optim) == sorted(optim) == ["exp_avg", "exp_avg_sq"]
+        for key in optim:
+            _assert_equal(l_optim[key], optim[key])
+        _assert_equal(l_fourth, fourth, 0.0 if saved == loaded else REASSOCIATION_TOL)
 
 
+# (world, TP, EP, optimizer): expert-DP is 1 at (2, 1, 2), (4, 2, 2), (4, 4, 1) and 2 at
+# (4, 1, 2) (experts gathered over / written spread over two replicas).
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-@pytest.mark.parametrize("kind", ["none", "distributed"])
-def test_ep2_saves_and_loads_at_ep1_ep2_and_ep4(tmp_path, fmt, kind):
-    for loaded in [(2, 1, 2, kind), (1, 1, 1, "none"), (4, 1, 4, "distributed")]:
-        _save_then_load(tmp_path, fmt, (2, 1, 2, kind), loaded)
+def test_ep2_saves_and_loads_at_ep2_ep1_and_ep4(tmp_path, fmt):
+    _save_then_load(tmp_path, fmt, (2, 1, 2, "distributed"),
+                    [(2, 1, 2, "distributed"), (1, 1, 1, "none"), (4, 1, 4, "none")])
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 def test_tp2_ep2_with_sequence_parallel_loads_at_another_tp_and_ep(tmp_path, fmt):
-    _save_then_load(tmp_path, fmt, (4, 2, 2, "distributed"), (2, 1, 2, "none"))
-    _save_then_load(tmp_path, fmt, (4, 2, 2, "none"), (4, 4, 1, "distributed"))
+    _save_then_load(tmp_path, fmt, (4, 2, 2, "none"),
+                    [(4, 1, 2, "distributed"), (4, 4, 1, "distributed")])
+
+
+def test_expert_dp2_distributed_optimizer_saves_and_loads_at_tp2_ep2(tmp_path):
+    _save_then_load(tmp_path, "torch", (4, 1, 2, "distributed"), [(4, 2, 2, "none")])

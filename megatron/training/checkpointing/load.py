@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.expert_files import has_experts, load_experts
 from megatron.training.checkpointing.layout import current_layout, model_key, same_model_cut
 from megatron.training.checkpointing.paths import (
     MODEL_FILE,
@@ -186,6 +187,9 @@ def _read(model_chunks, configs) -> Optional[_Read]:
         optimizer = resharder.optimizer() if load_optim else None
         notes.append(f"resharded from TP={saved_layout['tensor_model_parallel_size']} x "
                      f"PP={saved_layout['pipeline_model_parallel_size']}")
+    if has_experts(model_chunks):
+        load_experts(iteration_dir, model_chunks, layout["layer_ranges"], models,
+                     optimizer if load_optim else None)
     _check_architecture(model_chunks, models)
     if load_optim and optimizer is None:
         raise CheckpointError(f"{iteration_dir} holds no optimizer state (saved with "

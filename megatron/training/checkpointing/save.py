@@ -15,6 +15,14 @@ import torch.distributed as dist
 from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.disk_space import tree_nbytes
+from megatron.training.checkpointing.expert_files import (
+    EXPERT_FILE,
+    expert_dir_name,
+    expert_file_state,
+    has_experts,
+    without_experts,
+)
+from megatron.training.checkpointing.experts import expert_data_parallel
 from megatron.training.checkpointing.layout import current_layout, model_key
 from megatron.training.checkpointing.paths import (
     MODEL_FILE,
@@ -106,8 +114,10 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     else:
         snapshot = lambda tree, name: _map_tensors(tree, lambda x: x.detach())
     dp_root = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    moe = has_experts(model_chunks)
+    expert_root = moe and expert_data_parallel()[0] == 0
     optimizer_state = None
-    if not t.no_save_optim and (configs.optimizer.sharded or dp_root):
+    if not t.no_save_optim and (configs.optimizer.sharded or dp_root or expert_root):
         if configs.optimizer.sharded and host is not None:  # gathers straight into them
             state = optimizer.state_dict(host_tensor=lambda name, key, shape: host.tensor(
                 f"optimizer/params/{name}/{key}", shape, torch.float32))
@@ -124,15 +134,25 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     dist.barrier()
 
     files = []
+    layout = current_layout(model_chunks, configs)
+    model_states = [unwrap_model(chunk).state_dict() for chunk in model_chunks]
+    if expert_root:  # its experts, by layout-free name (see expert_files.py)
+        experts = expert_file_state(model_states, optimizer_state, layout["layer_ranges"],
+                                    layout)
+        files.append((os.path.join(staging, expert_dir_name(), EXPERT_FILE),
+                      snapshot(experts, "experts") if host is not None else experts))
     if dp_root:
+        if moe:
+            model_states = [without_experts(m, None)[0] for m in model_states]
+            optimizer_state = without_experts({}, optimizer_state)[1]
         state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                 "args": plain_data(args), "layout": current_layout(model_chunks, configs),
+                 "args": plain_data(args), "layout": layout,
                  "consumed_train_samples": consumed_train_samples,
                  "consumed_valid_samples": consumed_valid_samples}
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        for c, chunk in enumerate(model_chunks):
+        for c, model_state in enumerate(model_states):
             key = model_key(c, vpp)
-            state[key] = snapshot(unwrap_model(chunk).state_dict(), key)
+            state[key] = snapshot(model_state, key)
         if optimizer_state is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
             if not configs.optimizer.sharded:
