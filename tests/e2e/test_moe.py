@@ -1,4 +1,5 @@
-"""Mixture-of-experts training through pretrain_llama.py equals one process (CPU, gloo, fp32).
+"""Mixture-of-experts training through pretrain_llama.py equals one process (CPU, gloo, fp32):
+EP x TP x DP with SP, EP x PP x DP interleaved, and expert TP without dense TP under 1F1B.
 
 Each parallel run and its one-process reference are started together on the same flags and
 global batch: 10 iterations, the training and validation losses and the MoE layers' logged
@@ -15,16 +16,25 @@ MOE = ("--train-iters 10 --eval-interval 5 --num-experts 4 --moe-router-topk 2 "
        "--moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001").split()
 CASES = {
     # alltoall, grouped GEMM, Qwen2-MoE's gated shared expert, expert TP = TP = 2 with SP
-    "ep2_tp2_dp2": (["--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "24",
-                     "--moe-shared-expert-gate"],
+    "ep2_tp2_dp2": (8, ["--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "24",
+                        "--moe-shared-expert-gate"],
                     ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                      "--sequence-parallel"]),
-    # allgather, capacity dropping, expert bias, the distributed optimizer over expert-DP
-    "ep2_pp2_dp2": (["--moe-token-dispatcher-type", "allgather",
-                     "--moe-expert-capacity-factor", "1.0", "--moe-router-enable-expert-bias",
-                     "--moe-router-load-balancing-type", "seq_aux_loss"],
-                    ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                     "2", "--use-distributed-optimizer"]),
+    # interleaved (DP=2: two microbatches): allgather, capacity dropping, expert bias, seq
+    # aux loss, the distributed optimizer over expert-DP
+    "ep2_pp2_vpp2_dp2": (4, ["--moe-token-dispatcher-type", "allgather",
+                             "--moe-expert-capacity-factor", "1.0",
+                             "--moe-router-enable-expert-bias",
+                             "--moe-router-load-balancing-type", "seq_aux_loss"],
+                         ["--expert-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "1",
+                          "--use-distributed-optimizer"]),
+    # 1F1B with expert TP but no dense TP, the overlapped distributed optimizer
+    "ep2_etp2_pp2": (8, [], ["--expert-model-parallel-size", "2",
+                             "--expert-tensor-parallel-size", "2",
+                             "--pipeline-model-parallel-size", "2",
+                             "--overlapped-distributed-optimizer"]),
 }
 
 
@@ -35,10 +45,10 @@ def _moe_losses(proc):
 
 @pytest.mark.parametrize("case", CASES)
 def test_expert_parallel_run_equals_one_process(case):
-    model, layout = CASES[case]
+    nproc, model, layout = CASES[case]
     flags = TINY + LLAMA + MOE + model
     runs = [start_script("pretrain_llama.py", flags),
-            start_script("pretrain_llama.py", flags + layout, nproc=8)]
+            start_script("pretrain_llama.py", flags + layout, nproc=nproc)]
     (one, parallel) = [finish(run, timeout=400) for run in runs]
     (want, want_valid), (got, got_valid) = parse_losses(one), parse_losses(parallel)
     assert len(want) == 10 and len(want_valid) == 2
