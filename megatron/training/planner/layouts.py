@@ -55,6 +55,7 @@ class Layout:
     context_parallel: int = 1  # ranks a sequence is split over (the ring, --cp-comm-type p2p)
     memory_mode: Optional[str] = None  # one of MEMORY_MODES
     schedule: Optional[str] = None  # None: 1F1B/interleaved by virtual_pipeline; zb-h1; zbv
+    expert_parallel: int = 1  # EP: ranks the routed experts are split over (MoE models)
 
     @property
     def chunks_per_rank(self) -> int:
@@ -81,6 +82,8 @@ class Layout:
             flags += ["--pipeline-schedule", self.schedule]
         if t > 1:
             flags.append("--sequence-parallel")
+        if self.expert_parallel > 1:
+            flags += ["--expert-model-parallel-size", str(self.expert_parallel)]
         flags += ["--micro-batch-size", str(self.micro_batch_size),
                   "--global-batch-size", str(self.global_batch_size)]
         if self.recompute == "selective":
@@ -118,6 +121,7 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new.virtual_pipeline_model_parallel_size = 2 if layout.schedule == "zbv" else v
     new.pipeline_schedule = layout.schedule
     new.sequence_parallel = t > 1
+    new.expert_model_parallel_size = layout.expert_parallel
     new.micro_batch_size, new.global_batch_size = layout.micro_batch_size, layout.global_batch_size
     new.recompute_granularity = layout.recompute
     full = layout.recompute == "full"
@@ -176,11 +180,25 @@ def context_parallel_sizes(args: argparse.Namespace, num_gpus: int, tensor_paral
     GPUs left that cuts the sequence into 2 x CP equal chunks, each rank's s/CP tokens split
     evenly again by sequence parallelism (arguments.py checks the same). None with
     --allow-math-attention (the math kernel cannot be split over CP ranks)."""
-    if not with_cp or args.allow_math_attention:
+    if not with_cp or args.allow_math_attention or is_moe(args):  # MoE: no CP yet
         return [1]
     s, t = args.seq_length, tensor_parallel
     return [c for c in _divisors(num_gpus // t)
             if c == 1 or (s % (2 * c) == 0 and (s // c) % t == 0)]
+
+
+def is_moe(args: argparse.Namespace) -> bool:
+    return getattr(args, "num_experts", None) is not None
+
+
+def expert_parallel_sizes(args: argparse.Namespace, stage_ranks: int, tensor_parallel: int
+                          ) -> List[int]:
+    """EP sizes of an MoE model: divisors of the experts whose EP x expert TP (default the TP
+    size) divides a pipeline stage's ranks (TP x CP x DP); [1] for a dense model."""
+    if not is_moe(args):
+        return [1]
+    etp = args.expert_tensor_parallel_size or tensor_parallel
+    return [ep for ep in _divisors(args.num_experts) if stage_ranks % (ep * etp) == 0]
 
 
 def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
@@ -210,12 +228,22 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
         for v, schedule in _schedules(num_layers, p):
             batches = [b for b in fitting
                        if _schedule_takes(p, v, schedule, global_batch_size // (b * d))]
-            for recompute in RECOMPUTE_CHOICES:
-                for sharded in _sharding_choices(mode, p, c, d):
-                    family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
-                                     grad_reduce_in_fp32, c, mode, schedule) for b in batches]
-                    if family:
-                        yield family
+            for recompute, sharded, ep in _choices(args, mode, t, p, c, d):
+                family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
+                                 grad_reduce_in_fp32, c, mode, schedule, ep) for b in batches]
+                if family:
+                    yield family
+
+
+def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int):
+    """(recomputation, distributed optimizer, EP) of a TP/PP/CP/DP layout."""
+    shardings = _sharding_choices(mode, p, c, d)
+    if is_moe(args) and mode in ("fsdp2", "fsdp2-zero2"):
+        shardings = ()  # FSDP2 with MoE is refused (configs_from_args)
+    for recompute in RECOMPUTE_CHOICES:
+        for sharded in shardings:
+            for ep in expert_parallel_sizes(args, t * c * d, t):
+                yield recompute, sharded, ep
 
 
 def _schedules(num_layers: int, p: int):

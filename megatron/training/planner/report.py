@@ -3,7 +3,7 @@ import dataclasses
 import shlex
 from typing import Dict, List
 
-from megatron.training.planner.layouts import CP_COMM_TYPE, MODE_FLAGS
+from megatron.training.planner.layouts import CP_COMM_TYPE, MODE_FLAGS, is_moe
 from megatron.training.planner.plan import Plan, PlanRow
 from megatron.training.planner.step_time import Cluster
 from megatron.training.planner.workload import Workload
@@ -12,6 +12,7 @@ from megatron.training.theoretical_memory import GIB
 MIB = 2 ** 20
 COLUMNS = ("#", "TP", "CP", "PP", "VPP/sched", "DP", "MBS", "recompute", "dist-opt", "mem GiB",
            "bubble", "step s", "tok/s/GPU", "MFU")
+EP_COLUMN = COLUMNS.index("DP") + 1  # MoE models: the EP size after DP
 
 
 def _same_memory(row: PlanRow) -> bool:
@@ -45,7 +46,11 @@ def cluster_line(cluster: Cluster) -> str:
 
 def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
     rows = [list(COLUMNS)] + [_cells(i + 1, row) for i, row in enumerate(result.rows)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    if is_moe(workload.args):
+        rows[0].insert(EP_COLUMN, "EP")
+        for cells, row in zip(rows[1:], result.rows):
+            cells.insert(EP_COLUMN, str(row.layout.expert_parallel))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [f"model: {workload.describe()}",
              f"cluster: {cluster_line(cluster)}",
              f"{result.enumerated} layouts tried, {result.fitting} fit; the best "
@@ -92,7 +97,7 @@ def row_dict(row: PlanRow, workload: Workload) -> Dict:
         "cp_comm_type": CP_COMM_TYPE if lay.context_parallel > 1 else None,
         "pipeline_parallel": lay.pipeline_parallel,
         "virtual_pipeline": lay.virtual_pipeline, "pipeline_schedule": lay.schedule,
-        "data_parallel": lay.data_parallel,
+        "data_parallel": lay.data_parallel, "expert_parallel": lay.expert_parallel,
         "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
         "recompute": lay.recompute, "distributed_optimizer": lay.distributed_optimizer,
         "memory_mode": lay.memory_mode,

@@ -50,6 +50,11 @@ from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
 from megatron.training.flops import mfu, num_floating_point_operations
 from megatron.training.memory_params import chunk_span
 from megatron.training.planner.layouts import Layout
+from megatron.training.planner.moe_cost import (
+    alltoall_seconds_per_layer,
+    effective_ffn_hidden_size,
+    moe_layers_in,
+)
 from megatron.training.theoretical_memory import MemoryEstimate, dtype_bytes
 from megatron.training.training_config import ConfigError
 
@@ -119,12 +124,14 @@ class StepTime:
     tokens_per_s_per_gpu: float
     context_parallel_s: float = 0.0  # that stage's CP ring transfers for one microbatch
     context_parallel_exposed_s: float = 0.0  # the part its attention compute does not hide
+    expert_parallel_s: float = 0.0  # that stage's MoE all-to-alls for one microbatch
 
 
 def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
     return num_floating_point_operations(
         num_layers=num_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=config.num_attention_heads,
+        ffn_hidden_size=effective_ffn_hidden_size(config),
+        num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
         batch_size=batch, swiglu=config.activation == "swiglu", kv_channels=config.kv_channels)
 
@@ -210,6 +217,7 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
     volumes = 5 if layout.recompute == "full" else 3  # exposed all-reduce volumes a layer
     tp_layer_s = volumes * 2 * (t - 1) / t * b * (s // c) * h * e / intra
     cp_layer_s, cp_layer_exposed_s = cp_ring_seconds(config, layout, cluster, s)
+    a2a_layer_s = alltoall_seconds_per_layer(config, layout, cluster, s, e)
 
     stages = []  # (forward s, backward s, TP s, exposed CP s) of a microbatch, per PP rank
     stage_layers = []
@@ -220,10 +228,13 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         last = any(span.post_process for span in spans)
         logits = _flops(config, s, b, 0, padded_vocab_size) if last else 0
         work = layers * layer_flops + logits
+        # the MoE all-to-alls are exposed like TP's collectives: counted with them
         stages.append((work // 3 / flop_rate, (work - work // 3 + layers * redo_flops) / flop_rate,
-                       layers * tp_layer_s, layers * cp_layer_exposed_s))
+                       layers * tp_layer_s + moe_layers_in(config, spans) * a2a_layer_s,
+                       layers * cp_layer_exposed_s))
     slowest = max(range(p), key=lambda r: sum(stages[r]))
     forward_s, backward_s, tp_s, cp_exposed_s = stages[slowest]
+    ep_s = a2a_layer_s * moe_layers_in(config, [chunk_span(config, slowest, k) for k in range(v)])
     cp_s = cp_layer_s * stage_layers[slowest]
     p2p_s = 0.0
     if p > 1:
@@ -268,4 +279,5 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         model_flops=model_flops,
         mfu=mfu(model_flops, step_s, cluster.num_gpus, cluster.peak_tflops),
         tokens_per_s_per_gpu=layout.global_batch_size * s / (step_s * cluster.num_gpus),
-        context_parallel_s=cp_s, context_parallel_exposed_s=cp_exposed_s)
+        context_parallel_s=cp_s, context_parallel_exposed_s=cp_exposed_s,
+        expert_parallel_s=ep_s)
