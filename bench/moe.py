@@ -2,8 +2,9 @@
 grouped GEMM against the per-expert loop, and the all-to-all against the all-gather
 dispatcher at EP=2.
 
-    python bench/moe.py [--parts layer,experts,dispatch] [--tokens 1024 --hidden 256
+    python bench/moe.py [--parts layer,experts,dispatch,model] [--tokens 1024 --hidden 256
                         --ffn 512 --experts 8 --topk 2 --repeats 7 --warmup 2 --threads 1]
+                        [--layers 2 --vocab 1024 --seq 256 --micro-batch 2]
 
 - layer: MoELayer (grouped GEMM) vs transformers' MixtralSparseMoeBlock (its default experts
   implementation, the Python loop over experts; and its "grouped_mm" one) on the same weights
@@ -11,6 +12,9 @@ dispatcher at EP=2.
 - experts: SwiGLUExperts with moe_grouped_gemm True vs False on the same routed rows.
 - dispatch: 2 gloo processes, each with E/2 experts: router, AllToAllDispatcher or
   AllGatherDispatcher, experts, combine; forward + backward; outputs compared first.
+- model: a small Mixtral training step (forward, backward, AdamW), our GPTModel at EP=1 vs
+  transformers' MixtralForCausalLM, same weights and batch; loss and gradients compared first
+  (bench/moe_model.py).
 Every repeat times each variant once, alternating (the machine's load drifts alike for all);
 the table gives the median, min-max over repeats, and the median of the per-repeat ratios.
 """
@@ -32,7 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="layer,experts,dispatch")
+    p.add_argument("--parts", default="layer,experts,dispatch,model")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=512)
@@ -41,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    # the model part's own sizes (a small Mixtral: --hidden/--ffn/--experts/--topk too)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=2)
     return p.parse_args(argv)
 
 
@@ -104,11 +113,14 @@ def hf_layout(x):
 
 
 def max_diff(a, b):
-    return (a - b).abs().max().item()
+    """Largest |a - b| relative to the reference b's largest magnitude (gradients summed over
+    many tokens are large: an absolute figure would say more about their size)."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def layer_check(args):
-    """Largest differences ours vs HF (eager): output, input gradient, expert gradients."""
+    """Largest relative differences ours vs HF (eager): output, input gradient, expert and
+    router gradients."""
     block = hf_block(args)
     layer = ours_from_hf(args, block)
     x = tokens_batch(args)
@@ -192,7 +204,7 @@ def print_summary(title, times, baseline, faster):
 
 
 def bench_layer(args):
-    print("ours vs HF, largest |difference|:", layer_check(args))
+    print("ours vs HF, largest relative |difference|:", layer_check(args))
     eager, grouped_hf = hf_block(args), hf_block(args, "grouped_mm")
     ours, x = ours_from_hf(args, eager), tokens_batch(args)
     x_hf = hf_layout(x)
@@ -205,7 +217,7 @@ def bench_layer(args):
 
 
 def bench_experts(args):
-    print("grouped vs loop, largest |difference|:", experts_check(args))
+    print("grouped vs loop, largest relative |difference|:", experts_check(args))
     grouped, loop = experts_pair(args)
     rows, counts = routed_rows(args)
     variants = {"grouped GEMM": lambda: run_experts(grouped, rows, counts),
@@ -228,6 +240,9 @@ def main(argv=None):
     if "dispatch" in parts:
         from bench.moe_dispatch import bench_dispatch
         bench_dispatch(args)
+    if "model" in parts:
+        from bench.moe_model import bench_model
+        bench_model(args)
 
 
 if __name__ == "__main__":

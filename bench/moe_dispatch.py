@@ -43,7 +43,8 @@ def ep_layer(args, block, dispatcher):
 
 
 def dispatch_check(args, layers, block, x):
-    """Largest |difference| of each dispatcher's output and input gradient from HF's."""
+    """Largest relative |difference| of each dispatcher's output and input gradient from
+    HF's."""
     hf_out, hf_grad = run_hf(block, hf_layout(x))
     result = {}
     for name, layer in layers.items():
@@ -71,7 +72,7 @@ def run_rank(rank, world_size, args):
                     for name, layer in layers.items()}
         times = alternate(variants, args.repeats, args.warmup, sync=dist.barrier)
         if rank == 0:
-            print("EP=2 vs HF block on each rank's tokens, largest |difference|:", checks)
+            print("EP=2 vs HF block on each rank's tokens, largest relative |difference|:", checks)
             print_summary("EP=2 MoE layer (2 processes), forward + backward", times,
                           "EP=2 allgather", "EP=2 alltoall")
     finally:
