@@ -10,8 +10,11 @@
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
 scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
-window) and GPT2LMHeadModel. Megatron checkpoints are read in either format (``torch_dist``,
-the sharded default of training, or ``torch``: mp_rank_* files) and written in the one
+window), GPT2LMHeadModel, and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM
+(shared expert with its gate) and Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
+(``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``). Megatron checkpoints
+are read in either format (``torch_dist``, the sharded default of training, or ``torch``:
+mp_rank_* files, experts in mp_rank_{etp}_{pp}_{ep}/experts.pt) and written in the one
 ``--ckpt-format`` names (default torch_dist). HF -> Megatron writes a ``release`` checkpoint
 (tracker file included), the vocabulary padded as training pads it, the tokenizer files under
 ``CKPT_DIR/tokenizer`` and the launch flags in ``CKPT_DIR/megatron_flags.txt``. Megatron -> HF
@@ -36,7 +39,9 @@ sys.path.insert(1, os.path.join(_HERE, os.pardir, os.pardir))
 import torch  # noqa: E402
 
 import hf_io  # noqa: E402
+import hf_moe_io  # noqa: E402
 import megatron_args  # noqa: E402
+import megatron_moe_args  # noqa: E402
 from conversion_utils import (  # noqa: E402
     ConversionError,
     Progress,
@@ -50,6 +55,7 @@ from megatron.core.models.hf_conversion import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
 )
+from megatron.core.models.hf_moe_conversion import STACKED  # noqa: E402
 from megatron.training.checkpointing.offline import (  # noqa: E402
     CKPT_FORMATS,
     TargetLayout,
@@ -87,8 +93,11 @@ def _write_flags(stage: str, args, final_dir: str, arch: str, source: str, relea
                                          _dtype_note(dtype), resumable))
 
 
-def _layout_text(ckpt_format: str, tp: int, pp: int, vpp) -> str:
+def _layout_text(ckpt_format: str, tp: int, pp: int, vpp, args=None) -> str:
     text = f"TP={tp} x PP={pp}" + (f" x VPP={vpp}" if vpp else "")
+    if args and args.get("num_experts") is not None:
+        text += (f" x EP={args['expert_model_parallel_size']} x expert TP="
+                 f"{args['expert_tensor_parallel_size'] or tp}")
     if ckpt_format == "torch_dist":
         return f"sharded format, loads at any layout; flags for {text}"
     return text
@@ -116,6 +125,8 @@ def hf_to_megatron_cmd(a) -> str:
                          a.num_layers_per_virtual_pipeline_stage)
     vpp = megatron_args.check_target(args["num_layers"], *_heads_and_groups(args),
                                      args["ffn_hidden_size"], tp, pp, per_stage)
+    ep, etp = a.expert_model_parallel_size or 1, a.expert_tensor_parallel_size
+    megatron_moe_args.check_expert_target(args, tp, ep, etp)
     save = check_output_dir(a.save)
     num_layers, vocab = args["num_layers"], args["vocab_size"]
     tied = not args["untie_embeddings_and_output_weights"]
@@ -149,24 +160,30 @@ def hf_to_megatron_cmd(a) -> str:
     else:
         say(f"note: no tokenizer files in {tokenizer_src}; add your own tokenizer flags when "
             f"training.")
-    args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab,
-                                     a.make_vocab_size_divisible_by)
+    args = megatron_moe_args.expert_layout_args(megatron_args.layout_args(
+        args, tp, pp, per_stage, vpp, vocab, a.make_vocab_size_divisible_by), ep, etp)
     dtype = full[_EMBEDDING].dtype
     with staged_output_dir(save, tree_nbytes(full)) as stage:
         hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, gated_mlp=args["swiglu"], tied_output=tied,
-                    target=TargetLayout(tp, pp, vpp, a.make_vocab_size_divisible_by),
+                    target=_target(args, tp, pp, vpp, a.make_vocab_size_divisible_by),
                     args=args, iteration=None, ckpt_format=a.ckpt_format,
                     progress=Progress("writing Megatron checkpoint files", _files(a, tp, pp)))
         _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
                      os.path.abspath(a.load), True, dtype)
-    layout = _layout_text(a.ckpt_format, tp, pp, vpp)
+    layout = _layout_text(a.ckpt_format, tp, pp, vpp, args)
     return (f"wrote a release checkpoint ({layout}) of {config.model_type} to {save}; "
             f"training flags in {os.path.join(save, FLAGS_FILE)}")
 
 
 def _files(a, tp: int, pp: int) -> int:
     return 1 if a.ckpt_format == "torch_dist" else tp * pp
+
+
+def _target(args, tp: int, pp: int, vpp, divisible: int) -> TargetLayout:
+    return TargetLayout(tp, pp, vpp, divisible,
+                        expert_model_parallel_size=args.get("expert_model_parallel_size") or 1,
+                        expert_tensor_parallel_size=args.get("expert_tensor_parallel_size"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,13 +251,17 @@ def megatron_to_hf_cmd(a) -> str:
                                                   hf_io.special_token_ids(tokenizer_dir))
     try:
         state = megatron_to_hf(full, hf_config)
+        # transformers >= 5 holds MoE experts stacked: check the names it would have
+        in_memory = state if not hf_moe_io.is_moe(hf_config.model_type) else megatron_to_hf(
+            hf_moe_io.meta_state(full), hf_config, expert_layout=STACKED)
     except (KeyError, ValueError, RuntimeError) as exc:
         raise ConversionError(f"the checkpoint's tensors do not match the model its args "
                               f"describe ({type(exc).__name__}: {exc}).") from None
     del full
     if hf_config.tie_word_embeddings:
         state.pop("lm_head.weight")  # as save_pretrained: the embedding serves both
-    _check_against_transformers(state, hf_config)
+        in_memory.pop("lm_head.weight", None)
+    _check_against_transformers(in_memory, hf_config)
     fingerprint = args.get(FINGERPRINT_ARG) or fingerprint_of_hf_directory(tokenizer_dir)
     with staged_output_dir(save, tree_nbytes(state)) as stage:
         shards = hf_io.write_weights(stage, state, max_shard)
@@ -262,8 +283,8 @@ def megatron_to_hf_cmd(a) -> str:
 # --------------------------------------------------------------------------------------------
 def _no_layout_flags(a) -> bool:
     return (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-            a.num_layers_per_virtual_pipeline_stage, a.make_vocab_size_divisible_by) == \
-        (None, None, None, None)
+            a.num_layers_per_virtual_pipeline_stage, a.make_vocab_size_divisible_by,
+            a.expert_model_parallel_size, a.expert_tensor_parallel_size) == (None,) * 6
 
 
 def megatron_to_megatron_cmd(a) -> str:
@@ -284,22 +305,25 @@ def megatron_to_megatron_cmd(a) -> str:
     pp = a.pipeline_model_parallel_size or layout["pipeline_model_parallel_size"]
     per_stage = a.num_layers_per_virtual_pipeline_stage
     num_layers, vocab = layout["num_layers"], layout["vocab_size"]
-    ffn = full["decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
-    vpp = megatron_args.check_target(num_layers, *_heads_and_groups(args), ffn, tp, pp,
-                                     per_stage)
+    vpp = megatron_args.check_target(num_layers, *_heads_and_groups(args),
+                                     args["ffn_hidden_size"], tp, pp, per_stage)
+    ep = a.expert_model_parallel_size or layout.get("expert_model_parallel_size", 1)
+    etp = a.expert_tensor_parallel_size
+    megatron_moe_args.check_expert_target(args, tp, ep, etp)
     divisible = a.make_vocab_size_divisible_by or args["make_vocab_size_divisible_by"]
-    args = megatron_args.layout_args(args, tp, pp, per_stage, vpp, vocab, divisible)
+    args = megatron_moe_args.expert_layout_args(megatron_args.layout_args(
+        args, tp, pp, per_stage, vpp, vocab, divisible), ep, etp)
     with staged_output_dir(save, tree_nbytes(full)) as stage:
         if os.path.isdir(tokenizer_src):
             hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, layout["gated_mlp"], layout["tied_output"],
-                    TargetLayout(tp, pp, vpp, divisible), args, iteration=iteration,
+                    _target(args, tp, pp, vpp, divisible), args, iteration=iteration,
                     ckpt_format=a.ckpt_format,
                     progress=Progress("writing Megatron checkpoint files", _files(a, tp, pp)))
         _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
                      os.path.abspath(iteration_dir), iteration is None, full[_EMBEDDING].dtype)
     return (f"wrote {'release' if iteration is None else f'iteration {iteration}'} "
-            f"({_layout_text(a.ckpt_format, tp, pp, vpp)}, model weights only) to {save}")
+            f"({_layout_text(a.ckpt_format, tp, pp, vpp, args)}, model weights only) to {save}")
 
 
 def _convert_format(a, save: str, iteration_dir: str, args, tokenizer_src: str) -> str:
@@ -355,6 +379,12 @@ def _add_layout_flags(p, default, default_text: str):
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    metavar="N",
                    help="Interleaved (virtual) pipeline stages of this many layers.")
+    g.add_argument("--expert-model-parallel-size", type=_positive_int, metavar="N",
+                   default=None, help="MoE models: experts split over N ranks (must divide "
+                   "the experts). Default: 1 (hf-to-megatron), the checkpoint's (reshard).")
+    g.add_argument("--expert-tensor-parallel-size", type=_positive_int, metavar="N",
+                   default=None, help="MoE models: each expert split over N ranks. Default: "
+                   "the tensor-parallel size.")
 
 
 def _add_format_flag(p, what: str):

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+import hf_moe_io
 from conversion_utils import ConversionError, Progress
 
 # architectures entry -> model_type
@@ -151,8 +152,14 @@ def embedding_name(model_type: str) -> str:
     return "transformer.wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight"
 
 
-def expected_names(model_type: str, num_layers: int, tied: bool) -> List[str]:
-    """The HF parameter names this converter maps (``lm_head.weight`` only when untied)."""
+def expected_names(model_type: str, num_layers: int, tied: bool, config=None) -> List[str]:
+    """The HF parameter names this converter maps (``lm_head.weight`` only when untied); the
+    MoE models' need their ``config`` (experts per expert, as on disk)."""
+    if hf_moe_io.is_moe(model_type):
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        names += [f"model.layers.{i}.{n}" for i in range(num_layers)
+                  for n in hf_moe_io.expected_layer_names(config, i)]
+        return names + ([] if tied else ["lm_head.weight"])
     if model_type == "gpt2":
         names = ["transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
                  "transformer.ln_f.bias"]
@@ -172,8 +179,8 @@ def expected_names(model_type: str, num_layers: int, tied: bool) -> List[str]:
 def normalized_weights(state: Dict[str, torch.Tensor], config, num_layers: int, tied: bool,
                        where: str) -> Dict[str, torch.Tensor]:
     """HF weights under the names of ``*ForCausalLM`` (a base model's checkpoint lacks the
-    ``transformer.``/``model.`` prefix), buffers dropped, checked complete and with nothing
-    this converter would silently ignore."""
+    ``transformer.``/``model.`` prefix; stacked MoE experts become per-expert ones), buffers
+    dropped, checked complete and with nothing this converter would silently ignore."""
     top = "transformer." if config.model_type == "gpt2" else "model."
     out = {}
     for name, tensor in state.items():
@@ -182,7 +189,9 @@ def normalized_weights(state: Dict[str, torch.Tensor], config, num_layers: int, 
         if not name.startswith((top, "lm_head.")):
             name = top + name
         out[name] = tensor
-    wanted = expected_names(config.model_type, num_layers, tied)
+    if hf_moe_io.is_moe(config.model_type):
+        out = hf_moe_io.per_expert_weights(out, config)
+    wanted = expected_names(config.model_type, num_layers, tied, config)
     missing = [n for n in wanted if n not in out]
     if missing:
         raise ConversionError(f"the weights in {where} lack {len(missing)} tensor(s) of a "

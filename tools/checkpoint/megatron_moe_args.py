@@ -3,6 +3,7 @@ models (Mixtral, Qwen2-MoE, Qwen3-MoE): from our TransformerConfig, back to a HF
 the launch flags."""
 from typing import Dict, List, Optional
 
+from conversion_utils import ConversionError
 from megatron.core.models import hf_moe_conversion as moe_hf
 
 
@@ -91,4 +92,37 @@ def moe_flags(args: Dict) -> List[str]:
                      f"{args['moe_shared_expert_intermediate_size']}")
     if args.get("expert_model_parallel_size", 1) > 1:
         flags.append(f"--expert-model-parallel-size {args['expert_model_parallel_size']}")
+    etp = args.get("expert_tensor_parallel_size")
+    if etp is not None and etp != args["tensor_model_parallel_size"]:
+        flags.append(f"--expert-tensor-parallel-size {etp}")
+    if args["tensor_model_parallel_size"] > 1:  # MoE with TP needs it (Megatron's rule)
+        flags.append("--sequence-parallel")
     return flags
+
+
+def check_expert_target(args: Dict, tp: int, ep: int, etp: Optional[int]) -> None:
+    """ConversionError unless the experts cut into EP x expert TP (expert TP default: TP)."""
+    if args.get("num_experts") is None:
+        if ep != 1 or etp not in (None, 1):
+            raise ConversionError("--expert-model-parallel-size / --expert-tensor-parallel-size "
+                                  "need a model with experts.")
+        return
+    experts, ffn = args["num_experts"], args["moe_ffn_hidden_size"]
+    if ep < 1 or experts % ep:
+        raise ConversionError(f"--expert-model-parallel-size {ep} does not divide the model's "
+                              f"{experts} experts.")
+    if ffn % (etp or tp):
+        raise ConversionError(f"the expert tensor-parallel size {etp or tp} does not divide "
+                              f"the experts' FFN hidden size {ffn}.")
+    shared = args.get("moe_shared_expert_intermediate_size")
+    if shared and shared % tp:
+        raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the shared "
+                              f"expert's FFN hidden size {shared}.")
+
+
+def expert_layout_args(args: Dict, ep: int, etp: Optional[int]) -> Dict:
+    """``args`` with the expert layout (and sequence parallelism, which MoE with TP needs)."""
+    if args.get("num_experts") is None:
+        return args
+    return {**args, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
+            "sequence_parallel": args["tensor_model_parallel_size"] > 1}

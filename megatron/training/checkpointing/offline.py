@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.utils import vocab_size_with_padding
+from megatron.training.checkpointing import offline_experts as experts
 from megatron.training.checkpointing import offline_sharded as sharded
 from megatron.training.checkpointing.layout import model_key
 from megatron.training.checkpointing.load import check_rank_dirs_complete, saved_rank_dirs
@@ -63,12 +64,30 @@ def read_model(iteration_dir: str) -> Tuple[Dict[str, torch.Tensor], Dict, Dict]
     """(full tensors, the saved layout, the saved args) of a checkpoint directory, in either
     format."""
     if is_sharded_checkpoint(iteration_dir):
-        return sharded.read_model(iteration_dir)
+        full, layout, args = sharded.read_model(iteration_dir)
+        return _stacked(full, iteration_dir), layout, args
     files = _torch_files(iteration_dir)
     layout = files[min(files)]["layout"]
     vpp = layout["virtual_pipeline_model_parallel_size"]
     full = full_from_files(files, layout, lambda rank, c: files[rank][model_key(c, vpp)])
-    return full, layout, dict(files[min(files)].get("args") or {})
+    full.update(_expert_files(iteration_dir))
+    return _stacked(full, iteration_dir), layout, dict(files[min(files)].get("args") or {})
+
+
+def _expert_files(iteration_dir: str) -> Dict[str, torch.Tensor]:
+    try:
+        return experts.read_expert_files(iteration_dir)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{iteration_dir}: its expert files do not fit together "
+                              f"({exc}).") from None
+
+
+def _stacked(full: Dict[str, torch.Tensor], iteration_dir: str) -> Dict[str, torch.Tensor]:
+    """Per-expert entries (as checkpoints hold them) stacked per layer, as models hold them."""
+    try:
+        return experts.stack_experts(full)
+    except (KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{iteration_dir}: incomplete experts ({exc}).") from None
 
 
 def _torch_files(iteration_dir: str) -> Dict:
@@ -117,6 +136,8 @@ class TargetLayout:
     make_vocab_size_divisible_by: int = 128
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # None: the tensor-parallel size
 
 
 def write_model(root: str, full: Dict[str, torch.Tensor], num_layers: int, vocab_size: int,
@@ -129,11 +150,16 @@ def write_model(root: str, full: Dict[str, torch.Tensor], num_layers: int, vocab
 
     ``ckpt_format`` "torch": one file per (TP, PP) position of ``target``. "torch_dist": the
     sharded format, every tensor whole in one file; it loads at any layout, so its layout
-    record says TP = PP = DP = 1 whatever ``target`` (which then only shapes ``args``)."""
+    record says TP = PP = DP = 1 whatever ``target`` (which then only shapes ``args``).
+    Stacked experts (``mlp.experts.weight1/2``) are written per global expert: in the sharded
+    format as whole tensors, in the torch format as each (expert TP, PP, EP) position's
+    ``experts.pt``, as training writes them."""
+    dense, per_expert = experts.split_experts(full)
     if ckpt_format == "torch_dist":
         layout = sharded_layout(num_layers, vocab_size, gated_mlp, tied_output,
                                 target.make_vocab_size_divisible_by)
-        path = sharded.write_checkpoint(_fresh(root), full, layout, args, iteration)
+        whole = {**dense, **{n: t.clone() for n, t in per_expert.items()}}
+        path = sharded.write_checkpoint(_fresh(root), whole, layout, args, iteration)
         if progress is not None:
             progress(1, 1)
         return path
@@ -147,10 +173,19 @@ def write_model(root: str, full: Dict[str, torch.Tensor], num_layers: int, vocab
                   vocab_size, target.make_vocab_size_divisible_by,
                   target.tensor_model_parallel_size),
               "gated_mlp": gated_mlp, "tied_output": tied_output,
-              "distributed_optimizer": False}
+              "distributed_optimizer": False,
+              "expert_model_parallel_size": target.expert_model_parallel_size,
+              "expert_tensor_parallel_size": target.expert_tensor_parallel_size
+              or target.tensor_model_parallel_size}
     ranges = _stage_ranges(layout, target.num_layers_in_first_pipeline_stage,
                            target.num_layers_in_last_pipeline_stage)
-    return _write_torch(root, full, layout, ranges, args, iteration, None, progress)
+    write_experts = None
+    if per_expert:
+        def write_experts(staging):
+            experts.write_expert_files(staging, per_expert, layout, ranges,
+                                       experts.num_experts(full))
+    return _write_torch(root, dense, layout, ranges, args, iteration, None, progress,
+                        write_experts)
 
 
 def _check_format(ckpt_format: str) -> None:
@@ -193,9 +228,10 @@ def _stage_ranges(layout: Dict, first_stage: Optional[int], last_stage: Optional
 
 def _write_torch(root: str, full: Dict[str, torch.Tensor], layout: Dict,
                  ranges: List[List[List[int]]], args: Dict, iteration: Optional[int],
-                 state: Optional["FullCheckpoint"], progress) -> str:
+                 state: Optional["FullCheckpoint"], progress, write_experts=None) -> str:
     """The torch format: each (TP, PP) position's files, cut from whole tensors; with
-    ``state`` also its optimizer state, LR schedule, RNG states and counters."""
+    ``state`` also its optimizer state, LR schedule, RNG states and counters;
+    ``write_experts(staging)`` adds the expert files."""
     tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     name = iteration_dir_name(iteration or 0, release=iteration is None)
     staging = os.path.join(_fresh(root), name + STAGING_SUFFIX)
@@ -210,6 +246,8 @@ def _write_torch(root: str, full: Dict[str, torch.Tensor], layout: Dict,
                 atomic_save(obj, path)
             if progress is not None:
                 progress(pp_rank * tp + tp_rank + 1, pp * tp)
+    if write_experts is not None:
+        write_experts(staging)
     publish(root, staging, name, RELEASE if iteration is None else iteration)
     return os.path.join(root, name)
 
@@ -289,6 +327,11 @@ def read_checkpoint(iteration_dir: str) -> FullCheckpoint:
     if is_sharded_checkpoint(iteration_dir):
         return _read_sharded_checkpoint(iteration_dir)
     files = _torch_files(iteration_dir)
+    if _expert_files(iteration_dir):
+        raise CheckpointError(f"{iteration_dir} holds experts in the torch format: converting "
+                              f"its whole state (optimizer included) is not supported; convert "
+                              f"the weights with layout flags, or resume and save with "
+                              f"--ckpt-format torch_dist.")
     first = files[min(files)]
     layout = first["layout"]
     vpp = layout["virtual_pipeline_model_parallel_size"]
@@ -340,6 +383,10 @@ def write_checkpoint(root: str, checkpoint: FullCheckpoint, ckpt_format: str) ->
             c.optimizer_meta, c.scheduler, c.rng, c.consumed_train_samples,
             c.consumed_valid_samples)
     _check_format(ckpt_format)
+    if any(experts.is_expert_name(n) for n in c.model):
+        raise CheckpointError("an MoE checkpoint's whole state (optimizer included) cannot be "
+                              "written in the torch format here; convert the weights with "
+                              "layout flags instead.")
     a = c.args
     ranges = _stage_ranges(c.layout, a.get("num_layers_in_first_pipeline_stage"),
                            a.get("num_layers_in_last_pipeline_stage"),
