@@ -10,14 +10,21 @@ SwiGLUExperts built with the rank's E/EP experts and f/ETP, plus router and shar
 State: expert gradients and optimizer state shard over the expert-DP group (DP x TP / (ETP x
 EP)), dense ones over DP, each by the formula of memory_params' docstring.
 """
+import dataclasses
+
 import pytest
 import torch
 
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.models import LlamaModel, llama_config
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer.moe import MoEConfig
 from megatron.core.transformer.moe.experts import SwiGLUExperts
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.memory_activations import ActivationSetup, layer_terms
+from megatron.training.memory_activations import ActivationSetup, chunk_bytes, layer_terms
 from megatron.training.memory_moe import (
     dispatch_buffer_bytes,
     expert_data_parallel_size,
@@ -26,10 +33,12 @@ from megatron.training.memory_moe import (
     moe_mlp_params,
 )
 from megatron.training.memory_params import OptimizerSetup, chunk_param_shapes, rank_state_bytes
+from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
-from tests.unit.test_theoretical_memory import _ptrs, _unique_bytes
+from tests.unit.test_data_parallel import _forward_step
+from tests.unit.test_theoretical_memory import _measured_state, _ptrs, _unique_bytes
 
-HIDDEN, SEQ, MBS = 16, 6, 2
+HIDDEN, SEQ, MBS, VOCAB = 16, 6, 2, 64
 
 
 def _config(num_layers=2, tp=1, ep=1, etp=None, **moe):
@@ -151,3 +160,64 @@ def test_dispatch_buffers():
     assert dispatch_buffer_bytes(alltoall, tokens, e) == 2 * 2 * tokens * HIDDEN * e
     allgather = _config(ep=2, moe_token_dispatcher_type="allgather")
     assert dispatch_buffer_bytes(allgather, tokens, e) == 2 * 2 * tokens * HIDDEN * e
+
+
+# --- whole models: a real step's tensors against the estimate ----------------------------------
+
+def _llama_moe(**extra):
+    return llama_config(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4,
+                        num_query_groups=2, ffn_hidden_size=24, max_position_embeddings=SEQ,
+                        moe=MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=8,
+                                      moe_router_topk=2, moe_layer_freq=2,
+                                      moe_grouped_gemm=True), **extra)
+
+
+def _model_saved_bytes():
+    config = _llama_moe()
+    model_parallel_manual_seed(7)
+    model = LlamaModel(config, VOCAB)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(5))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(tokens, labels=tokens).mean()
+    loss.backward()
+    measured = _unique_bytes(saved, exclude=_ptrs(model.parameters()))
+    return measured, chunk_bytes(config, ActivationSetup(SEQ, MBS, 4, VOCAB, device="cpu"), 0)
+
+
+def test_whole_model_activations_equal_saved_bytes():
+    """Layers 0 and 2 MoE, 1 and 3 dense (moe_layer_freq 2), one process."""
+    measured, estimate = run_distributed(_model_saved_bytes, 1, tp=1)[0]
+    assert measured == estimate
+
+
+def _state_after_a_step(ep, distributed):
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    try:
+        config = _llama_moe(expert_model_parallel_size=ep)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+        model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config, ddp, 42)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            lr=1e-3, use_distributed_optimizer=distributed), model)
+        g = torch.Generator().manual_seed(3)
+        batch = [(torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
+                  torch.randint(0, VOCAB, (MBS, SEQ), generator=g)) for _ in range(2)]
+        _, skipped, _, _ = train_step(_forward_step, iter(batch), model, optimizer, None, 2,
+                                      SEQ, MBS)
+        assert not skipped
+        setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(),
+                               use_distributed_optimizer=distributed)
+        estimate = rank_state_bytes(config, VOCAB, setup, 0, 4, ps.get_data_parallel_rank(),
+                                    share_embeddings_and_output_weights=False)
+        return (dataclasses.asdict(_measured_state(model, optimizer)),
+                dataclasses.asdict(estimate))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ep,distributed", [(2, True), (4, False)])
+def test_whole_model_state_equals_a_real_step(ep, distributed):
+    """4 ranks: dense state over DP 4, experts over expert-DP 4 / EP."""
+    for rank, (measured, estimate) in enumerate(run_distributed(
+            _state_after_a_step, 4, ep=ep, distributed=distributed)):
+        assert measured == estimate, f"rank {rank}"
