@@ -47,6 +47,10 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    p.add_argument("--expert-model-parallel-size", type=int, default=None,
+                   help="MoE models: experts over this many ranks (default: the checkpoint's).")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE models: each expert over this many ranks (default: TP).")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--prompt", default=None, help=f"Default: {DEFAULT_PROMPT!r}.")
     text.add_argument("--token-ids", default=None, help="Comma-separated ids, e.g. 1,2,3.")
@@ -64,6 +68,28 @@ def _layout_overrides(args) -> dict:
     names = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
              "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _moe_overrides(args, saved: dict, saved_layout: dict) -> dict:
+    """An MoE checkpoint's expert flags (the model is otherwise built from its architecture
+    flags alone) at the expert layout asked for (default: the checkpoint's; expert TP = TP
+    when another layout is given), with sequence parallelism when TP > 1 (MoE needs it)."""
+    from megatron.training.arguments import get_parser
+
+    if saved.get("num_experts") is None:
+        return {}
+    group = next(g for g in get_parser()._action_groups if g.title == "mixture of experts")
+    out = {a.dest: saved[a.dest] for a in group._group_actions if a.dest in saved}
+    other_layout = bool(_layout_overrides(args))
+    if other_layout:
+        out["expert_tensor_parallel_size"] = None
+    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    tp = args.tensor_model_parallel_size or (
+        1 if other_layout else saved_layout["tensor_model_parallel_size"])
+    out["sequence_parallel"] = tp > 1
+    return out
 
 
 def _parse_token_ids(text: str):
@@ -217,7 +243,7 @@ def main(argv=None) -> int:
     from megatron.training.initialize import initialize_distributed
 
     try:  # before the (slow) HF model: a wrong --load fails at once
-        read_checkpoint_record(args.load, args.ckpt_step)
+        saved, saved_layout = read_checkpoint_record(args.load, args.ckpt_step)
     except CheckpointError as exc:
         return fail(str(exc), 1)
     reference, error = None, None
@@ -235,7 +261,8 @@ def main(argv=None) -> int:
     ids = _share(reference[0] if rank0 else None)
     layout = _layout_overrides(args)
     try:
-        chunks, configs = build_model_from_checkpoint(args.load, args.ckpt_step, layout)
+        chunks, configs = build_model_from_checkpoint(
+            args.load, args.ckpt_step, {**layout, **_moe_overrides(args, saved, saved_layout)})
     except ConfigError as exc:
         hint = "" if layout else (" (the layout is the checkpoint's own unless "
                                   "--tensor-/--pipeline-model-parallel-size say otherwise)")
@@ -259,6 +286,9 @@ def main(argv=None) -> int:
                       f"PP={parallel_state.get_pipeline_model_parallel_world_size()}")
             vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
             layout += f" x VPP={vpp}" if vpp else ""
+            if configs.transformer.moe is not None:
+                layout += (f" x EP={configs.transformer.expert_model_parallel_size} x expert "
+                           f"TP={configs.transformer.expert_tensor_parallel_size}")
             ok = report(compare(hf, logits), args.tolerance, layout, vocab)
     ok = _share(ok)
     dist.barrier()
