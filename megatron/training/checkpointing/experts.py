@@ -61,21 +61,6 @@ def split_state(state: Dict[str, torch.Tensor], ep_rank: int
     return dense, experts
 
 
-def split_range(name: str, shape, begin: int, end: int, ep_rank: int
-                ) -> List[Tuple[str, int, int, int]]:
-    """Flat elements [begin, end) of a stacked weight of ``shape``, per expert:
-    (per-expert name, first element within the expert, first and end within [begin, end))."""
-    per = 1
-    for size in shape[1:]:
-        per *= int(size)
-    out = []
-    for local, expert in enumerate(expert_names(name, shape[0], ep_rank)):
-        lo, hi = max(begin, local * per), min(end, (local + 1) * per)
-        if lo < hi:
-            out.append((expert, lo - local * per, lo - begin, hi - begin))
-    return out
-
-
 def merge_expert_tensor_parallel(shards: Dict[str, Dict[int, torch.Tensor]]
                                  ) -> Dict[str, torch.Tensor]:
     """{per-expert name: {ETP rank: shard}} -> whole per-expert tensors."""
