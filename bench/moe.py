@@ -186,21 +186,26 @@ def alternate(variants, repeats, warmup, sync=None):
 
 
 def summary(times, baseline, faster):
-    """Rows (name, median ms, min-max ms, median of baseline/faster ratios per repeat)."""
+    """(median of the per-repeat baseline/faster ratios, (min, max) of them)."""
     ratios = [b / f for b, f in zip(times[baseline], times[faster])]
-    rows = [(name, 1e3 * statistics.median(t), 1e3 * min(t), 1e3 * max(t))
-            for name, t in times.items()]
-    return rows, statistics.median(ratios), (min(ratios), max(ratios))
+    return statistics.median(ratios), (min(ratios), max(ratios))
 
 
-def print_summary(title, times, baseline, faster):
-    rows, ratio, spread = summary(times, baseline, faster)
+def print_summary(title, times, baselines, faster):
+    """The table, and the ratio of each of ``baselines`` (a name or a list) to ``faster``;
+    returns the first ratio."""
+    baselines = [baselines] if isinstance(baselines, str) else baselines
     print(f"\n{title}")
-    for name, median, low, high in rows:
-        print(f"  {name:28s} median {median:9.2f} ms  (min {low:.2f}, max {high:.2f})")
-    print(f"  {baseline} / {faster}: median ratio {ratio:.2f}x "
-          f"(per-repeat {spread[0]:.2f}-{spread[1]:.2f}x)")
-    return ratio
+    for name, t in times.items():
+        print(f"  {name:30s} median {1e3 * statistics.median(t):9.2f} ms  "
+              f"(min {1e3 * min(t):.2f}, max {1e3 * max(t):.2f})")
+    ratios = []
+    for baseline in baselines:
+        ratio, spread = summary(times, baseline, faster)
+        print(f"  {baseline} / {faster}: median ratio {ratio:.2f}x "
+              f"(per-repeat {spread[0]:.2f}-{spread[1]:.2f}x)")
+        ratios.append(ratio)
+    return ratios[0]
 
 
 def bench_layer(args):
@@ -212,7 +217,8 @@ def bench_layer(args):
                 "HF Mixtral block (eager)": lambda: run_hf(eager, x_hf),
                 "HF Mixtral block (grouped_mm)": lambda: run_hf(grouped_hf, x_hf)}
     times = alternate(variants, args.repeats, args.warmup)
-    return print_summary("MoE layer, forward + backward", times, "HF Mixtral block (eager)",
+    return print_summary("MoE layer, forward + backward", times,
+                         ["HF Mixtral block (eager)", "HF Mixtral block (grouped_mm)"],
                          "ours MoELayer (grouped GEMM)")
 
 

@@ -1,8 +1,10 @@
 """bench/moe.py's model part: one training step (forward, backward, AdamW) of a small Mixtral,
-our GPTModel at EP=1 (grouped GEMM experts) vs transformers' MixtralForCausalLM (its default
-experts implementation, the Python loop over experts), same weights (hf_conversion), same
-batch, same process (one gloo rank, EP=1). The first step's losses and gradients are compared
-before anything is timed; then the two alternate per repeat, as in bench/moe.py.
+our GPTModel at EP=1 (grouped GEMM experts) vs transformers' MixtralForCausalLM, same weights
+(hf_conversion), same batch, same process (one gloo rank, EP=1). transformers 5.x builds
+MixtralForCausalLM with its "grouped_mm" experts (torch._grouped_mm, the kernel ours runs);
+a copy set to "eager" (its Python loop over experts) is timed beside it. The first step's
+losses and gradients are compared before anything is timed; then the three alternate per
+repeat, as in bench/moe.py.
 """
 import tempfile
 
@@ -33,6 +35,15 @@ def mixtral_pair(args):
     ours = GPTModel(config, padded_vocab_size=args.vocab, **kwargs)
     ours.load_state_dict(hf_to_megatron(hf.state_dict(), hf_config), strict=True)
     return ours.train(), hf.train()
+
+
+def hf_eager_copy(hf):
+    """The same HF model with its experts run by the Python loop ("eager"), not grouped_mm."""
+    import copy
+
+    eager = copy.deepcopy(hf)
+    eager.set_experts_implementation("eager")
+    return eager.train()
 
 
 def batch(args):
@@ -84,13 +95,15 @@ def bench_model(args):
         print("Mixtral step, ours vs HF, largest relative |difference|:",
               model_check(args, ours, hf))
         inputs, labels = batch(args)
+        eager = hf_eager_copy(hf)
         variants = {"ours GPTModel (EP=1)": step_fn(ours, ours_loss, inputs, labels),
-                    "HF MixtralForCausalLM": step_fn(hf, hf_loss, inputs, labels)}
+                    "HF MixtralForCausalLM": step_fn(hf, hf_loss, inputs, labels),
+                    "HF, eager experts (loop)": step_fn(eager, hf_loss, inputs, labels)}
         times = alternate(variants, args.repeats, args.warmup)
         return print_summary(
             f"Mixtral training step ({args.layers} layers, vocab {args.vocab}, seq {args.seq}, "
             f"micro batch {args.micro_batch}), forward + backward + AdamW", times,
-            "HF MixtralForCausalLM", "ours GPTModel (EP=1)")
+            ["HF MixtralForCausalLM", "HF, eager experts (loop)"], "ours GPTModel (EP=1)")
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
