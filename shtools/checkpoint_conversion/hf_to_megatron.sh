@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Convert a Hugging Face LLaMA / Mistral / GPT-2 model directory into a Megatron checkpoint
-# ('release', loadable with --load by pretrain_llama.py / pretrain_gpt.py at any TP/PP/VPP).
+# Convert a Hugging Face LLaMA / Mistral / GPT-2 / Mixtral / Qwen2-MoE / Qwen3-MoE model
+# directory into a Megatron checkpoint ('release', loadable with --load by pretrain_llama.py /
+# pretrain_gpt.py at any TP/PP/VPP/EP).
 #
 #   HF_DIR=/models/Meta-Llama-3-8B SAVE=/ckpt/llama3-8b TP=2 PP=2 \
 #       bash shtools/checkpoint_conversion/hf_to_megatron.sh
@@ -15,6 +16,8 @@
 #   PP          pipeline-parallel size (default 1); must divide the layers
 #   VPP_LAYERS  layers per virtual pipeline stage (--num-layers-per-virtual-pipeline-stage;
 #               default: no interleaving)
+#   EP          MoE models: expert-parallel size (default 1); must divide the experts
+#   ETP         MoE models: expert tensor-parallel size (default: TP)
 #   MAKE_VOCAB_SIZE_DIVISIBLE_BY  vocabulary padding unit, as in training (default 128)
 #   CKPT_FORMAT torch_dist (default, the sharded format training saves: SAVE/release/
 #               metadata.json + shard_00000.safetensors, every tensor whole, loads at any
@@ -38,6 +41,8 @@ PP=${positional[3]:-${PP:-1}}
 VPP_LAYERS=${positional[4]:-${VPP_LAYERS:-}}
 MAKE_VOCAB_SIZE_DIVISIBLE_BY=${MAKE_VOCAB_SIZE_DIVISIBLE_BY:-128}
 CKPT_FORMAT=${CKPT_FORMAT:-torch_dist}
+EP=${EP:-}
+ETP=${ETP:-}
 if [[ -z $HF_DIR || -z $SAVE ]]; then
     echo "usage: HF_DIR=... SAVE=... [TP=1 PP=1 VPP_LAYERS=] $0" >&2
     echo "   or: $0 HF_DIR SAVE [TP [PP [VPP_LAYERS]]] [-- convert.py flags]" >&2
@@ -48,4 +53,6 @@ args=(hf-to-megatron --load "$HF_DIR" --save "$SAVE"
       --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
       --make-vocab-size-divisible-by "$MAKE_VOCAB_SIZE_DIVISIBLE_BY" --ckpt-format "$CKPT_FORMAT")
 [[ -n $VPP_LAYERS ]] && args+=(--num-layers-per-virtual-pipeline-stage "$VPP_LAYERS")
+[[ -n $EP ]] && args+=(--expert-model-parallel-size "$EP")
+[[ -n $ETP ]] && args+=(--expert-tensor-parallel-size "$ETP")
 exec "$PYTHON" "$ROOT/tools/checkpoint/convert.py" "${args[@]}" "$@"

@@ -166,3 +166,45 @@ def test_verify_passes_at_ep2(setup):
     assert "ours at TP=1 x PP=1 x EP=2 x expert TP=1" in proc.stdout
     diff = float(re.search(r"max \|logit diff\|: ([0-9.e+-]+)", proc.stdout).group(1))
     assert diff <= TOL and "argmax agreement: 16/16" in proc.stdout and "note:" not in proc.stdout
+
+
+def test_reshard_to_ep4_torch_format_and_back_is_bitwise(setup):
+    """megatron-to-megatron: the sharded Mixtral cut for TP=1 x EP=4 in the torch format."""
+    root = setup[0]
+    _convert("megatron-to-megatron", "--load", root / "mixtral_torch_dist", "--save",
+             root / "mixtral_ep4", "--tensor-model-parallel-size", 1,
+             "--expert-model-parallel-size", 4, "--ckpt-format", "torch")
+    names = sorted(os.listdir(root / "mixtral_ep4" / "release"))
+    assert names == ["mp_rank_00"] + [f"mp_rank_00_000_{e:03d}" for e in range(4)]
+    _convert("megatron-to-hf", "--load", root / "mixtral_ep4", "--save", root / "ep4_hf")
+    before = read_safetensors_dir(str(root / "hf_mixtral"))
+    after = read_safetensors_dir(str(root / "ep4_hf"))
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_generate_runs_on_the_converted_model(setup, capsys):
+    """generate.py on the HF directory written from the TP2 x EP2 checkpoint: the original
+    model's greedy continuation."""
+    import importlib.util
+
+    from tests.e2e.runner import ROOT
+    from tests.hf_checkpoints import save_tokenizer
+
+    root, hf = setup[0], setup[1]
+    save_tokenizer(str(root / "tokenizer"))
+    _convert("megatron-to-hf", "--load", root / "qwen3_moe_torch", "--save", root / "gen",
+             "--tokenizer-dir", root / "tokenizer")
+    spec = importlib.util.spec_from_file_location(
+        "generate", os.path.join(ROOT, "tools", "checkpoint", "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    capsys.readouterr()
+    assert generate.main(["--hf-dir", str(root / "gen"), "--prompt", "w3 w4 w5",
+                          "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    with torch.no_grad():
+        ids = hf["qwen3_moe"].generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4,
+                                       do_sample=False, pad_token_id=2)[0, 3:].tolist()
+    ids = ids[:ids.index(2)] if 2 in ids else ids  # generation stops at </s> (id 2)
+    assert f"-> {' '.join(f'w{i}' for i in ids)!r}" in printed
