@@ -324,7 +324,9 @@ def _damaged(tmp_path, hf_dirs, kind):
     ("bert", [], "unsupported architecture: model_type 'bert', architectures "
                  "['BertForMaskedLM'] in"),
     ("bert", [], "supported: LlamaForCausalLM (model_type llama), MistralForCausalLM "
-                 "(model_type mistral), GPT2LMHeadModel (model_type gpt2)."),
+                 "(model_type mistral), GPT2LMHeadModel (model_type gpt2), "
+                 "MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
+                 "qwen2_moe), Qwen3MoeForCausalLM (model_type qwen3_moe)."),
     ("linear_rope", [], "rope scaling type 'linear' is not supported"),
     ("gelu_llama", [], "hidden_act 'gelu' is not supported"),
     ("no_config", [], "has no config.json"),
