@@ -15,6 +15,11 @@ CP: gradients are reduced and the optimizer sharded over DP x CP, ``OptimizerSet
 (2 param + 2 grad + fp32 main param, Adam m and v, and an fp32 copy of the gradient; with
 fp32 gradient buffers the copy is the buffer itself; with fp32 params the main params are the
 params.) Adam's per-tensor ``step`` counters (4 bytes each) are counted too.
+
+Mixture of experts (``config.moe``, memory_moe.py): an MoE layer's ``mlp.`` holds the router,
+its E/EP experts (f split by expert TP) and the shared expert; the routed experts' state is
+laid out in buffers of their own, with d = the expert-data-parallel size DP x CP x TP /
+(ETP x EP) in place of DP (``rank_state_bytes``).
 """
 import dataclasses
 import math

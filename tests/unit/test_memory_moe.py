@@ -33,6 +33,7 @@ from megatron.training.memory_moe import (
     moe_mlp_params,
 )
 from megatron.training.memory_params import OptimizerSetup, chunk_param_shapes, rank_state_bytes
+from megatron.training.theoretical_memory import estimate_memory, format_report
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step
@@ -221,3 +222,13 @@ def test_whole_model_state_equals_a_real_step(ep, distributed):
     for rank, (measured, estimate) in enumerate(run_distributed(
             _state_after_a_step, 4, ep=ep, distributed=distributed)):
         assert measured == estimate, f"rank {rank}"
+
+
+def test_report_shows_the_dispatch_buffers():
+    config = _llama_moe(expert_model_parallel_size=2)
+    estimate = estimate_memory(config, padded_vocab_size=VOCAB, seq_length=SEQ,
+                               micro_batch_size=MBS, num_microbatches=1,
+                               setup=OptimizerSetup(data_parallel_size=2), device="cpu")
+    dispatch = dispatch_buffer_bytes(config, SEQ * MBS, 4)
+    assert estimate.stages[0].activations.moe_dispatch_bytes == dispatch > 0
+    assert "moe dispatch buffers" in format_report(estimate)
