@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "shtools", "**", "*.sh"), recursive=True)
                  + glob.glob(os.path.join(ROOT, "shtools", "**", "*.sbatch"), recursive=True))
 CONFIGS = {name: os.path.join(ROOT, "shtools", "configs", f"{name}.sh")
-           for name in ("gpt_small", "llama2_7b", "llama_13b_megatron_llama")}
+           for name in ("gpt_small", "llama2_7b", "llama_13b_megatron_llama", "mixtral_8x7b",
+                        "qwen3_moe_small")}
 LAUNCHERS = ("single_node.sh", "multi_node.sh", "elastic.sh", "slurm.sbatch")
 
 
@@ -293,3 +294,25 @@ def test_launchers_export_cuda_device_max_connections(launcher, files, tmp_path)
     subprocess.run(["bash", os.path.join(ROOT, "shtools", "launch", launcher)], env=env,
                    cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert seen.read_text().strip() == "1"
+
+
+# name -> (world size of its default layout, (layers, hidden, experts, top-k, expert FFN), EP,
+# PP, q/k norm, top-k renormalised after a softmax over all experts)
+MOE_CONFIGS = {"mixtral_8x7b": (32, (32, 4096, 8, 2, 14336), 8, 4, False, False),
+               "qwen3_moe_small": (16, (48, 2048, 128, 8, 768), 8, 2, True, True)}
+
+
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_moe_configs(name, files):
+    world, shape, ep, pp, qk_norm, pre_softmax = MOE_CONFIGS[name]
+    env = dict(DATA_PATH=f"{files['d']}/corpus_text_document", TOKENIZER_DIR=files["tok"],
+               CHECKPOINT_DIR=files["ck"], TENSORBOARD_DIR=files["tb"])
+    entry, _, flags = source_config(CONFIGS[name], **env)
+    assert entry == "pretrain_llama.py"
+    t = configs_of(flags, world_size=world).transformer
+    moe = t.moe
+    assert (t.num_layers, t.hidden_size, moe.num_moe_experts, moe.moe_router_topk,
+            moe.moe_ffn_hidden_size) == shape
+    assert (t.expert_model_parallel_size, t.pipeline_model_parallel_size) == (ep, pp)
+    assert t.qk_layernorm == qk_norm and moe.moe_router_pre_softmax == pre_softmax
+    assert moe.moe_router_topk_norm == pre_softmax and moe.moe_layer_freq == 1
