@@ -40,6 +40,7 @@ from megatron.training.initialize import expert_sizes, initialize_megatron
 from megatron.training.moe_metrics import gather_moe_metrics
 from megatron.training.nan_guard import NanGuard
 from megatron.training.pipeline_tracing import finish_trace, start_trace
+from megatron.training.planner.moe_cost import effective_ffn_hidden_size
 from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.timers import Timers, set_timers
 from megatron.training.token_guard import (
@@ -126,7 +127,7 @@ def _log_moe(logger, model, configs, iteration: int) -> None:
 def _flops(configs, args) -> int:
     tc = configs.transformer
     return num_floating_point_operations(
-        tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.num_attention_heads,
+        tc.num_layers, tc.hidden_size, effective_ffn_hidden_size(tc), tc.num_attention_heads,
         tc.num_query_groups, args.seq_length, configs.model_kwargs["padded_vocab_size"],
         configs.training.global_batch_size, tc.activation == "swiglu", tc.kv_channels)
 

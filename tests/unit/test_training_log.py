@@ -342,3 +342,23 @@ def test_memory_usage_goes_through_device_and_works_without_torch_accelerator(mo
     monkeypatch.setattr(device, "device_type", lambda: "cpu")
     label, gib = memory_usage()
     assert label == "max RSS (GiB)" and gib > 0
+
+
+def test_moe_flops_count_k_experts_and_the_shared_one():
+    """pretrain's MFU numerator for an MoE model: per layer the FFN of k routed experts plus
+    the shared expert (MoE layers) or the dense FFN, averaged over the layers."""
+    from megatron.core.transformer.moe import MoEConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.planner.moe_cost import effective_ffn_hidden_size
+
+    moe = MoEConfig(num_moe_experts=8, moe_ffn_hidden_size=16, moe_router_topk=2,
+                    moe_shared_expert_intermediate_size=24, moe_layer_freq=[1, 0])
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                               ffn_hidden_size=48, activation="swiglu", add_bias_linear=False,
+                               moe=moe)
+    assert effective_ffn_hidden_size(config) == (2 * 16 + 24 + 48) // 2
+    got = num_floating_point_operations(2, 32, effective_ffn_hidden_size(config), 4, 4, 8, 64,
+                                        1, swiglu=True)
+    attention = 2 * (32 * 96 + 8 * 32 + 8 * 32 + 32 * 32)
+    ffn = 3 * 32 * (2 * 16 + 24) + 3 * 32 * 48
+    assert got == 3 * 2 * 8 * (attention + ffn + 32 * 64)
