@@ -43,6 +43,11 @@ def _moe_losses(proc):
                                          proc.stdout)]
 
 
+def _grad_norms(proc):
+    """The printed global norms: each expert and each dense weight counted once."""
+    return [float(x) for x in re.findall(r"\| grad norm: ([0-9.]+) \|", proc.stdout)]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_expert_parallel_run_equals_one_process(case):
     nproc, model, layout = CASES[case]
@@ -56,3 +61,4 @@ def test_expert_parallel_run_equals_one_process(case):
                                                                                 rel=1e-5)
     want_moe, got_moe = _moe_losses(one), _moe_losses(parallel)
     assert len(want_moe) == 20 and got_moe == pytest.approx(want_moe, rel=1e-5)
+    assert len(_grad_norms(one)) == 10 and _grad_norms(parallel) == _grad_norms(one)

@@ -362,3 +362,21 @@ def test_moe_flops_count_k_experts_and_the_shared_one():
     attention = 2 * (32 * 96 + 8 * 32 + 8 * 32 + 32 * 32)
     ffn = 3 * 32 * (2 * 16 + 24) + 3 * 32 * 48
     assert got == 3 * 2 * 8 * (attention + ffn + 32 * 64)
+
+
+def test_moe_metrics_go_to_the_console_and_tensorboard(tmp_path):
+    logger, printed, _ = _logger(log_interval=1, tensorboard_dir=str(tmp_path))
+    metrics = {"load balancing loss": 0.0125, "z loss": 0.002,
+               "max/mean tokens per expert": 1.5, "moe/load balancing loss layer 1": 0.01,
+               "moe/load balancing loss layer 3": 0.015,
+               "moe/max/mean tokens per expert layer 3": 1.5}
+    line = logger.log_moe(7, metrics)
+    logger.close()
+    assert line == (" MoE at iteration 7 | load balancing loss: 1.250000E-02 | z loss: "
+                    "2.000000E-03 | max/mean tokens per expert: 1.500 |")
+    assert printed[-1] == line
+    scalars = _read_scalars(tmp_path)
+    assert scalars["moe/load balancing loss"] == [(7, f32(0.0125))]
+    assert scalars["moe/load balancing loss layer 3"] == [(7, f32(0.015))]
+    assert scalars["moe/max/mean tokens per expert layer 3"] == [(7, 1.5)]
+    assert logger.log_moe(8, {}) is None
