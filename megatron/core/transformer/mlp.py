@@ -16,7 +16,7 @@ def _swiglu(x):
     return F.silu(gate) * up
 
 
-class _SwiGLUFunction(torch.autograd.Function):
+class SwiGLUFunction(torch.autograd.Function):
     """silu(gate) * up of x = [gate | up], keeping only x for backward (autograd would also
     keep silu(gate), recomputed here) and writing both halves of the gradient straight into
     one buffer (autograd concatenates them). The kernels are autograd's (silu, silu_backward,
@@ -57,7 +57,7 @@ class MLP(torch.nn.Module):
         if config.torch_compile:
             self.activation_func = compiled(activation)
         elif config.activation == "swiglu":
-            self.activation_func = _SwiGLUFunction.apply
+            self.activation_func = SwiGLUFunction.apply
         else:
             self.activation_func = activation
         gated = config.activation == "swiglu"

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.transformer.mlp import SwiGLUFunction
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _swiglu(x):
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """silu(gate) * up of x = [gate | up], with the MLP's autograd function: it keeps only x
+    and writes both halves of the gradient into one buffer (no concatenation in backward),
+    with autograd's own kernels, so the numbers are bitwise those of the plain expression."""
+    return SwiGLUFunction.apply(x)
 
 
 class SwiGLUExperts(torch.nn.Module):
