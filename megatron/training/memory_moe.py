@@ -18,8 +18,8 @@ EP > 1, N is the rows this rank's experts receive, k T when the routing is balan
   (fp32) for the aux loss, the logits [T, E] and log-sum-exp [T] for the z-loss;
 - dispatch: the sort order and each row's token (int64 [N] each; the all-to-all also keeps its
   regrouping order and its inverse, 2 more [N]), each row's gate weight (fp32 [N]);
-- experts: the input rows [N, h], the fc1 output 2f/ETP, the SiLU output and the SwiGLU
-  product f/ETP each, per row (4f/ETP); grouped GEMM's offsets (int32 [E/EP]); with a
+- experts: the input rows [N, h], the fc1 output 2f/ETP and the SwiGLU product f/ETP per row
+  (3f/ETP: the MLP's SwiGLU function recomputes the SiLU in backward); grouped GEMM's offsets (int32 [E/EP]); with a
   capacity, the kept choices' order (int64), and when padding each kept row's slot and gate;
 - shared expert: the dense MLP's terms (fc1 output and product, 3 x its f/TP per token), and
   with its gate the sigmoid [T, 1] and the expert's output [T, h];
@@ -136,7 +136,7 @@ def moe_layer_terms(config, tokens: int, e: int, sequences: int = 1) -> Dict[str
     index_arrays = 4 if ep > 1 and moe.moe_token_dispatcher_type == "alltoall" else 2
     terms["dispatch order, row tokens and gates"] = (index_arrays * INT64 + FP32) * rows
     terms["expert input rows"] = e * rows * h
-    terms["expert fc1 output, SiLU and SwiGLU product"] = e * rows * 4 * f
+    terms["expert fc1 output and SwiGLU product"] = e * rows * 3 * f
     if moe.moe_grouped_gemm:
         terms["grouped GEMM offsets"] = INT32 * (experts // ep)
     terms["expert output and weighted rows"] = 2 * e * rows * h
