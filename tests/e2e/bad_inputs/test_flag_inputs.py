@@ -148,6 +148,12 @@ CASES = [
     ("moe-gelu-experts", "pretrain_gpt.py", ["--num-experts", "4"], None,
      ["the MoE experts are SwiGLU FFNs without biases: use --swiglu and "
       "--disable-bias-linear."]),
+    ("moe-with-context-parallel", "pretrain_llama.py",
+     ["--num-experts", "4", "--context-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     ["MoE does not compose with context parallelism yet", "--context-parallel-size"]),
+    ("moe-with-fsdp2", "pretrain_llama.py", ["--num-experts", "4", "--use-torch-fsdp2"],
+     {"WORLD_SIZE": "2"},
+     ["--use-torch-fsdp2 with --num-experts (mixture of experts) is not supported yet."]),
     ("moe-zero-experts", "pretrain_llama.py", ["--num-experts", "0"], None,
      ["--num-experts must be >= 1, got 0"]),
     ("moe-bad-layer-freq", "pretrain_llama.py",
