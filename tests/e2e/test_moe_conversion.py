@@ -136,7 +136,7 @@ def test_torch_format_expert_files_are_what_training_writes(setup):
                 fc2 = state["model"][f"decoder.layers.1.mlp.experts.{g}.linear_fc2.weight"]
                 down = hf["model.layers.1.mlp.experts.down_proj"][g]
                 assert torch.equal(fc2, down[:, rows])
-    dense = torch.load(release / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
+    dense = torch.load(release / "mp_rank_01" / "model_optim_rng.pt", weights_only=True)
     assert not any(".experts." in n for n in dense["model"])
     assert dense["layout"]["expert_tensor_parallel_size"] == 2
 
