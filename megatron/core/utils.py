@@ -26,9 +26,16 @@ def init_method_normal(std: float):
     return init_
 
 
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """std / sqrt(2 * num_layers): the init std of the output projections of residual
+    branches (GPT-2 / Megatron)."""
+    return std / (2.0 * num_layers) ** 0.5
+
+
 def scaled_init_method_normal(std: float, num_layers: int):
-    """N(0, (std / sqrt(2 * num_layers))^2) for the output projections of residual branches."""
-    return init_method_normal(std / (2.0 * num_layers) ** 0.5)
+    """N(0, scaled_init_std(std, num_layers)^2) for the output projections of residual
+    branches."""
+    return init_method_normal(scaled_init_std(std, num_layers))
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,

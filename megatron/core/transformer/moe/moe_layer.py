@@ -20,6 +20,7 @@ from megatron.core.transformer.moe.ep_dispatcher import DISPATCHERS
 from megatron.core.transformer.moe.experts import SwiGLUExperts
 from megatron.core.transformer.moe.local_dispatcher import LocalDispatcher
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.utils import scaled_init_std
 
 LOSS_NAMES = ("aux_loss", "z_loss")
 
@@ -76,7 +77,7 @@ def _place(param, config):
 
 def _output_init_std(config):
     if config.scaled_output_init:
-        return config.init_method_std / (2.0 * config.num_layers) ** 0.5
+        return scaled_init_std(config.init_method_std, config.num_layers)
     return config.init_method_std
 
 
