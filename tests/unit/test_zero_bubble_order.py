@@ -113,13 +113,9 @@ def test_bubble_equals_the_formula(schedule, p, m):
     busy = 3 * m * (2 if schedule == "zbv" else 1)
     idle = [timeline.end_time - sum(e - s for _, s, e in timeline.steps[r]) for r in range(p)]
     expected = zero_bubble_idle(p, schedule)
-    if schedule == "zbv" and p == 6:
-        # the greedy V misses the bound p-1 by 2 here (except at m = 3p): stated, not hidden
-        expected += {12: 2, 13: 2, 18: 0, 24: 2}[m]
     assert idle == [expected] * p  # exact: sums of unit costs
-    if expected == zero_bubble_idle(p, schedule):
-        assert timeline.bubble_fraction() == pytest.approx(
-            theoretical_bubble_zero(p, m, schedule), abs=1e-12)
+    assert timeline.bubble_fraction() == pytest.approx(
+        theoretical_bubble_zero(p, m, schedule), abs=1e-12)
     assert timeline.end_time == busy + expected
 
 

@@ -192,8 +192,7 @@ def zero_bubble_idle(pipeline_size: int, schedule: str, forward_cost: float = 1.
     zero-bubble schedule, for F, B, W costs equal (what the tests check exactly).
     zb-h1: (p-1)(F+B-W) (Qi et al.), a third of 1F1B's (p-1)(F+B+W). zbv (costs of a half-size
     chunk): (p-1) F, the bound set by the last rank's first forward arriving only after
-    p-1 chunk-forwards; the greedy order meets it for p <= 4 (checked for m in 2p..4p), and
-    exceeds it by 2F at p = 6 for some m (see the tests)."""
+    p-1 chunk-forwards; the ZB-V order meets it exactly (checked for p up to 6)."""
     p = pipeline_size
     if schedule == "zb-h1":
         return (p - 1) * (forward_cost + backward_cost - weight_cost)

@@ -11,12 +11,10 @@ its W.
   cooldown waits fill with W's. At most p forwards wait for their W on any rank (1F1B's peak).
 - ``zbv``: two chunks per rank placed in a V: rank r holds virtual stage r (chunk 0) and
   2p-1-r (chunk 1), so the first and the last stage (the loss) are both on rank 0 and the
-  last rank hands chunk 0's output to its own chunk 1. The order comes from a deterministic
-  greedy list scheduler over unit costs (the ZB papers' heuristic): B first when ready, else F
-  when ready and the memory allows (at most 2p chunk-forwards waiting for their W, 1F1B's p
-  microbatches of two half-size chunks), else the oldest W.
+  last rank hands chunk 0's output to its own chunk 1. The order is the paper's handcrafted
+  ZB-V pattern (``zbv_order``): at most 2p chunk-forwards wait for their W, 1F1B's p
+  microbatches of two half-size chunks.
 """
-import functools
 from typing import List, Tuple
 
 from megatron.core import pipeline_placement
@@ -70,86 +68,55 @@ def zb_h1_order(pipeline_size: int, rank: int, num_microbatches: int) -> List[St
     return order + [Step(WEIGHT, k) for k in range(next_weight, m)]
 
 
-@functools.lru_cache(maxsize=64)
-def zbv_orders(pipeline_size: int, num_microbatches: int) -> Tuple[Tuple[Step, ...], ...]:
-    """Every rank's zbv order, from a greedy list scheduler run over all ranks at once with
-    unit costs (one time unit per F, B or W of a half-size chunk)."""
-    return tuple(tuple(order) for order in _GreedyV(pipeline_size, num_microbatches).run())
+def zbv_order(pipeline_size: int, rank: int, num_microbatches: int) -> List[Step]:
+    """Rank ``rank``'s ZB-V order: the handcrafted pattern of Qi et al. (ICLR 2024, section 6),
+    in three phases. c0/c1 are the rank's chunks (virtual stages r and 2p-1-r).
 
+    - warmup: 2(p-r)-1 chunk-0 forwards (they fill the V's descending arm), r pairs
+      (F c1, F c0), then p-r triples (F c1, B c1, W c1) as the first gradients come back;
+    - steady state: (F c0 while any remain), B c0, W c0, F c1, B c1, W c1; W runs right after
+      its B because there is no bubble left to fill;
+    - cooldown: r pairs (B c0, B c1) with their W's deferred into the drain's bubbles, then
+      p-r pairs (B c0, oldest deferred W c0), then the deferred W's, chunk 1's first.
 
-class _GreedyV:
-    """Unit-time list scheduling of the V. A step that ends at time t may feed one that starts
-    at t (messages take no time here; ``simulate`` replays the result under real rounds)."""
+    At most 2p chunk-forwards wait for their W (1F1B's p microbatches of two half-size
+    chunks); with equal F, B, W every rank idles (p-1) F, for every p (see the tests). Under
+    unequal costs (W < F < B, as measured) it keeps the steady state dense, where a greedy
+    list scheduler defers W's and lets the ranks drift apart."""
+    p, r, m = pipeline_size, rank, num_microbatches
+    order: List[Step] = []
+    done = {(FORWARD, 0): 0, (FORWARD, 1): 0, (BACKWARD, 0): 0, (BACKWARD, 1): 0,
+            (WEIGHT, 0): 0, (WEIGHT, 1): 0}
 
-    def __init__(self, pipeline_size: int, num_microbatches: int):
-        self.p, self.m = pipeline_size, num_microbatches
-        self.limit = 2 * pipeline_size
-        self.f_done = {}  # (stage, microbatch) -> end time of its F
-        self.b_done = {}
-        self.next_f = [[0, 0] for _ in range(self.p)]  # rank -> chunk -> next microbatch
-        self.next_b = [[0, 0] for _ in range(self.p)]
-        self.pending_w = [[] for _ in range(self.p)]  # rank -> [(chunk, microbatch)] FIFO
-        self.live = [0] * self.p  # chunk-forwards whose W has not run
-        self.orders = [[] for _ in range(self.p)]
+    def run(kind, chunk):
+        order.append(Step(kind, done[(kind, chunk)], chunk))
+        done[(kind, chunk)] += 1
 
-    def run(self) -> List[List[Step]]:
-        total = 6 * self.m  # F, B, W of two chunks per microbatch
-        t = 0
-        while any(len(order) < total for order in self.orders):
-            started = [self._pick(rank, t) for rank in range(self.p)]
-            for rank, step in enumerate(started):
-                if step is not None:
-                    self._start(rank, step, t)
-            t += 1
-            if t > 100 * total:
-                raise AssertionError("zbv greedy scheduler made no progress")
-        return self.orders
-
-    def _ready_f(self, rank, chunk, t):
-        k = self.next_f[rank][chunk]
-        stage = zbv_stage(self.p, rank, chunk)
-        if k >= self.m:
-            return False
-        return stage == 0 or self.f_done.get((stage - 1, k), t + 1) <= t
-
-    def _ready_b(self, rank, chunk, t):
-        k = self.next_b[rank][chunk]
-        stage = zbv_stage(self.p, rank, chunk)
-        if k >= self.m or self.f_done.get((stage, k), t + 1) > t:
-            return False
-        return stage == 2 * self.p - 1 or self.b_done.get((stage + 1, k), t + 1) <= t
-
-    def _pick(self, rank, t):
-        # B first (chunk 0 before chunk 1: it finishes a microbatch, and of the orders tried
-        # this one meets the idle bound p-1 most often), then F (chunk 1 first: it is closer
-        # to the loss; chunk 0 first can fill the memory with no B left to run), then the
-        # oldest W.
-        for chunk in (0, 1):
-            if self._ready_b(rank, chunk, t):
-                return Step(BACKWARD, self.next_b[rank][chunk], chunk)
-        if self.live[rank] < self.limit:
-            for chunk in (1, 0):
-                if self._ready_f(rank, chunk, t):
-                    return Step(FORWARD, self.next_f[rank][chunk], chunk)
-        if self.pending_w[rank]:
-            chunk, k = self.pending_w[rank][0]
-            return Step(WEIGHT, k, chunk)
-        return None
-
-    def _start(self, rank, step, t):
-        stage = zbv_stage(self.p, rank, step.chunk)
-        self.orders[rank].append(step)
-        if step.kind == FORWARD:
-            self.f_done[(stage, step.microbatch)] = t + 1
-            self.next_f[rank][step.chunk] += 1
-            self.live[rank] += 1
-        elif step.kind == BACKWARD:
-            self.b_done[(stage, step.microbatch)] = t + 1
-            self.next_b[rank][step.chunk] += 1
-            self.pending_w[rank].append((step.chunk, step.microbatch))
-        else:
-            self.pending_w[rank].pop(0)
-            self.live[rank] -= 1
+    for _ in range(2 * (p - r) - 1):
+        run(FORWARD, 0)
+    for _ in range(r):
+        run(FORWARD, 1)
+        run(FORWARD, 0)
+    for _ in range(p - r):
+        for kind in (FORWARD, BACKWARD, WEIGHT):
+            run(kind, 1)
+    while done[(FORWARD, 0)] < m or done[(FORWARD, 1)] < done[(FORWARD, 0)]:
+        if done[(FORWARD, 0)] < m:
+            run(FORWARD, 0)
+        run(BACKWARD, 0)
+        run(WEIGHT, 0)
+        for kind in (FORWARD, BACKWARD, WEIGHT):
+            run(kind, 1)
+    for _ in range(r):
+        run(BACKWARD, 0)
+        run(BACKWARD, 1)
+    for _ in range(p - r):
+        run(BACKWARD, 0)
+        run(WEIGHT, 0)
+    for chunk in (1, 0):
+        while done[(WEIGHT, chunk)] < m:
+            run(WEIGHT, chunk)
+    return order
 
 
 def zbv_forward_only_order(num_microbatches: int) -> List[Step]:
@@ -166,7 +133,7 @@ def order(schedule: str, pipeline_size: int, rank: int, num_microbatches: int,
         return zb_h1_order(pipeline_size, rank, num_microbatches)
     if forward_only:
         return zbv_forward_only_order(num_microbatches)
-    return list(zbv_orders(pipeline_size, num_microbatches)[rank])
+    return zbv_order(pipeline_size, rank, num_microbatches)
 
 
 def unit_cost_times(orders: List[List[Step]], stage_of, last_stage: int) -> List[List[int]]:
