@@ -238,6 +238,9 @@ def _kill_workers_at_exit() -> None:
     own shutdown, would hang the exit forever. Registered after multiprocessing's own exit
     function, this runs first and ends them with SIGKILL (they hold nothing to save)."""
     def kill_daemonic_children():
+        # torch's SIGCHLD handler raises when a worker of a live loader dies: at the first
+        # kill it would end this loop, leaving the other workers for multiprocessing to join.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for child in multiprocessing.active_children():
             if child.daemon:
                 child.kill()

@@ -2,6 +2,8 @@
 import multiprocessing.reduction
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -166,3 +168,34 @@ def test_a_stuck_worker_is_one_error_not_a_hang(monkeypatch):
         for worker in iterator._workers:
             worker.kill()
             worker.join()
+
+
+_EXIT_WITH_LIVE_WORKERS = """
+import multiprocessing.process, os, sys
+sys.path.insert(0, {root!r})
+from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.training.data_samplers import build_pretraining_data_loader
+
+kill = multiprocessing.process.BaseProcess.kill
+def kill_then_wait_for_its_sigchld(self):  # the race, lost every time
+    kill(self)
+    os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+multiprocessing.process.BaseProcess.kill = kill_then_wait_for_its_sigchld
+loader = build_pretraining_data_loader(MockGPTDataset(20, 4, 100, seed=0), 0,
+                                       micro_batch_size=2, num_workers=2)
+batches = iter(loader)  # alive at exit, as when a traceback holds it
+next(batches)
+"""
+
+
+def test_exit_with_live_workers_kills_them_all(tmp_path):
+    """At exit the loader workers (which ignore SIGTERM) are killed. torch's SIGCHLD handler
+    raised at the first kill (a worker it watches died) and ended the loop, and
+    multiprocessing then waited forever for the second worker."""
+    from tests.e2e.runner import ROOT
+
+    script = tmp_path / "exit_with_live_workers.py"
+    script.write_text(_EXIT_WITH_LIVE_WORKERS.format(root=ROOT))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)  # a deadline for a hang, not a speed limit
+    assert proc.returncode == 0 and "Error" not in proc.stderr, proc.stderr
