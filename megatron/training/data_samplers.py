@@ -10,7 +10,18 @@ import multiprocessing
 import signal
 from typing import Iterator, List, Optional
 
+import numpy as np
 import torch
+from torch.utils.data import default_collate
+
+# Seconds the training process waits for one batch from its loader's workers. A batch is a
+# few KiB and is prefetched: a wait this long means it was lost (a stuck worker), and the rank
+# stops with one error line instead of hanging until the job's time limit.
+BATCH_TIMEOUT_S = 120.0
+
+
+class DataLoaderStalled(RuntimeError):
+    """No batch from the data loader's workers in BATCH_TIMEOUT_S (a bug, not the input)."""
 
 
 def _check(total_samples: int, consumed_samples: int, micro_batch_size: int,
@@ -160,12 +171,53 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, dataloader_typ
     # Its own generator: each new iterator draws a worker seed, and drawing it from the global
     # generator would shift the dropout masks after a resume (the iterator starts later).
     generator = torch.Generator().manual_seed(seed)
-    if num_workers > 0:
+    workers = num_workers > 0
+    if workers:
         _kill_workers_at_exit()
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=pin_memory, generator=generator,
-                                       persistent_workers=num_workers > 0,
-                                       worker_init_fn=ignore_stop_signals)
+    return PretrainingDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                 pin_memory=pin_memory, generator=generator,
+                                 persistent_workers=workers, worker_init_fn=ignore_stop_signals,
+                                 collate_fn=collate_to_numpy if workers else None,
+                                 timeout=BATCH_TIMEOUT_S if workers else 0)
+
+
+def collate_to_numpy(samples) -> dict:
+    """In a worker: the batch as numpy arrays, pickled whole into the result pipe. Tensors
+    would travel as shared-memory file descriptors that the training process fetches, while
+    unpickling, over a socket from a thread of the worker, with no timeout: a worker thread
+    that never answers (e.g. one stuck on a lock its process inherited held at fork) left the
+    rank waiting forever with every worker looking idle."""
+    return {key: value.numpy() for key, value in default_collate(samples).items()}
+
+
+class PretrainingDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose batches are dicts of tensors; with workers, they arrive as numpy
+    (``collate_to_numpy``) and become tensors here (pinned when ``pin_memory``), and a batch
+    that does not come in BATCH_TIMEOUT_S raises DataLoaderStalled."""
+
+    def __iter__(self):
+        batches = super().__iter__()  # persistent workers: the same iterator, reset
+        return batches if self.num_workers == 0 else self._tensors(batches)
+
+    def _tensors(self, batches):
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except RuntimeError as exc:  # torch's message is the only sign of its timeout
+                if "DataLoader timed out" not in str(exc):
+                    raise
+                raise DataLoaderStalled(
+                    f"no batch from the data loader's workers in {self.timeout:g} s: a worker "
+                    f"is stuck (a bug, not the data); rerun, or use --num-workers 0") from exc
+            yield {key: self._tensor(value) for key, value in batch.items()}
+
+    def _tensor(self, value):
+        if not isinstance(value, np.ndarray):
+            return value
+        tensor = torch.from_numpy(value)
+        return tensor.pin_memory() if self.pin_memory else tensor
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -186,6 +238,9 @@ def _kill_workers_at_exit() -> None:
     own shutdown, would hang the exit forever. Registered after multiprocessing's own exit
     function, this runs first and ends them with SIGKILL (they hold nothing to save)."""
     def kill_daemonic_children():
+        # torch's SIGCHLD handler raises when a worker of a live loader dies: at the first
+        # kill it would end this loop, leaving the other workers for multiprocessing to join.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for child in multiprocessing.active_children():
             if child.daemon:
                 child.kill()

@@ -27,7 +27,11 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
 from megatron.training.configs_from_args import check_training_microbatches
-from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.training.data_samplers import (
+    DataLoaderStalled,
+    build_pretraining_data_loader,
+    cyclic_iter,
+)
 from megatron.training.errors import exit_with_error, is_reporting_rank, report_error
 from megatron.training.exit_signal import (
     SIGINT_EXIT_CODE,
@@ -164,6 +168,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                          forward_step_func, argv, progress)
     except KeyboardInterrupt:
         _exit_interrupted(progress)
+    except DataLoaderStalled as exc:  # this rank alone: its peers wait in a collective
+        exit_with_error(exc, 1, shutdown=False)
     except USER_ERRORS as exc:
         if interrupted():  # what the Ctrl-C broke on its way out
             _exit_interrupted(progress)

@@ -1,10 +1,19 @@
 """Pretraining samplers: DP slicing, exact resumption, per-epoch shuffling; the DataLoader."""
+import multiprocessing.reduction
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
+from torch.utils.data._utils import signal_handling
 
 from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.training import data_samplers
 from megatron.training.data_samplers import (
+    DataLoaderStalled,
     MegatronPretrainingRandomSampler,
     MegatronPretrainingSampler,
     build_pretraining_data_loader,
@@ -104,3 +113,89 @@ def test_data_loader_single_and_cyclic():
     assert build_pretraining_data_loader(None, 0) is None
     with pytest.raises(ValueError, match="unknown --dataloader-type 'external'"):
         build_pretraining_data_loader(dataset, 0, "external")
+
+
+class _UnansweredFd:
+    """Stands for a worker's fd-sharing thread that never answers (e.g. stuck on a lock its
+    process inherited held at fork): the training process would wait on it, untimed, while
+    unpickling the batch. Failing loudly here instead keeps the test from hanging."""
+
+    def __init__(self, fd):
+        pass
+
+    def detach(self):
+        raise AssertionError("the training process asked a worker thread for a batch's memory")
+
+
+class _WorkerWithoutFdSharing(MockGPTDataset):
+    def __getitem__(self, idx):  # runs in the worker
+        multiprocessing.reduction.DupFd = _UnansweredFd
+        return super().__getitem__(idx)
+
+
+def test_worker_batches_arrive_whole_without_calling_back_into_the_worker():
+    """The hang seen in e2e runs: the rank waited forever inside Queue.get for a worker
+    thread to hand over a batch's shared memory, every worker idle. Batches now travel whole
+    (numpy in the pipe) and still come out as the same int64 tensors."""
+    loader = build_pretraining_data_loader(_WorkerWithoutFdSharing(20, 4, 100, seed=0), 0,
+                                           "single", micro_batch_size=2, num_workers=2,
+                                           data_parallel_rank=0, data_parallel_size=2, seed=0)
+    batches = list(loader)
+    assert len(batches) == 5
+    dataset = MockGPTDataset(20, 4, 100, seed=0)  # read here: leaves our DupFd alone
+    for g, batch in enumerate(batches):
+        assert batch["text"].dtype == torch.int64 and not batch["text"].is_shared()
+        expected = np.stack([dataset[4 * g]["text"], dataset[4 * g + 1]["text"]])
+        assert np.array_equal(batch["text"].numpy(), expected)
+
+
+class _StoppingWorker(MockGPTDataset):
+    def __getitem__(self, idx):  # runs in the worker: alive, but never answers
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_stuck_worker_is_one_error_not_a_hang(monkeypatch):
+    monkeypatch.setattr(data_samplers, "BATCH_TIMEOUT_S", 0.5)
+    loader = build_pretraining_data_loader(_StoppingWorker(20, 4, 100, seed=0), 0, "single",
+                                           micro_batch_size=2, num_workers=1, seed=0)
+    try:
+        with pytest.raises(DataLoaderStalled, match="no batch from the data loader's workers"):
+            next(iter(loader))
+    finally:  # unregistered first, or torch's SIGCHLD handler raises on the kill
+        iterator = loader._iterator
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+        for worker in iterator._workers:
+            worker.kill()
+            worker.join()
+
+
+_EXIT_WITH_LIVE_WORKERS = """
+import multiprocessing.process, os, sys
+sys.path.insert(0, {root!r})
+from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.training.data_samplers import build_pretraining_data_loader
+
+kill = multiprocessing.process.BaseProcess.kill
+def kill_then_wait_for_its_sigchld(self):  # the race, lost every time
+    kill(self)
+    os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+multiprocessing.process.BaseProcess.kill = kill_then_wait_for_its_sigchld
+loader = build_pretraining_data_loader(MockGPTDataset(20, 4, 100, seed=0), 0,
+                                       micro_batch_size=2, num_workers=2)
+batches = iter(loader)  # alive at exit, as when a traceback holds it
+next(batches)
+"""
+
+
+def test_exit_with_live_workers_kills_them_all(tmp_path):
+    """At exit the loader workers (which ignore SIGTERM) are killed. torch's SIGCHLD handler
+    raised at the first kill (a worker it watches died) and ended the loop, and
+    multiprocessing then waited forever for the second worker."""
+    from tests.e2e.runner import ROOT
+
+    script = tmp_path / "exit_with_live_workers.py"
+    script.write_text(_EXIT_WITH_LIVE_WORKERS.format(root=ROOT))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)  # a deadline for a hang, not a speed limit
+    assert proc.returncode == 0 and "Error" not in proc.stderr, proc.stderr
