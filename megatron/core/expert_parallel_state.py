@@ -79,14 +79,7 @@ def initialize_expert_parallel(expert_model_parallel_size: int = 1,
     etp = expert_tensor_parallel_size or ps.get_tensor_model_parallel_world_size()
     layout = expert_rank_layout(dist.get_world_size(), ps.get_pipeline_model_parallel_world_size(),
                                 expert_model_parallel_size, etp)
-    ps._LAYOUT.update(layout)
-    me = dist.get_rank()
-    for kind, groups in layout.items():
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=ps._TIMEOUT)
-            if me in ranks:
-                ps._GROUPS[kind], ps._GROUP_RANKS[kind] = group, ranks
-                ps._OWNED_GROUPS.append(group)
+    ps.create_groups(layout)
 
 
 def expert_parallel_is_initialized() -> bool:

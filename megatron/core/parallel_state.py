@@ -102,11 +102,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ValueError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes "
                          f"must be >= 1.")
     check_world_size(world_size, tp, pp, cp)
+    from megatron.core import expert_parallel_state  # here: it imports this module
+
     with_experts = expert_model_parallel_size is not None or \
         expert_tensor_parallel_size is not None
     if with_experts:  # before any group exists, so a bad size costs no communication
-        from megatron.core import expert_parallel_state
-
         expert_parallel_state.check_expert_world_size(
             world_size, pp, expert_model_parallel_size or 1, expert_tensor_parallel_size or tp)
     if virtual_pipeline_model_parallel_size is not None:
@@ -119,20 +119,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError("virtual pipeline model parallel size must be >= 1.")
 
-    me = dist.get_rank()
     global _TIMEOUT
     _TIMEOUT = datetime.timedelta(minutes=distributed_timeout_minutes)
     # Ranks on middle pipeline stages belong to no embedding group.
     _GROUPS[_EMBEDDING], _GROUP_RANKS[_EMBEDDING] = None, []
-    layout = rank_layout(world_size, tp, pp, cp)
-    _LAYOUT.update(layout)
-    for kind, groups in layout.items():
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=_TIMEOUT)
-            if me in ranks:
-                _GROUPS[kind] = group
-                _GROUP_RANKS[kind] = ranks
-                _OWNED_GROUPS.append(group)
+    create_groups(rank_layout(world_size, tp, pp, cp))
     # The DP groups' gloo copies (get_data_parallel_group(with_gloo=True)) are made on first use.
 
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
@@ -142,6 +133,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if with_experts:
         expert_parallel_state.initialize_expert_parallel(expert_model_parallel_size or 1,
                                                          expert_tensor_parallel_size)
+
+
+def create_groups(layout: Dict[str, List[List[int]]]) -> None:
+    """Make every group of ``layout`` (kind -> lists of global ranks; every rank, same layout:
+    new_group's rule) and remember this rank's group of each kind."""
+    _LAYOUT.update(layout)
+    me = dist.get_rank()
+    for kind, groups in layout.items():
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=_TIMEOUT)
+            if me in ranks:
+                _GROUPS[kind], _GROUP_RANKS[kind] = group, ranks
+                _OWNED_GROUPS.append(group)
 
 
 def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> None:

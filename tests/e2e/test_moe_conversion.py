@@ -123,8 +123,8 @@ def test_torch_format_expert_files_are_what_training_writes(setup):
     hf = setup[1]["qwen3_moe"].state_dict()
     for etp in range(2):
         for ep in range(2):
-            state = torch.load(release / f"mp_rank_{etp:02d}_000_{ep:03d}" / "experts.pt",
-                               weights_only=True)
+            path = release / f"mp_rank_{etp:02d}_000_{ep:03d}" / "experts.pt"
+            state = torch.load(path, weights_only=True)
             assert state["layout"]["expert_model_parallel_size"] == 2
             assert len(state["model"]) == 3 * 2 * 2  # layers x local experts x (fc1, fc2)
             for g in (2 * ep, 2 * ep + 1):
