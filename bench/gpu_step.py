@@ -1,7 +1,8 @@
 """One-GPU training step of a ~1.1B LLaMA: ours (pretrain_llama.py's path) vs transformers.
 
-    python bench/gpu_step.py [--micro-batch-size 4] [--steps 10] [--warmup 3]
-        [--recompute-granularity selective|full] [--torch-compile] [--peak-tflops 989]
+    python bench/gpu_step.py [--micro-batch-size 4] [--num-microbatches 1] [--steps 10]
+        [--warmup 3] [--recompute-granularity selective|full] [--torch-compile]
+        [--peak-tflops 989] [--profile]
     MEGATRON_DEVICE=cpu python bench/gpu_step.py --tiny      # end to end on CPU, fp32, seconds
 
 The model (default): 22 layers, hidden 2048, FFN 5632, 32 heads, 4 query groups, vocabulary
@@ -22,8 +23,13 @@ alternately (warm-up steps first, untimed) so drift in the machine hits both.
 like ``selective``); ``--torch-compile`` passes Megatron's flag to ours and wraps HF in
 ``torch.compile``.
 
-Printed per model: median step time, tokens/s, achieved TFLOP/s, MFU and peak memory; then
-the ratio ours/HF of tokens/s.
+``--num-microbatches N`` makes one step N micro batches (gradient accumulation: ours through
+the schedule with the DDP buffer, HF by N backward passes of loss / N) before one optimizer
+step, so the optimizer's share of a step is what a real run pays.
+
+Printed per model: median step time, tokens/s, achieved TFLOP/s, MFU (Megatron's FLOPs and
+the causal count) and peak memory; then the ratio ours/HF of tokens/s. ``--profile`` then
+profiles one more step of each model and prints where its device time goes (bench/profile.py).
 
 MFU = F / (t * P): F = megatron.training.flops.num_floating_point_operations for one micro
 batch, Megatron's model FLOPs: 6 * B * s * (L * (h*(a*d + 2*g*d) + 2*s*a*d + a*d*h + 3*h*f)
@@ -31,6 +37,8 @@ batch, Megatron's model FLOPs: 6 * B * s * (L * (h*(a*d + 2*g*d) + 2*s*a*d + a*d
 SwiGLU MLP, logits layer; forward plus twice that backward; no recomputation counted);
 t = median step seconds; P = --peak-tflops * 1e12 (989: H100 SXM dense bf16; H200 is the
 same chip's 989). Both models get the same F, so the MFU ratio equals the tokens/s ratio.
+"causal MFU" counts only the s (s + 1) / 2 query-key pairs a causal kernel computes
+(flops.py, causal=True): the work actually done.
 
 Peak memory = the device's peak allocated bytes during the model's own timed steps, less the
 other model's resident state (parameters, gradients, optimizer state), which stays allocated
@@ -62,7 +70,11 @@ def parse_args(argv=None):
     for name in ("layers", "hidden", "ffn", "heads", "groups", "vocab", "seq"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"default {FULL[name]}")
     p.add_argument("--micro-batch-size", type=int, default=None,
-                   help=f"sequences per step (default {FULL['micro_batch_size']})")
+                   help=f"sequences per micro batch (default {FULL['micro_batch_size']})")
+    p.add_argument("--num-microbatches", type=int, default=1,
+                   help="micro batches per optimizer step (gradient accumulation)")
+    p.add_argument("--profile", action="store_true",
+                   help="then profile one step of each model: top kernels and time by kind")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="default bf16 (fp32 with --tiny)")
     p.add_argument("--recompute-granularity", choices=["selective", "full"], default=None)
@@ -79,8 +91,9 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.dtype is None:
         args.dtype = "fp32" if args.tiny else "bf16"
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1 (the first step compiles and allocates)")
+    if args.warmup < 1 or args.steps < 1 or args.num_microbatches < 1:
+        p.error("--warmup, --steps and --num-microbatches must be >= 1 (the first step "
+                "compiles and allocates)")
     if args.vocab % 128:
         p.error(f"--vocab {args.vocab}: use a multiple of 128, so our padded vocabulary is "
                 f"HF's and the two models are the same")
@@ -88,7 +101,7 @@ def parse_args(argv=None):
 
 
 def megatron_flags(args):
-    """pretrain_llama.py's flags for this model: one micro batch per step, mock data."""
+    """pretrain_llama.py's flags for this model: --num-microbatches per step, mock data."""
     flags = [
         "--num-layers", args.layers, "--hidden-size", args.hidden,
         "--ffn-hidden-size", args.ffn, "--num-attention-heads", args.heads,
@@ -99,7 +112,7 @@ def megatron_flags(args):
         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--micro-batch-size", args.micro_batch_size,
-        "--global-batch-size", args.micro_batch_size,
+        "--global-batch-size", args.micro_batch_size * args.num_microbatches,
         "--train-iters", args.warmup + args.steps, "--lr", LR, "--lr-decay-style", "constant",
         "--weight-decay", "0", "--clip-grad", "1.0",
         "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -183,8 +196,9 @@ def step_functions(args, margs, configs, model, optimizer, scheduler, hf):
     data = batches()
 
     def ours():
-        losses, skipped, _, _ = train_step(forward, data, model, optimizer, scheduler, 1,
-                                           args.seq, args.micro_batch_size)
+        losses, skipped, _, _ = train_step(forward, data, model, optimizer, scheduler,
+                                           args.num_microbatches, args.seq,
+                                           args.micro_batch_size)
         assert not skipped, "our optimizer skipped a step"
         return losses["lm loss"]
 
@@ -198,15 +212,18 @@ def step_functions(args, margs, configs, model, optimizer, scheduler, hf):
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
 
     def theirs():
-        with torch.autocast(device.device_type(), dtype=dtype, enabled=dtype is not None):
-            logits = hf_forward(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]),
-                                                 labels.view(-1))
-        loss.backward()
+        total = 0.0
+        for _ in range(args.num_microbatches):  # gradient accumulation, as HF's Trainer
+            with torch.autocast(device.device_type(), dtype=dtype, enabled=dtype is not None):
+                logits = hf_forward(input_ids=inputs).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+            (loss / args.num_microbatches).backward()
+            total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return (total / args.num_microbatches).item()
 
     return ours, theirs, hf_opt
 
@@ -256,20 +273,23 @@ def run(args):
                 other = hf_resident if name == "ours" else before - hf_resident
                 peaks[name] = max(peaks[name], device.max_memory_allocated() - other)
 
-    flops = num_floating_point_operations(
-        args.layers, args.hidden, args.ffn, args.heads, args.groups, args.seq,
-        configs.model_kwargs["padded_vocab_size"], args.micro_batch_size, swiglu=True)
-    tokens = args.micro_batch_size * args.seq
+    sequences = args.micro_batch_size * args.num_microbatches
+    shape = (args.layers, args.hidden, args.ffn, args.heads, args.groups, args.seq,
+             configs.model_kwargs["padded_vocab_size"], sequences)
+    flops = num_floating_point_operations(*shape, swiglu=True)
+    causal_flops = num_floating_point_operations(*shape, swiglu=True, causal=True)
+    tokens = sequences * args.seq
     print(f"config: layers={args.layers} hidden={args.hidden} ffn={args.ffn} heads={args.heads}"
           f" groups={args.groups} vocab={args.vocab} seq={args.seq} "
-          f"micro_batch={args.micro_batch_size} dtype={args.dtype} "
+          f"micro_batch={args.micro_batch_size} microbatches={args.num_microbatches} "
+          f"dtype={args.dtype} "
           f"recompute={args.recompute_granularity or 'none'} "
           f"torch_compile={args.torch_compile} device={device.device_type()} "
           f"steps={args.steps} warmup={args.warmup}")
     print(f"initial loss: ours {first['ours']:.8f} HF {first['HF']:.8f} "
           f"diff {abs(first['ours'] - first['HF']):.3e}")
     print(f"model FLOPs per step: {flops:.6e} (megatron.training.flops, peak "
-          f"{args.peak_tflops:g} TFLOP/s)")
+          f"{args.peak_tflops:g} TFLOP/s); causal: {causal_flops:.6e}")
     rate = {}
     for name in steps:
         median = statistics.median(times[name])
@@ -279,8 +299,17 @@ def run(args):
         print(f"{name:>4}: median step {median * 1e3:10.2f} ms | tokens/s {rate[name]:12.1f} | "
               f"TFLOP/s {flops / median / 1e12:9.4f} | "
               f"MFU {100 * mfu(flops, median, 1, args.peak_tflops):8.4f} % | "
+              f"causal MFU {100 * mfu(causal_flops, median, 1, args.peak_tflops):8.4f} % | "
               f"peak memory {memory}")
     print(f"ratio ours/HF tokens/s: {rate['ours'] / rate['HF']:.4f}")
+    if args.profile:
+        from bench.kernel_profile import profile_step
+
+        for name, fn in steps.items():
+            try:  # the figures above are printed: a profiler failure must not hide them
+                print(profile_step(fn, f"{name} ({args.num_microbatches} micro batches)"))
+            except Exception as exc:
+                print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
     return first, rate
 
 

@@ -49,8 +49,13 @@ def _per_layer_macs_per_token(hidden_size: int, ffn_hidden_size: int,
 def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_size: int,
                                   num_attention_heads: int, num_query_groups: int,
                                   seq_length: int, vocab_size: int, batch_size: int,
-                                  swiglu: bool, kv_channels: Optional[int] = None) -> int:
+                                  swiglu: bool, kv_channels: Optional[int] = None,
+                                  causal: bool = False) -> int:
     """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
+
+    ``causal=True`` counts only the scores and values a causal kernel computes: query i
+    attends to i + 1 keys, s (s + 1) / 2 pairs per head instead of s * s (Megatron's figure,
+    the default, counts all s * s).
 
     ``num_query_groups`` equals ``num_attention_heads`` for plain multi-head attention.
     ``vocab_size`` should be the padded vocabulary, the size of the real logits GEMM.
@@ -69,7 +74,11 @@ def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_
                                           num_query_groups, seq_length, kv_channels, swiglu)
     macs_per_token = num_layers * per_layer + hidden_size * vocab_size
     flops_per_mac, fwd_plus_bwd = 2, 3
-    return fwd_plus_bwd * flops_per_mac * batch_size * seq_length * macs_per_token
+    macs = batch_size * seq_length * macs_per_token
+    if causal:  # scores and values: 2 s^2 a d MACs per sequence and layer -> s (s + 1) a d
+        skipped_pairs = seq_length * (seq_length - 1)
+        macs -= batch_size * num_layers * skipped_pairs * kv_channels * num_attention_heads
+    return fwd_plus_bwd * flops_per_mac * macs
 
 
 def mfu(flops_per_iteration: float, seconds_per_iteration: float, num_devices: int,

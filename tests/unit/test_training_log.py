@@ -55,6 +55,20 @@ def test_flops_vs_six_n_t():
     assert num_floating_point_operations(**LLAMA2_7B) == six_n_t + attention_scores
 
 
+def test_causal_flops_count_the_lower_triangle():
+    """Causal: query i meets i + 1 keys, so scores and values cover s (s + 1) / 2 pairs per
+    head, not s * s; everything else is unchanged. Counted here pair by pair."""
+    L, h, f, a, g, s, V, B = 2, 64, 176, 4, 2, 8, 256, 3
+    d = h // a
+    full = num_floating_point_operations(L, h, f, a, g, s, V, B, swiglu=True)
+    causal = num_floating_point_operations(L, h, f, a, g, s, V, B, swiglu=True, causal=True)
+    pairs_full = s * s
+    pairs_causal = sum(i + 1 for i in range(s))  # 36 of 64
+    # per pair, layer, head: one MAC of d for the score and d for the value, fwd + 2 bwd.
+    per_pair = 3 * 2 * 2 * d * a * L * B
+    assert full - causal == (pairs_full - pairs_causal) * per_pair
+
+
 def _megatron_closed_form(L, h, f, a, g, s, V, B, swiglu, d):
     """Megatron-LM's expression (dense, no MoE), transcribed as floats."""
     q_ratio = d * a / h

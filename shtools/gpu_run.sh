@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One prepared GPU run: everything a lent GPU should tell us, in one command of at most
+# 9 minutes, each step's log written as it goes (a timeout loses nothing).
+#   bash shtools/gpu_run.sh OUTDIR            # on one H100/H200
+#   bash shtools/gpu_run.sh OUTDIR --dry-run  # the same steps on CPU with tiny sizes
+# OUTDIR gets at most 7 files (what a lent machine sends back): summary.txt (each step, its
+# exit code and time, then the figures), machine.log, tests.log, tests.xml,
+# bench_eager.log, bench_compile.log. GPU_RUN_BUDGET_S (default 530) caps the whole run;
+# a step that would start with under 20 s left is skipped and says so.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+DRY=0
+OUTDIR=
+for arg in "$@"; do
+    case $arg in
+        --dry-run) DRY=1 ;;
+        -*) echo "error: unknown option $arg; usage: bash shtools/gpu_run.sh OUTDIR [--dry-run]" >&2
+            exit 2 ;;
+        *) OUTDIR=$arg ;;
+    esac
+done
+if [ -z "$OUTDIR" ]; then
+    echo "error: no output directory; usage: bash shtools/gpu_run.sh OUTDIR [--dry-run]" >&2
+    exit 2
+fi
+mkdir -p "$OUTDIR"
+SUMMARY=$OUTDIR/summary.txt
+BUDGET=${GPU_RUN_BUDGET_S:-530}
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+if [ $DRY = 1 ]; then
+    export MEGATRON_DEVICE=cpu OMP_NUM_THREADS=1
+    BENCH=(--tiny --steps 2 --warmup 1 --threads 1)
+    MODE="dry run (CPU, tiny sizes)"
+else
+    BENCH=(--steps 10 --warmup 3)
+    MODE="GPU"
+fi
+echo "gpu_run.sh $MODE, budget ${BUDGET}s, started $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" > "$SUMMARY"
+
+# step NAME LIMIT_S COMMAND...: run with a time limit (SIGINT first, so pytest and Python
+# print what they have), output to NAME.log, one summary line.
+step() {
+    local name=$1 limit=$2 left t0 rc
+    shift 2
+    left=$((BUDGET - ($(date +%s) - START)))
+    if [ "$left" -lt 20 ]; then
+        echo "$name: skipped, ${left}s of the budget left" >> "$SUMMARY"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    t0=$(date +%s)
+    timeout -s INT -k 15 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
+    rc=$?
+    echo "$name: rc=$rc$([ $rc = 124 ] && echo ' (timed out)') in $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$SUMMARY"
+}
+
+# The machine's versions and the kernel probes (a CPU run fails the CUDA-only probes).
+MACHINE='nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+    --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"; "$0" bench/gpu_probes.py'
+
+TIER=(tests/gpu/test_device_gpu.py tests/gpu/test_data_path_gpu.py
+      tests/gpu/test_attention_gpu.py tests/gpu/test_async_save_gpu.py
+      tests/gpu/test_parallel_gpu.py tests/gpu/test_resume_gpu.py
+      tests/gpu/test_kernels_gpu.py)  # the compile-heavy file last
+TIER_FLAGS=(-v --tb=short -p no:cacheprovider --junitxml "$OUTDIR/tests.xml")
+if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
+    TIER_FLAGS+=(--timeout 120)
+fi
+
+step machine 90 bash -c "$MACHINE" "$PYTHON"
+step tests 200 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
+# A rank pool left by a stopped tier would hold GPU memory and time under the bench. Not in a
+# dry run: there the caller (a CPU test) has rank pools of its own.
+[ $DRY = 0 ] && pkill -9 -f "from multiprocessing" 2>/dev/null
+step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --profile
+step bench_compile 300 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --torch-compile
+
+{
+    echo "--- figures"
+    grep -h "^probes:\|^FAIL" "$OUTDIR/machine.log" 2>/dev/null
+    tail -n 3 "$OUTDIR/tests.log" 2>/dev/null | grep -E "passed|failed|error|skipped" || true
+    for log in bench_eager bench_compile; do
+        [ -f "$OUTDIR/$log.log" ] || continue
+        echo "$log:"
+        grep -E "^config:|^initial loss|^model FLOPs|^ *(ours|HF):|^ratio|^profile of|^error" \
+            "$OUTDIR/$log.log"
+    done
+    echo "total: $(( $(date +%s) - START ))s"
+} >> "$SUMMARY"
+cat "$SUMMARY"
