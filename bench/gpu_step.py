@@ -84,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the device's dense peak for --dtype (989: H100 SXM bf16)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs)")
+    p.add_argument("--print-flags", action="store_true",
+                   help="print pretrain_llama.py's flags for this model and exit")
     args = p.parse_args(argv)
     base = TINY if args.tiny else FULL
     for name, value in base.items():
@@ -315,6 +317,9 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.print_flags:  # shtools/gpu_run.sh runs pretrain_llama.py with the same model
+        print(" ".join(megatron_flags(args)))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     run(args)

@@ -58,6 +58,8 @@ def _cuda_report(events, label: str) -> str:
     by_name = defaultdict(lambda: [0.0, 0])
     syncs = dtoh = 0
     for event in events:
+        if _is_device_event(event) and "#" in event.name:
+            continue  # an annotation on the GPU timeline ("Optimizer.step#AdamW.step")
         if _is_device_event(event):
             entry = by_name[event.name]
             entry[0] += _device_us(event)

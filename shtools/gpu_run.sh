@@ -5,7 +5,9 @@
 #   bash shtools/gpu_run.sh OUTDIR --dry-run  # the same steps on CPU with tiny sizes
 # OUTDIR gets at most 7 files (what a lent machine sends back): summary.txt (each step, its
 # exit code and time, then the figures), machine.log, tests.log, tests.xml,
-# bench_eager.log, bench_compile.log. GPU_RUN_BUDGET_S (default 530) caps the whole run;
+# bench_eager.log, bench_compile.log, pretrain.log (the same model through torchrun
+# pretrain_llama.py: the training log's own throughput and memory). A dry run skips
+# the compiled bench (tests/unit/test_torch_compile.py compiles on CPU). GPU_RUN_BUDGET_S (default 530) caps the whole run;
 # a step that would start with under 20 s left is skipped and says so.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -75,12 +77,23 @@ step tests 200 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
 # dry run: there the caller (a CPU test) has rank pools of its own.
 [ $DRY = 0 ] && pkill -9 -f "from multiprocessing" 2>/dev/null
 step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --profile
-step bench_compile 300 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --torch-compile
+if [ $DRY = 0 ]; then
+    step bench_compile 240 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 \
+        --torch-compile --profile
+else
+    echo "bench_compile: skipped in a dry run" >> "$SUMMARY"
+fi
+# shellcheck disable=SC2207
+FLAGS=($("$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --print-flags))
+step pretrain 120 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    pretrain_llama.py "${FLAGS[@]}" --train-iters 20 --log-interval 5 --log-throughput \
+    --peak-tflops 989
 
 {
     echo "--- figures"
     grep -h "^probes:\|^FAIL" "$OUTDIR/machine.log" 2>/dev/null
     tail -n 3 "$OUTDIR/tests.log" 2>/dev/null | grep -E "passed|failed|error|skipped" || true
+    grep -h "iteration *20/" "$OUTDIR/pretrain.log" 2>/dev/null | sed 's/^/pretrain: /'
     for log in bench_eager bench_compile; do
         [ -f "$OUTDIR/$log.log" ] || continue
         echo "$log:"

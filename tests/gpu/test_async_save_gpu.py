@@ -13,13 +13,14 @@ from tests.unit.test_data_parallel import _assert_params
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
 @pytest.mark.parametrize("kind,world_size,backend", [
     ("distributed", 1, "nccl"), ("distributed", 2, "gloo"), ("none", 2, "gloo")],
     ids=["distributed-nccl", "distributed-dp2", "plain-dp2"])
 def test_async_save_on_cuda_is_pinned_and_round_trips_bitwise(gpu_env, tmp_path, kind,
-                                                              world_size, backend):
+                                                              world_size, backend, ckpt_format):
     ranks = run_on_gpu(_async_and_sync_saves, world_size=world_size, backend=backend,
-                       tp=1, tmp_path=tmp_path, kind=kind)
+                       tp=1, tmp_path=tmp_path, kind=kind, ckpt_format=ckpt_format)
     for (first, second), _, pinned, where in ranks:
         assert where == "cuda"
         assert first and first == second and pinned and all(pinned)

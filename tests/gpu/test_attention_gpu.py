@@ -38,7 +38,7 @@ def _default_path_is_flash():
 
 
 def test_default_attention_runs_flash_in_bf16(gpu_env):
-    assert run_on_gpu(_default_path_is_flash, world_size=1, backend="nccl") == [True]
+    assert run_on_gpu(_default_path_is_flash, world_size=1, backend="nccl", tp=1) == [True]
 
 
 CASES = [  # dtype, head dim, query groups (of 8 heads), explicit mask
@@ -78,7 +78,7 @@ def _predicted_kernel_runs():
 
 
 def test_predicted_kernel_is_one_torch_runs(gpu_env):
-    (results,) = run_on_gpu(_predicted_kernel_runs, world_size=1, backend="nccl")
+    (results,) = run_on_gpu(_predicted_kernel_runs, world_size=1, backend="nccl", tp=1)
     for *case, ok in results:
         assert ok, case
 
@@ -118,7 +118,7 @@ def _packed(seq_length, docs):
 def test_packed_documents_run_varlen_flash_without_s_by_s(gpu_env):
     s = 65536
     (has_varlen, peak, out_diff, grad_diff), = run_on_gpu(_packed, world_size=1,
-                                                           backend="nccl", seq_length=s,
+                                                           backend="nccl", tp=1, seq_length=s,
                                                            docs=24)
     # One bf16 s x s matrix is 8 GiB here (the math kernel keeps one per head, 64 GiB); the
     # packed step's activations are O(s): about 1.5-2 GiB, under half of one s x s matrix.

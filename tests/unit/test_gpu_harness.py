@@ -30,3 +30,20 @@ def test_tp2_and_staged_interleaved_pp2_equal_one_process_on_cpu(cpu_pools):
         assert len(got) == 6
         for a, b in zip(got, ref["losses"]):
             assert abs(a - b) <= FP32_TOL, (layout, got, ref["losses"])
+
+
+def test_attention_workers_of_the_gpu_tier_run_on_cpu(cpu_pools, monkeypatch):
+    """The GPU tier's attention test, run on CPU as it is (its layers read parallel_state:
+    the first GPU run found it calling without a layout), and its packed-documents worker
+    (on CPU both of its paths are one SDPA per document: equal)."""
+    from tests.gpu import test_attention_gpu
+    from tests.gpu.test_attention_gpu import _packed, test_default_attention_runs_flash_in_bf16
+
+    def on_gloo(fn, world_size, backend="gloo", **kwargs):  # nccl needs CUDA tensors
+        return run_on_gpu(fn, world_size, backend="gloo", **kwargs)
+
+    monkeypatch.setattr(test_attention_gpu, "run_on_gpu", on_gloo)
+    test_default_attention_runs_flash_in_bf16(gpu_env=None)
+    (_, _, out_diff, grad_diff), = run_on_gpu(_packed, world_size=1, tp=1, timeout=120,
+                                              seq_length=256, docs=4)
+    assert out_diff == 0 and grad_diff == 0
