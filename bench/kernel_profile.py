@@ -31,6 +31,14 @@ def kernel_kind(name: str) -> str:
     return "element-wise/other"
 
 
+def is_annotation(name: str) -> bool:
+    """A record_function range mirrored on the GPU timeline ("Optimizer.step#AdamW.step"):
+    '#' and no parentheses or spaces. Kernel names carry '#' too, in demangled lambdas
+    ("direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}"), always with
+    parentheses: those are kernels."""
+    return "#" in name and "(" not in name and " " not in name
+
+
 def _device_us(event) -> float:
     """A kernel's (or copy's) own duration: its time range on the device."""
     return float(event.time_range.elapsed_us())
@@ -58,8 +66,8 @@ def _cuda_report(events, label: str) -> str:
     by_name = defaultdict(lambda: [0.0, 0])
     syncs = dtoh = 0
     for event in events:
-        if _is_device_event(event) and "#" in event.name:
-            continue  # an annotation on the GPU timeline ("Optimizer.step#AdamW.step")
+        if _is_device_event(event) and is_annotation(event.name):
+            continue  # a range on the GPU timeline, not a kernel: its time is its kernels'
         if _is_device_event(event):
             entry = by_name[event.name]
             entry[0] += _device_us(event)

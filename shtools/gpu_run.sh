@@ -39,7 +39,10 @@ else
     BENCH=(--steps 10 --warmup 3)
     MODE="GPU"
 fi
-echo "gpu_run.sh $MODE, budget ${BUDGET}s, started $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" > "$SUMMARY"
+# The sources' own hash: a lent machine's copy of the tree can carry a stale .git.
+SOURCES=$(find megatron bench tests shtools -type f \( -name '*.py' -o -name '*.sh' \) | sort |
+          xargs cat | sha1sum | cut -c1-12)
+echo "gpu_run.sh $MODE, budget ${BUDGET}s, started $(date -u +%FT%TZ), sources $SOURCES" > "$SUMMARY"
 
 # step NAME LIMIT_S COMMAND...: run with a time limit (SIGINT first, so pytest and Python
 # print what they have), output to NAME.log, one summary line.
@@ -72,7 +75,7 @@ if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
 fi
 
 step machine 90 bash -c "$MACHINE" "$PYTHON"
-step tests 200 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
+step tests 260 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
 # A rank pool left by a stopped tier would hold GPU memory and time under the bench. Not in a
 # dry run: there the caller (a CPU test) has rank pools of its own.
 [ $DRY = 0 ] && pkill -9 -f "from multiprocessing" 2>/dev/null

@@ -38,6 +38,7 @@ sys.path.insert(1, os.path.join(_HERE, os.pardir))
 from megatron_args import DEFAULT_MAX_SEQ_LENGTH  # noqa: E402
 
 from megatron.training.planner import Cluster, plan, workload_from_flags  # noqa: E402
+from megatron.training.planner.step_time import COMPILED_EFFICIENCY  # noqa: E402
 from megatron.training.planner.report import format_table, plan_dict  # noqa: E402
 from megatron.training.training_config import ConfigError  # noqa: E402
 
@@ -76,8 +77,10 @@ def get_parser() -> argparse.ArgumentParser:
                          "fragmentation, single-kernel temporaries (default %(default)s)")
     hw.add_argument("--peak-tflops", type=float, default=A100.peak_tflops,
                     help="dense bf16 peak per GPU (default %(default)s: A100; H100 SXM 989)")
-    hw.add_argument("--compute-efficiency", type=float, default=A100.compute_efficiency,
-                    help="fraction of the peak the model's FLOPs run at (default %(default)s)")
+    hw.add_argument("--compute-efficiency", type=float, default=None,
+                    help=f"fraction of the peak the model's FLOPs run at (default: as measured "
+                         f"on one GPU, {A100.compute_efficiency} eager, {COMPILED_EFFICIENCY} "
+                         f"when the model flags hold --torch-compile)")
     hw.add_argument("--intra-node-bandwidth-gbs", type=float,
                     default=A100.intra_node_bandwidth_gbs, help="per GPU, GB/s (NVLink)")
     hw.add_argument("--inter-node-bandwidth-gbs", type=float,
@@ -151,11 +154,15 @@ def run(argv: List[str]) -> str:
     """The text (or JSON) to print; ConfigError on bad input."""
     cut = argv.index("--") if "--" in argv else len(argv)
     a = get_parser().parse_args(argv[:cut])
-    workload = workload_from_flags(model_flags(a, argv[cut + 1:]), seq_length=a.seq_length,
+    flags = model_flags(a, argv[cut + 1:])
+    workload = workload_from_flags(flags, seq_length=a.seq_length,
                                    global_batch_size=a.global_batch_size,
                                    vocab_size=a.vocab_size)
+    efficiency = a.compute_efficiency
+    if efficiency is None:
+        efficiency = COMPILED_EFFICIENCY if "--torch-compile" in flags else A100.compute_efficiency
     cluster = Cluster(a.num_gpus, a.gpus_per_node, a.gpu_memory_gib, a.memory_reserve_gib,
-                      a.peak_tflops, a.compute_efficiency, a.intra_node_bandwidth_gbs,
+                      a.peak_tflops, efficiency, a.intra_node_bandwidth_gbs,
                       a.inter_node_bandwidth_gbs)
     if a.top < 1:
         raise ConfigError(f"--top must be >= 1, got {a.top}.")

@@ -51,7 +51,8 @@ def _loss_func(per_token_loss):
 
 def _forward_step(data_iterator, model):
     tokens, labels = next(data_iterator)
-    return model(tokens, labels=labels), _loss_func
+    dev = next(model.parameters()).device  # the GPU tier reuses this on CUDA models
+    return model(tokens.to(dev), labels=labels.to(dev)), _loss_func
 
 
 def _reference(num_microbatches, clip_grad=0.0):

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from megatron.training.flops import num_floating_point_operations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,32 +28,44 @@ def _run(*extra):
     return proc.stdout
 
 
-def test_tiny_run_same_model_and_sane_figures():
-    out = _run()
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_tiny_run_same_model_and_sane_figures(microbatches):
+    """With several micro batches a step is their gradient accumulation: the reported loss is
+    their mean (the same batch each time, so the same initial loss), the FLOPs and tokens
+    scale with them."""
+    out = _run("--num-microbatches", str(microbatches))
     ours, hf = map(float, re.search(r"initial loss: ours ([0-9.]+) HF ([0-9.]+)", out).groups())
     assert abs(ours - hf) <= LOSS_TOL, out
     assert abs(ours - math.log(256)) < 0.1, out  # an untrained model: near uniform over 256
 
-    flops = float(re.search(r"model FLOPs per step: ([0-9.e+]+)", out).group(1))
+    found = re.search(r"model FLOPs per step: ([0-9.e+]+) .*; causal: ([0-9.e+]+)", out)
+    flops, causal = map(float, found.groups())
     # --tiny: 2 layers, hidden 64, ffn 176, 4 heads, 2 groups, vocab 256, seq 32, batch 2.
-    expected = num_floating_point_operations(2, 64, 176, 4, 2, 32, 256, 2, swiglu=True)
+    shape = (2, 64, 176, 4, 2, 32, 256, 2 * microbatches)
+    expected = num_floating_point_operations(*shape, swiglu=True)
     assert math.isclose(flops, expected, rel_tol=1e-6), out
+    expected = num_floating_point_operations(*shape, swiglu=True, causal=True)
+    assert math.isclose(causal, expected, rel_tol=1e-6), out
 
     rates = {}
     for name in ("ours", "HF"):
         line = re.search(rf"{name}: median step +([0-9.]+) ms \| tokens/s +([0-9.]+) \| "
-                         rf"TFLOP/s +([0-9.]+) \| MFU +([0-9.]+) % \| peak memory (\S+)", out)
+                         rf"TFLOP/s +([0-9.]+) \| MFU +([0-9.]+) % \| "
+                         rf"causal MFU +([0-9.]+) % \| peak memory (\S+)", out)
         assert line, out
-        ms, rate, tflops, mfu_percent = map(float, line.groups()[:4])
+        ms, rate, tflops, mfu_percent, causal_percent = map(float, line.groups()[:5])
         assert ms > 0 and rate > 0, out
         # ms is printed to 0.01: its rounding alone is up to 0.005 / ms relative.
         printed = 0.005 / ms + 1e-4
-        assert math.isclose(rate, 2 * 32 / (ms / 1e3), rel_tol=printed), out  # tokens per step
+        tokens = 2 * 32 * microbatches
+        assert math.isclose(rate, tokens / (ms / 1e3), rel_tol=printed), out
         assert math.isclose(tflops, flops / (ms / 1e3) / 1e12, rel_tol=1e-2 + printed,
                             abs_tol=1e-4)
         assert math.isclose(mfu_percent, 100 * tflops / PEAK_TFLOPS, rel_tol=1e-2,
                             abs_tol=1e-4), out
-        assert line.group(5) == "n/a", out  # no allocator statistics on CPU
+        assert math.isclose(causal_percent, mfu_percent * causal / flops, rel_tol=1e-2,
+                            abs_tol=1e-4), out
+        assert line.group(6) == "n/a", out  # no allocator statistics on CPU
         rates[name] = rate
     ratio = float(re.search(r"ratio ours/HF tokens/s: ([0-9.]+)", out).group(1))
     assert math.isclose(ratio, rates["ours"] / rates["HF"], rel_tol=1e-3), out

@@ -41,9 +41,12 @@ except ImportError:
 
 def sdpa_kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool,
                     has_mask: bool, dropout: bool) -> Tuple[str, bool]:
-    """(kernel, repeat_kv): the SDPA kernel torch selects for our call, following its
+    """(kernel, repeat_kv): the fused SDPA kernel our call can run, following torch's
     selection rules (aten/src/ATen/native/transformers/{cuda/sdp_utils.cpp,sdp_utils_cpp.cpp},
-    torch 2.5-2.13), and whether we expand K/V to all heads first to get it.
+    torch 2.5-2.13), and whether we expand K/V to all heads first to get it. On Hopper torch
+    2.11 tries cuDNN's attention before these (the first GPU run saw it take our causal GQA
+    bf16 call, BENCHMARKS.md): also fused, no s x s; the kernel named here is the one that
+    takes the call where cuDNN does not (tests/gpu/test_attention_gpu.py runs each).
 
     CPU: the flash kernel unless attention dropout is on (it has none), then math.
     CUDA (sm80+): flash needs fp16/bf16, head dim <= 256 and no explicit mask; the

@@ -59,6 +59,13 @@ from megatron.training.theoretical_memory import MemoryEstimate, dtype_bytes
 from megatron.training.training_config import ConfigError
 
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as vendors quote them
+# The fraction of the peak our model FLOPs ran at, measured on one GPU with no communication
+# (bench/gpu_step.py, the 1.1B LLaMA, bf16, micro batch 4 x 4 microbatches, NVIDIA H200 with
+# torch 2.11: BENCHMARKS.md, "First GPU run"): eager 34.4-34.5 % (pretrain_llama.py's own log
+# 34.5 %), --torch-compile 49.5-50.7 %. It replaces an assumed 60 %, which put that step at
+# 0.40 s against 0.70 s measured eager and 0.48-0.49 s compiled.
+EAGER_EFFICIENCY = 0.345
+COMPILED_EFFICIENCY = 0.50
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class Cluster:
     # as the logits' gradient: what the memory estimate leaves out.
     memory_reserve_gib: float = 6.0
     peak_tflops: float = 312.0
-    compute_efficiency: float = 0.6
+    compute_efficiency: float = EAGER_EFFICIENCY
     intra_node_bandwidth_gbs: float = 300.0
     inter_node_bandwidth_gbs: float = 25.0
 

@@ -1,0 +1,39 @@
+"""shtools/gpu_run.sh --dry-run: the prepared GPU run's steps, on CPU with tiny sizes, so the
+script cannot rot between the rare sessions that have a GPU. Every step runs and succeeds
+(the compiled bench is skipped: tests/unit/test_torch_compile.py compiles on CPU), the summary
+holds each figure, and the output stays within what a lent machine sends back (7 files)."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_dry_run_runs_every_step_and_summarises(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, GPU_RUN_BUDGET_S="300")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "shtools", "gpu_run.sh"), str(out),
+                           "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (out / "summary.txt").read_text()
+    for name in ("machine", "tests", "bench_eager", "pretrain"):
+        assert re.search(rf"^{name}: rc=0 in \d+s", summary, re.M), (name, summary)
+    assert "bench_compile: skipped in a dry run" in summary
+    assert "probes: 5 OK, 0 failed" in summary
+    assert re.search(r"^=+ \d+ skipped", summary, re.M), summary  # the GPU tier: needs CUDA
+    assert re.search(r"^pretrain: .*iteration +20/ +20 .*lm loss", summary, re.M), summary
+    assert re.search(r"^ours: median step .* causal MFU", summary, re.M), summary
+    assert re.search(r"^ratio ours/HF tokens/s: [0-9.]+$", summary, re.M), summary
+    assert "profile of one step, ours (4 micro batches)" in summary
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench_eager.log", "machine.log", "pretrain.log", "summary.txt",
+                     "tests.log", "tests.xml"], files
+
+
+def test_no_output_directory_is_one_error_line():
+    proc = subprocess.run(["bash", os.path.join(ROOT, "shtools", "gpu_run.sh"), "--dry-run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: no output directory") and proc.stderr.count("\n") == 1
