@@ -34,10 +34,7 @@ def _run(code: str, **env) -> dict:
 def test_a_rank_beyond_the_visible_gpus_is_refused(monkeypatch):
     monkeypatch.delenv(device.SHARED_GPU_ENV, raising=False)
     monkeypatch.delenv(device.DEVICE_ENV, raising=False)
-    # set_device sets the math mode; keep this process's as it was for the other tests.
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32",
-                        torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    # set_device turns TF32 on: tests/conftest.py puts the process's settings back.
     count = torch.cuda.device_count()
     with pytest.raises(device.DeviceSetupError, match=f"LOCAL_RANK={count} but this node has "
                                                       f"only {count} visible GPU"):

@@ -61,10 +61,7 @@ def _pretend_cuda(monkeypatch, gpus: int, backend: str = "nccl"):
     monkeypatch.setattr(device, "dist_backend", lambda: backend)
     monkeypatch.setattr(device, "cuda_device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
-    # set_device turns TF32 on; keep the process's settings as they were.
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32",
-                        torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    # set_device turns TF32 on: tests/conftest.py puts the process's settings back.
     return bound
 
 
