@@ -35,11 +35,20 @@ def venv(tmp_path_factory):
     root = tmp_path_factory.mktemp("packaging")
     src, env_dir = root / "src", root / "venv"
     _working_tree_copy(src)
-    # Without its own pip the venv uses this Python's pip and setuptools (venv's bundled
-    # setuptools may be too old to build a wheel without the `wheel` package).
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(env_dir)], check=True)
+    # The new venv sees the packages of the Python running the tests (pip, setuptools,
+    # torch...), which the project's own install put there. Not --system-site-packages: run
+    # from inside a virtual environment that reaches the base interpreter's packages (an old
+    # setuptools: "invalid command 'bdist_wheel'"), not the environment's. Plain path lines,
+    # so the .pth files there (an editable install of this checkout) are not run.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     python = env_dir / "bin" / "python"
+    own_site = subprocess.run([str(python), "-c", "import sysconfig; "
+                               "print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+             and os.path.isdir(p)]
+    with open(os.path.join(own_site, "_tests_outer_site.pth"), "w") as pth:
+        pth.write("".join(f"{p}\n" for p in outer))
     install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps",
                               "--no-build-isolation", "--no-index", "--disable-pip-version-check",
                               "--quiet", "."], cwd=src, capture_output=True, text=True)
