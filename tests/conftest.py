@@ -11,6 +11,15 @@ os.environ.setdefault("MEGATRON_DEVICE", "cpu")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+_UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
+
+
+def pytest_collection_modifyitems(items):
+    """The quick tier (``-m quick``) is every unit test plus the e2e runs marked quick."""
+    for item in items:
+        if str(item.path).startswith(_UNIT_DIR):
+            item.add_marker(pytest.mark.quick)
+
 # torch's math switches live on special module objects (torch.backends.cuda.matmul is a
 # cuBLASModule with its own __getattr__/__setattr__): monkeypatch cannot always undo a
 # setattr there (pytest 9.2 raises at teardown and skips the rest of that test's undo

@@ -6,6 +6,10 @@ import signal
 import subprocess
 import sys
 
+from tests.e2e.warm_launch import WARM_SCRIPTS, run_warm
+
+# Set to launch every run for real (to compare with the warm pool, or to debug one).
+COLD_ENV = "MEGATRON_TESTS_COLD_LAUNCH"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
@@ -16,10 +20,36 @@ LLAMA = ("--normalization RMSNorm --swiglu --ffn-hidden-size 48 --position-embed
          "--disable-bias-linear --untie-embeddings-and-output-weights").split()
 
 
-def start_script(script, flags, nproc=1, torchrun_args=None):
+class WarmStart:
+    """A run start_script will do in the warm pool when ``finish`` asks for its result (runs
+    started together then go one after another: on 2 cores overlapping them bought only the
+    shared import time that the pool does not pay at all)."""
+
+    def __init__(self, script, flags, nproc):
+        self.script, self.flags, self.nproc = script, list(flags), nproc
+
+    def poll(self):
+        """Popen's "not running" (a cleanup that kills what still runs leaves it alone)."""
+        return 0
+
+
+def _warm_eligible(script, torchrun_args, warm) -> bool:
+    return bool(warm and not torchrun_args and script in WARM_SCRIPTS
+                and not os.environ.get(COLD_ENV))
+
+
+def start_script(script, flags, nproc=1, torchrun_args=None, warm=True):
     """Start ``python script flags`` (nproc 1) or ``torchrun --nproc-per-node nproc script
-    flags`` (``torchrun_args`` replace ``--standalone``: rendezvous, restarts...); several
-    started at once share the cost of importing torch."""
+    flags`` (``torchrun_args`` replace ``--standalone``: rendezvous, restarts...). The
+    training entry points, unless ``warm=False`` or given torchrun arguments, give a
+    WarmStart instead, run by ``finish`` in the warm rank pool (warm_launch.py): a test that
+    signals or kills the process asks for a real one with ``warm=False``."""
+    if _warm_eligible(script, torchrun_args, warm):
+        return WarmStart(script, flags, nproc)
+    return _launch(script, flags, nproc, torchrun_args)
+
+
+def _launch(script, flags, nproc=1, torchrun_args=None):
     env = dict(os.environ, MEGATRON_DEVICE="cpu", OMP_NUM_THREADS="1")
     launcher = [sys.executable]
     if nproc > 1 or torchrun_args:
@@ -31,7 +61,15 @@ def start_script(script, flags, nproc=1, torchrun_args=None):
 
 
 def finish(popen, timeout=300):
-    """Wait for a started script; a CompletedProcess as subprocess.run returns."""
+    """Wait for a started script; a CompletedProcess as subprocess.run returns. A WarmStart
+    runs now in the pool; one that is not clean there is launched for real (warm_launch.py)."""
+    if isinstance(popen, WarmStart):
+        env = dict(os.environ, MEGATRON_DEVICE="cpu", OMP_NUM_THREADS="1")
+        done = run_warm(os.path.join(ROOT, popen.script), popen.flags, popen.nproc, env, ROOT,
+                        timeout)
+        if done is not None:
+            return done
+        popen = _launch(popen.script, popen.flags, popen.nproc)
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -41,8 +79,9 @@ def finish(popen, timeout=300):
     return subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
 
 
-def run_script(script, flags, nproc=1, timeout=300, torchrun_args=None):
-    return finish(start_script(script, flags, nproc, torchrun_args), timeout)
+def run_script(script, flags, nproc=1, timeout=300, torchrun_args=None, warm=True):
+    """Run to the end: in the warm pool where start_script says so, else a real launch."""
+    return finish(start_script(script, flags, nproc, torchrun_args, warm), timeout)
 
 
 def without(flags, *names):

@@ -58,7 +58,7 @@ def test_sigterm_saves_exits_zero_and_resume_continues_exactly(tmp_path):
     root = tmp_path / "ckpt"
     long_run = without(FLAGS, "--train-iters") + ["--train-iters", "1000"]
     flags = long_run + ["--save", root, "--load", root, "--exit-signal-handler"]
-    popen = start_script("pretrain_llama.py", flags)
+    popen = start_script("pretrain_llama.py", flags, warm=False)  # a real process to signal
     seen = []
     for line in popen.stdout:  # wait until training really runs, then signal it
         seen.append(line)

@@ -100,7 +100,7 @@ def run(script: str, argv: Sequence, env: Optional[Dict[str, str]] = None,
 def run_torchrun(script: str, argv: Sequence, nproc: int = 2,
                  timeout: float = 300) -> subprocess.CompletedProcess:
     """A real ``torchrun --nproc-per-node nproc``: for what only several ranks show."""
-    return run_script(script, list(argv), nproc=nproc, timeout=timeout)
+    return run_script(script, list(argv), nproc=nproc, timeout=timeout, warm=False)
 
 
 def error_lines(text: str) -> List[str]:

@@ -134,7 +134,7 @@ def test_first_start_of_an_auto_resuming_run_says_one_thing(tmp_path):
 def _interrupt_at(flags, iteration: int, signum=signal.SIGINT):
     """Start a long run, send ``signum`` to its process group (as a terminal's Ctrl-C does)
     once ``iteration`` is logged, and wait for it."""
-    popen = start_script(SCRIPT, flags)
+    popen = start_script(SCRIPT, flags, warm=False)  # a real process group to signal
     seen = []
     for line in popen.stdout:
         seen.append(line)

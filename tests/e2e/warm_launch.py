@@ -1,0 +1,115 @@
+"""Run an entry point (``pretrain_llama.py``...) in the warm rank pool of tests/distributed.py
+instead of a torchrun launch: the script runs as ``__main__`` inside already-started ranks,
+with the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*), its
+argv, the test's environment and the checkout as working directory; its stdout and stderr
+(file descriptors 1 and 2, so C-level output too) are captured per rank and joined in rank
+order, as torchrun's one console would show them. A launch costs about 1.7 s of CPU for
+torchrun and 2.3 s per rank for importing torch; here it costs neither.
+
+Only a clean run is taken from the pool. A run that exits non-zero or raises on any rank is
+run again as a real launch (``runner.run_script(..., warm=False)``): exit codes, error lines
+and what torchrun itself prints are then the real ones, and a rank left waiting in a
+collective by a failed peer costs the pool, not the test.
+"""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+
+# Entry points that run whole in a rank: their main() trains and tears nothing down that the
+# pool needs (shutdown_distributed is made a no-op for the run).
+WARM_SCRIPTS = ("pretrain_llama.py", "pretrain_gpt.py")
+_ERROR_KEY = "megatron/error_reported/0"  # errors.py's once-per-job counter in the store
+
+
+class WarmRunFailed(Exception):
+    """The script exited non-zero or raised on this rank (message: its code and output)."""
+
+
+def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
+    """The task each pool rank runs: the script as __main__; returns (code, stdout, stderr)."""
+    import runpy
+
+    import torch
+    import torch.distributed as dist
+    from megatron.training import errors
+
+    rank = dist.get_rank()
+    saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_shutdown = errors.shutdown_distributed
+    outputs = [tempfile.TemporaryFile(mode="w+b") for _ in range(2)]
+    saved_fds = [os.dup(1), os.dup(2)]
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+    sys.argv = [script_path] + [str(a) for a in argv]
+    os.chdir(cwd)
+    errors.shutdown_distributed = lambda: None  # the pool keeps its process group
+    # Pool ranks are daemonic processes, which multiprocessing forbids to start children; the
+    # script's data loader workers are its own to start and to end, as in a launch.
+    process_config = multiprocessing.current_process()._config
+    was_daemon = process_config.get("daemon")
+    process_config["daemon"] = False
+    if hasattr(warnings, "_filters_mutated"):
+        warnings._filters_mutated()  # once-per-process warnings print again, as in a launch
+    code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, out in zip((1, 2), outputs):
+        os.dup2(out.fileno(), fd)
+    try:
+        runpy.run_path(script_path, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in zip((1, 2), saved_fds):
+            os.dup2(saved, fd)
+            os.close(saved)
+        errors.shutdown_distributed = saved_shutdown
+        process_config["daemon"] = was_daemon
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(1)
+    texts = []
+    for out in outputs:
+        out.seek(0)
+        texts.append(out.read().decode(errors="replace"))
+        out.close()
+    if code != 0:
+        raise WarmRunFailed(f"exit code {code}\n{texts[0][-2000:]}{texts[1][-2000:]}")
+    dist.barrier()
+    if rank == 0:  # the next run's first error must be reported again
+        dist.distributed_c10d._get_default_store().delete_key(_ERROR_KEY)
+    return code, texts[0], texts[1]
+
+
+def run_warm(script_path: str, flags, nproc: int, env: dict, cwd: str, timeout: float):
+    """A CompletedProcess of the script run in the pool of ``nproc`` ranks, or None when the
+    run was not clean (the caller then launches it for real)."""
+    from tests import distributed
+
+    try:
+        results = distributed.run_distributed(_run_in_rank, world_size=nproc, timeout=timeout,
+                                              script_path=script_path, argv=list(flags),
+                                              env=env, cwd=cwd, nproc=nproc)
+    except (distributed.RankFailed, TimeoutError):
+        return None
+    return subprocess.CompletedProcess(
+        [sys.executable, script_path, *map(str, flags)], 0,
+        "".join(out for _, out, _ in results), "".join(err for _, _, err in results))
