@@ -10,6 +10,8 @@ sums (measured differences are ~1e-7 on losses ~4)."""
 import functools
 import re
 
+import pytest
+
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
 
 TOL = 1e-5
@@ -70,6 +72,7 @@ def test_cp4_at_sequence_256_on_4_ranks_equals_one_process():
                             nproc=4)
 
 
+@pytest.mark.quick
 def test_cp2_pp2_1f1b_with_distributed_optimizer_equals_one_process():
     flags = BASE + LLAMA + ["--use-distributed-optimizer"]  # the checkpoint test's reference
     _assert_equal_to_single("pretrain_llama.py", flags, [

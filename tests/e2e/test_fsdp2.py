@@ -39,6 +39,7 @@ def _check_runs(reference, runs):
             assert abs(a - b) <= TOL, (name, reference, losses + valid)
 
 
+@pytest.mark.quick
 def test_fsdp2_dp2_and_dp4_equal_one_process(single_process):
     _check_runs(single_process, {"dp2 zero3": (2, []), "dp2 zero2": (2, ZERO2),
                                  "dp4 zero3": (4, []), "dp4 zero2": (4, ZERO2)})

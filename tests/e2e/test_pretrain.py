@@ -39,8 +39,9 @@ def _check_traces(directory, world_size, pp, vpp):
     assert len(timeline.rows) == pp and 0.0 < timeline.measured_bubble() < 1.0
 
 
-@pytest.mark.parametrize("script,flags", [("pretrain_llama.py", TINY + LLAMA),
-                                          ("pretrain_gpt.py", TINY)])
+@pytest.mark.parametrize("script,flags", [
+    pytest.param("pretrain_llama.py", TINY + LLAMA, marks=pytest.mark.quick),
+    ("pretrain_gpt.py", TINY)])
 def test_tp_pp_dp_on_8_processes_equals_one_process(script, flags, tmp_path):
     single, single_valid = parse_losses(run_script(script, flags))
     parallel, parallel_valid = parse_losses(run_script(script, flags + [

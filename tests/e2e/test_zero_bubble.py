@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
     return root, printed
 
 
+@pytest.mark.quick
 def test_zero_bubble_schedules_print_1f1b_losses_and_grad_norms(runs):
     _, printed = runs
     want_train, want_valid = printed["1f1b"]
