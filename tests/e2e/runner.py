@@ -23,7 +23,8 @@ LLAMA = ("--normalization RMSNorm --swiglu --ffn-hidden-size 48 --position-embed
 class WarmStart:
     """A run start_script will do in the warm pool when ``finish`` asks for its result (runs
     started together then go one after another: on 2 cores overlapping them bought only the
-    shared import time that the pool does not pay at all)."""
+    shared import time that the pool does not pay at all). Only clean runs belong there: one
+    that exits non-zero fails the test, saying to launch it for real."""
 
     def __init__(self, script, flags, nproc):
         self.script, self.flags, self.nproc = script, list(flags), nproc
@@ -42,8 +43,8 @@ def start_script(script, flags, nproc=1, torchrun_args=None, warm=True):
     """Start ``python script flags`` (nproc 1) or ``torchrun --nproc-per-node nproc script
     flags`` (``torchrun_args`` replace ``--standalone``: rendezvous, restarts...). The
     training entry points, unless ``warm=False`` or given torchrun arguments, give a
-    WarmStart instead, run by ``finish`` in the warm rank pool (warm_launch.py): a test that
-    signals or kills the process asks for a real one with ``warm=False``."""
+    WarmStart instead, run by ``finish`` in the warm rank pool (warm_launch.py). A run meant
+    to fail, or that a test signals or kills, is a real launch: ``warm=False``."""
     if _warm_eligible(script, torchrun_args, warm):
         return WarmStart(script, flags, nproc)
     return _launch(script, flags, nproc, torchrun_args)
@@ -65,11 +66,8 @@ def finish(popen, timeout=300):
     runs now in the pool; one that is not clean there is launched for real (warm_launch.py)."""
     if isinstance(popen, WarmStart):
         env = dict(os.environ, MEGATRON_DEVICE="cpu", OMP_NUM_THREADS="1")
-        done = run_warm(os.path.join(ROOT, popen.script), popen.flags, popen.nproc, env, ROOT,
+        return run_warm(os.path.join(ROOT, popen.script), popen.flags, popen.nproc, env, ROOT,
                         timeout)
-        if done is not None:
-            return done
-        popen = _launch(popen.script, popen.flags, popen.nproc)
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -80,7 +78,8 @@ def finish(popen, timeout=300):
 
 
 def run_script(script, flags, nproc=1, timeout=300, torchrun_args=None, warm=True):
-    """Run to the end: in the warm pool where start_script says so, else a real launch."""
+    """Run to the end: in the warm pool where start_script says so (a clean run), else a real
+    launch (``warm=False`` for a run meant to fail)."""
     return finish(start_script(script, flags, nproc, torchrun_args, warm), timeout)
 
 

@@ -56,6 +56,11 @@ def test_finetune_loads_weights_only_and_starts_at_iteration_zero(tmp_path):
     assert its == ["1", "2"] and "at iteration 0" in proc.stdout
 
 
+def _failed_run(flags):
+    """The error line of a run meant to fail (a real launch: its exit code is the test)."""
+    return _error(run_script("pretrain_llama.py", flags, warm=False))
+
+
 def _error(proc):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stderr
@@ -72,14 +77,14 @@ def saved(tmp_path_factory):
 
 def test_load_errors_say_what_is_wrong(tmp_path, saved):
     missing = tmp_path / "missing"
-    err = _error(run_script("pretrain_llama.py", FLAGS + ["--load", missing]))
+    err = _failed_run(FLAGS + ["--load", missing])
     assert f"--load {missing}: there is no checkpoint there" in err
-    err = _error(run_script("pretrain_llama.py", FLAGS + ["--load", saved, "--ckpt-step", "7"]))
+    err = _failed_run(FLAGS + ["--load", saved, "--ckpt-step", "7"])
     assert "--ckpt-step 7" in err and "[2]" in err
-    err = _error(run_script("pretrain_llama.py", FLAGS + ["--load", saved]))
+    err = _failed_run(FLAGS + ["--load", saved])
     assert "holds no optimizer state" in err and "--no-load-optim" in err
     other = without(FLAGS, "--ffn-hidden-size") + ["--ffn-hidden-size", "64"]
-    err = _error(run_script("pretrain_llama.py", other + ["--load", saved, "--no-load-optim"]))
+    err = _failed_run(other + ["--load", saved, "--no-load-optim"])
     assert "another architecture" in err and "linear_fc1.weight has shape (96, 32) there and " \
                                                "(128, 32) here" in err
 
@@ -92,5 +97,5 @@ def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
     path = root / "iter_0000002" / "shard_00000.safetensors"  # the sharded default format
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 3)
-    err = _error(run_script("pretrain_llama.py", FLAGS + ["--load", root, "--no-load-optim"]))
+    err = _failed_run(FLAGS + ["--load", root, "--no-load-optim"])
     assert str(path) in err and "truncated" in err and "--ckpt-step" in err

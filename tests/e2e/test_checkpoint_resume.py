@@ -133,7 +133,7 @@ def test_rank_killed_while_saving_leaves_previous_checkpoint_latest(tmp_path, mo
     flags = _flags("--tensor-model-parallel-size", "2", "--save", root, "--load", root,
                    "--save-interval", "2", "--ckpt-format", ckpt_format)
     monkeypatch.setenv("MEGATRON_FAULT_INJECTION", "save:1:4")  # rank 1, iteration 4's save
-    crashed = run_script("pretrain_llama.py", flags, nproc=2)
+    crashed = run_script("pretrain_llama.py", flags, nproc=2, warm=False)
     assert crashed.returncode != 0
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (root / "iter_0000004").exists()

@@ -141,7 +141,7 @@ def test_fsdp2_bf16_checkpoint_loads_into_the_bf16_distributed_optimizer(tmp_pat
 def test_fsdp2_refuses_the_torch_checkpoint_format_at_start():
     """One message, exit 2, before any work (the other refusals: tests/unit/test_fsdp2.py)."""
     proc = run_script("pretrain_llama.py", FLAGS + FSDP2 + ["--save", "ckpt", "--ckpt-format",
-                                                            "torch"])
+                                                            "torch"], warm=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "sharded checkpoint format only" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "iteration" not in proc.stdout

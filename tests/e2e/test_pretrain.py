@@ -54,10 +54,11 @@ def test_tp_pp_dp_on_8_processes_equals_one_process(script, flags, tmp_path):
 
 
 def test_bad_flags_fail_before_any_work_with_one_message():
-    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--global-batch-size", "7"])
+    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--global-batch-size", "7"],
+                      warm=False)
     assert proc.returncode == 2
     assert "global" in proc.stderr and "divisible" in proc.stderr, proc.stderr
-    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--num-layer", "4"])
+    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--num-layer", "4"], warm=False)
     assert proc.returncode == 2 and "did you mean" in proc.stderr, proc.stderr
 
 

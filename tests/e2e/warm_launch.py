@@ -6,10 +6,10 @@ argv, the test's environment and the checkout as working directory; its stdout a
 order, as torchrun's one console would show them. A launch costs about 1.7 s of CPU for
 torchrun and 2.3 s per rank for importing torch; here it costs neither.
 
-Only a clean run is taken from the pool. A run that exits non-zero or raises on any rank is
-run again as a real launch (``runner.run_script(..., warm=False)``): exit codes, error lines
-and what torchrun itself prints are then the real ones, and a rank left waiting in a
-collective by a failed peer costs the pool, not the test.
+Only clean runs belong in the pool: a run that exits non-zero or raises on any rank fails
+the test, saying to launch it for real (``warm=False``), so exit codes, error lines and what
+torchrun prints are always a real launch's (a relaunch after a failed warm attempt would
+find what that attempt left behind).
 """
 import multiprocessing
 import os
@@ -100,16 +100,21 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
 
 
 def run_warm(script_path: str, flags, nproc: int, env: dict, cwd: str, timeout: float):
-    """A CompletedProcess of the script run in the pool of ``nproc`` ranks, or None when the
-    run was not clean (the caller then launches it for real)."""
+    """A CompletedProcess of the script run in the pool of ``nproc`` ranks. A run that is not
+    clean raises: relaunching it for real would find what the failed attempt left (its
+    checkpoints, its W&B run), and its exit code and output would not be a launch's; a test
+    of a failing run says ``warm=False``."""
     from tests import distributed
 
     try:
         results = distributed.run_distributed(_run_in_rank, world_size=nproc, timeout=timeout,
                                               script_path=script_path, argv=list(flags),
                                               env=env, cwd=cwd, nproc=nproc)
-    except (distributed.RankFailed, TimeoutError):
-        return None
+    except (distributed.RankFailed, TimeoutError) as exc:
+        raise AssertionError(
+            f"{os.path.basename(script_path)} did not run clean in the warm rank pool; a run "
+            f"meant to fail must be launched for real (run_script/start_script(..., "
+            f"warm=False)):\n{exc}") from None
     return subprocess.CompletedProcess(
         [sys.executable, script_path, *map(str, flags)], 0,
         "".join(out for _, out, _ in results), "".join(err for _, _, err in results))
