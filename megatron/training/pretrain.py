@@ -17,6 +17,7 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training import fault_injection
 from megatron.training.arguments import ConfigError, build_configs, parse_args
+from megatron.training.arguments.configs import check_training_microbatches
 from megatron.training.batch import stage_needs_data
 from megatron.training.checkpointing import (
     CheckpointError,
@@ -26,7 +27,6 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
-from megatron.training.configs_from_args import check_training_microbatches
 from megatron.training.data_samplers import (
     DataLoaderStalled,
     build_pretraining_data_loader,

@@ -5,7 +5,7 @@ from typing import List, Optional
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
-from megatron.training.configs_from_args import transformer_config_from_args
+from megatron.training.arguments.configs import transformer_config_from_args
 from megatron.training.planner.layouts import (
     CP_MIN_SEQ_LENGTH,
     MEMORY_MODES,
