@@ -41,11 +41,11 @@ from megatron.training.exit_signal import (
 )
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import expert_sizes, initialize_megatron
+from megatron.training.memory.estimate import report_theoretical_memory
 from megatron.training.moe_metrics import gather_moe_metrics
 from megatron.training.nan_guard import NanGuard
 from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.planner.moe_cost import effective_ffn_hidden_size
-from megatron.training.theoretical_memory import report_theoretical_memory
 from megatron.training.timers import Timers, set_timers
 from megatron.training.token_guard import (
     TokenGuard,

@@ -21,23 +21,23 @@ from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.core.pipeline_parallel.schedule_order import max_in_flight, schedule_order
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer import TransformerConfig
-from megatron.training.memory_activations import (
+from megatron.training.memory.activations import (
     ActivationSetup,
     chunk_bytes,
     layer_bytes,
     stage_activations,
 )
-from megatron.training.memory_params import (
+from megatron.training.memory.estimate import (
+    estimate_memory,
+    format_report,
+    optimizer_setup_from,
+)
+from megatron.training.memory.params import (
     ModelStateBytes,
     OptimizerSetup,
     ParamShape,
     chunk_state_bytes,
     rank_state_bytes,
-)
-from megatron.training.theoretical_memory import (
-    estimate_memory,
-    format_report,
-    optimizer_setup_from,
 )
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed

@@ -48,14 +48,14 @@ from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
 from megatron.training.flops import mfu, num_floating_point_operations
-from megatron.training.memory_params import chunk_span
+from megatron.training.memory.estimate import MemoryEstimate, dtype_bytes
+from megatron.training.memory.params import chunk_span
 from megatron.training.planner.layouts import Layout
 from megatron.training.planner.moe_cost import (
     alltoall_seconds_per_layer,
     effective_ffn_hidden_size,
     moe_layers_in,
 )
-from megatron.training.theoretical_memory import MemoryEstimate, dtype_bytes
 from megatron.training.training_config import ConfigError
 
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as vendors quote them

@@ -5,7 +5,7 @@ CPU offload (``--optimizer-cpu-offload``).
 
 Three amounts per rank (``RankMemory``):
 
-- ``device``: what the device holds after the optimizer step (``memory_params``'s kinds),
+- ``device``: what the device holds after the optimizer step (``params``' kinds),
   exact for this code base (tests/unit/test_memory_modes.py measures it);
 - ``host``: CPU offload's main params, their gradients, the optimizer state and step counters
   in host memory (exact; pinned allocations on CUDA may be rounded up by the allocator);
@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List
 
-from megatron.training.memory_params import (
+from megatron.training.memory.params import (
     FP32,
     ModelStateBytes,
     OptimizerSetup,

@@ -16,7 +16,7 @@ CP: gradients are reduced and the optimizer sharded over DP x CP, ``OptimizerSet
 fp32 gradient buffers the copy is the buffer itself; with fp32 params the main params are the
 params.) Adam's per-tensor ``step`` counters (4 bytes each) are counted too.
 
-Mixture of experts (``config.moe``, memory_moe.py): an MoE layer's ``mlp.`` holds the router,
+Mixture of experts (``config.moe``, moe.py): an MoE layer's ``mlp.`` holds the router,
 its E/EP experts (f split by expert TP) and the shared expert; the routed experts' state is
 laid out in buffers of their own, with d = the expert-data-parallel size DP x CP x TP /
 (ETP x EP) in place of DP (``rank_state_bytes``).
@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.pipeline_placement import placement_for_schedule, virtual_stage_of
-from megatron.training.memory_moe import (
+from megatron.training.memory.moe import (
     expert_data_parallel_size,
     is_expert_param,
     is_moe_layer,
@@ -58,7 +58,7 @@ class OptimizerSetup:
     bucket_size: Optional[int] = None  # elements; None: one bucket per buffer
     optimizer: str = "adam"  # or "sgd"
     sgd_momentum: float = 0.9
-    # Memory modes (memory_modes.py): ZeRO-2 for the distributed optimizer (--shard-gradients),
+    # Memory modes (modes.py): ZeRO-2 for the distributed optimizer (--shard-gradients),
     # torch FSDP2 (--use-torch-fsdp2; reshard_after_forward False: --no-reshard-after-forward,
     # ZeRO-2), main params and optimizer state on the host (--optimizer-cpu-offload).
     shard_gradients: bool = False
@@ -218,7 +218,7 @@ def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
                       data_parallel_rank: int = 0, alone=lambda shape: False
                       ) -> ModelStateBytes:
     """The state one model chunk costs on one rank's device after the optimizer step (with
-    CPU offload the optimizer's part is on the host: ``memory_modes.host_state_bytes``)."""
+    CPU offload the optimizer's part is on the host: ``modes.host_state_bytes``)."""
     if setup.cpu_offload:
         device = chunk_state_bytes(shapes, dataclasses.replace(setup, cpu_offload=False),
                                    param_bytes, data_parallel_rank, alone)
@@ -274,7 +274,7 @@ def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
                      share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
     """Every chunk of one pipeline rank, on the device, after the optimizer step."""
     if setup.fsdp2:
-        from megatron.training.memory_modes import fsdp2_state_bytes  # imports this module
+        from megatron.training.memory.modes import fsdp2_state_bytes  # imports this module
         return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
                                  share_embeddings_and_output_weights)
     total = ModelStateBytes()
