@@ -25,7 +25,9 @@ from megatron.core.transformer.moe.experts import SwiGLUExperts
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.memory.activations import ActivationSetup, chunk_bytes, layer_terms
+from megatron.training.memory.base import OptimizerSetup
 from megatron.training.memory.estimate import estimate_memory, format_report
+from megatron.training.memory.modes import rank_state_bytes
 from megatron.training.memory.moe import (
     dispatch_buffer_bytes,
     expert_data_parallel_size,
@@ -33,7 +35,7 @@ from megatron.training.memory.moe import (
     moe_layer_terms,
     moe_mlp_params,
 )
-from megatron.training.memory.params import OptimizerSetup, chunk_param_shapes, rank_state_bytes
+from megatron.training.memory.params import chunk_param_shapes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step

@@ -193,8 +193,8 @@ def test_1f1b_and_interleaved_hold_no_w_records():
 
 
 def test_report_names_the_deferred_w_inputs():
+    from megatron.training.memory.base import OptimizerSetup
     from megatron.training.memory.estimate import estimate_memory, format_report
-    from megatron.training.memory.params import OptimizerSetup
 
     config = _pure_config("zb-h1", 2, 4)
     estimate = estimate_memory(config, padded_vocab_size=VOCAB, seq_length=SEQ,

@@ -27,18 +27,14 @@ from megatron.training.memory.activations import (
     layer_bytes,
     stage_activations,
 )
+from megatron.training.memory.base import ModelStateBytes, OptimizerSetup, ParamShape
 from megatron.training.memory.estimate import (
     estimate_memory,
     format_report,
     optimizer_setup_from,
 )
-from megatron.training.memory.params import (
-    ModelStateBytes,
-    OptimizerSetup,
-    ParamShape,
-    chunk_state_bytes,
-    rank_state_bytes,
-)
+from megatron.training.memory.modes import rank_state_bytes
+from megatron.training.memory.params import chunk_state_bytes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step

@@ -31,8 +31,8 @@ from megatron.training.memory.activations import (
     layer_bytes,
     stage_activations,
 )
+from megatron.training.memory.base import ModelStateBytes, OptimizerSetup
 from megatron.training.memory.modes import mode_name, rank_memory
-from megatron.training.memory.params import ModelStateBytes, OptimizerSetup
 
 GIB = 1024 ** 3
 

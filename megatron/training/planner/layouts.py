@@ -23,8 +23,8 @@ from megatron.core.distributed.distributed_data_parallel_config import ddp_confi
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
+from megatron.training.memory.base import OptimizerSetup
 from megatron.training.memory.estimate import optimizer_setup_from
-from megatron.training.memory.params import OptimizerSetup
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
 CP_MIN_SEQ_LENGTH = 8192
