@@ -39,14 +39,16 @@ from megatron.training.exit_signal import (
     install_sigint_handler,
     interrupted,
 )
-from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import expert_sizes, initialize_megatron
+from megatron.training.logging.flops import num_floating_point_operations
+from megatron.training.logging.moe_metrics import gather_moe_metrics
+from megatron.training.logging.pipeline_tracing import finish_trace, start_trace
+from megatron.training.logging.timers import Timers, set_timers
+from megatron.training.logging.training_log import TrainingLogger
+from megatron.training.logging.wandb_log import resolve_save_dir
 from megatron.training.memory.estimate import report_theoretical_memory
-from megatron.training.moe_metrics import gather_moe_metrics
 from megatron.training.nan_guard import NanGuard
-from megatron.training.pipeline_tracing import finish_trace, start_trace
 from megatron.training.planner.moe_cost import effective_ffn_hidden_size
-from megatron.training.timers import Timers, set_timers
 from megatron.training.token_guard import (
     TokenGuard,
     TokenIdError,
@@ -56,8 +58,6 @@ from megatron.training.token_guard import (
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
-from megatron.training.training_log import TrainingLogger
-from megatron.training.wandb_log import resolve_save_dir
 
 _SILENT_RANK_GRACE_S = 1.0
 

@@ -51,7 +51,7 @@ def test_get_batch_and_loss_need_no_host_sync(gpu_env):
 
 
 def _timers_without_sync():
-    from megatron.training.timers import Timers
+    from megatron.training.logging.timers import Timers
 
     timers = Timers(log_level=2)
     a = torch.randn(2048, 2048, device="cuda")

@@ -16,6 +16,7 @@ from megatron.core.datasets.indexed_dataset import (
     index_file_path,
 )
 from megatron.training import exit_signal
+from megatron.training.logging.training_log import TrainingLogger
 from megatron.training.nan_guard import NanGuard
 from megatron.training.token_guard import (
     TokenGuard,
@@ -25,7 +26,6 @@ from megatron.training.token_guard import (
     sample_bad_id,
     scan_bad_id,
 )
-from megatron.training.training_log import TrainingLogger
 
 
 def _dataset(tmp_path, name, documents, dtype=np.uint16):

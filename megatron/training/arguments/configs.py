@@ -21,12 +21,12 @@ from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
 from megatron.training.arguments.moe import moe_config_from_args
+from megatron.training.logging.wandb_log import wandb_missing_reason
 from megatron.training.training_config import (
     ConfigError,
     MegatronConfigs,
     TrainingConfig,
 )
-from megatron.training.wandb_log import wandb_missing_reason
 
 
 def _need(ok: bool, message: str):
