@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 from megatron.training.arguments.definitions import get_parser
 from megatron.training.arguments.ranges import check_flag_ranges
-from megatron.training.errors import is_reporting_rank
+from megatron.training.guards.errors import is_reporting_rank
 from megatron.training.training_config import ConfigError
 
 

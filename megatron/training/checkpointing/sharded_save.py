@@ -40,7 +40,7 @@ from megatron.training.checkpointing.sharded_index import (
     VERSION,
     shard_file_name,
 )
-from megatron.training.fault_injection import maybe_crash_while_writing
+from megatron.training.guards.fault_injection import maybe_crash_while_writing
 
 
 class _Shard:
@@ -229,7 +229,7 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
     def write():
         def write_shard(path):
             write_shard_file(path, shard.tensors, header)
-            maybe_crash_while_writing(path, iteration)  # tests only: see fault_injection.py
+            maybe_crash_while_writing(path, iteration)  # tests only: see guards/fault_injection.py
 
         write_atomic(os.path.join(staging, shard.file), staging, needed, write_shard)
         if metadata is not None:
