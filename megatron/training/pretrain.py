@@ -17,7 +17,6 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.training.arguments import ConfigError, build_configs, parse_args
 from megatron.training.arguments.configs import check_training_microbatches
-from megatron.training.batch import stage_needs_data
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointWriter,
@@ -26,7 +25,8 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
-from megatron.training.data_samplers import (
+from megatron.training.data.batch import stage_needs_data
+from megatron.training.data.samplers import (
     DataLoaderStalled,
     build_pretraining_data_loader,
     cyclic_iter,
