@@ -158,8 +158,8 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
 
 def _cp_attention_core_terms(config, setup: ActivationSetup, heads: int, groups: int
                              ) -> Dict[str, int]:
-    """The CP attention's own saved tensors (cp_ring.py, cp_all_gather.py) beside its q, k
-    and v: its output [b, heads, s/CP, d] (the output projection keeps a [s/CP, b, heads x d]
+    """The CP attention's own saved tensors (context_parallel/ring.py, all_gather.py) beside its
+    q, k and v: its output [b, heads, s/CP, d] (the output projection keeps a [s/CP, b, heads x d]
     copy of it, counted as that GEMM's input), the fp32 log-sum-exp of the local queries, and
     under all_gather the gathered K and V of the whole sequence."""
     b, e, d = setup.micro_batch_size, setup.activation_bytes, config.kv_channels
@@ -192,7 +192,7 @@ def attention_call_bytes(config, setup: ActivationSetup) -> int:
 
 def cp_kv_in_flight_bytes(config, setup: ActivationSetup) -> int:
     """The CP attention's transient K/V buffers during one layer's backward (the larger half;
-    not saved, so they add to the peak once; from cp_ring.py / cp_all_gather.py, not
+    not saved, so they add to the peak once; from context_parallel/ring.py / all_gather.py, not
     measured). The ring: one block of K and V (b x groups/TP x s/CP x d each) being sent and
     one being received, and likewise the block's dK and dV travelling back, accumulated in
     fp32. all_gather: dK and dV of the whole sequence in fp32, and their rank-ordered copy for
