@@ -66,3 +66,14 @@ def safe_load(path: str) -> Any:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated "
                               f"({type(exc).__name__}: {exc}); load an earlier iteration with "
                               f"--ckpt-step.") from None
+
+
+def plain_data(value):
+    """Args as plain data (weights_only loads nothing else)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_data(v) for k, v in value.items()}
+    return str(value)

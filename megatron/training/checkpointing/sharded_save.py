@@ -28,10 +28,14 @@ from megatron.training.checkpointing.experts import (
     tensor_parts,
 )
 from megatron.training.checkpointing.layout import current_layout
-from megatron.training.checkpointing.paths import STAGING_SUFFIX, iteration_dir_name
+from megatron.training.checkpointing.paths import (
+    STAGING_SUFFIX,
+    iteration_dir_name,
+    publish,
+    remove_stale_staging,
+)
 from megatron.training.checkpointing.rng_state import capture_rng_state
-from megatron.training.checkpointing.safe_io import as_disk_full
-from megatron.training.checkpointing.save import plain_data, publish, remove_stale_staging
+from megatron.training.checkpointing.safe_io import as_disk_full, plain_data
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
     DTYPE_NAMES,
