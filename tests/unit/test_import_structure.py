@@ -189,6 +189,27 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     assert found == [["megatron.pkg.a", "megatron.pkg.b"], ["megatron.pkg.c", "megatron.pkg.d"]]
 
 
+# The loop's own modules: the packages under megatron/training build on training_config only.
+LOOP = {"megatron.training.pretrain", "megatron.training.training", "megatron.training.initialize",
+        "megatron.training.gpt_step", "megatron.training.checkpoint_model"}
+
+
+def test_the_package_map_rules():
+    """docs/architecture.md "Package map": megatron/core never imports megatron/training, and
+    no package under megatron/training imports the loop's own modules."""
+    graph = ImportGraph()
+    broken = []
+    for module, targets in sorted(graph.edges.items()):
+        in_subpackage = module.startswith("megatron.training.") and (
+            graph._is_package(module) or module.count(".") > 2)
+        for target in sorted(targets):
+            if module.startswith("megatron.core") and target.startswith("megatron.training"):
+                broken.append(f"{module} -> {target} (core imports training)")
+            if in_subpackage and target in LOOP:
+                broken.append(f"{module} -> {target} (a training package imports the loop)")
+    assert not broken, "\n".join(broken)
+
+
 # --- public import paths ----------------------------------------------------------------------
 
 # What users' scripts import (Megatron's names), beside what the entry scripts import (below).
