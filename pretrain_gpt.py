@@ -1,12 +1,12 @@
 """Pretrain a GPT model: torchrun --nproc-per-node N pretrain_gpt.py [Megatron flags]."""
 from megatron.core.enums import ModelType
 from megatron.core.models import GPTModel
-from megatron.training.errors import shutdown_distributed
 from megatron.training.gpt_step import (
     forward_step,
     model_provider_for,
     train_valid_test_datasets_provider,
 )
+from megatron.training.guards.errors import shutdown_distributed
 from megatron.training.pretrain import pretrain
 
 model_provider = model_provider_for(GPTModel)

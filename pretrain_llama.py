@@ -5,12 +5,12 @@ given on the command line as with Megatron; see shtools/ for complete launch lin
 """
 from megatron.core.enums import ModelType
 from megatron.core.models import LlamaModel
-from megatron.training.errors import shutdown_distributed
 from megatron.training.gpt_step import (
     forward_step,
     model_provider_for,
     train_valid_test_datasets_provider,
 )
+from megatron.training.guards.errors import shutdown_distributed
 from megatron.training.pretrain import pretrain
 
 model_provider = model_provider_for(LlamaModel)

@@ -13,7 +13,7 @@ from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimi
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.arguments import build_configs, parse_args as parse_megatron
 from megatron.training.checkpointing import save_checkpoint
-from megatron.training.data_samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.training.data.samplers import build_pretraining_data_loader, cyclic_iter
 from megatron.training.gpt_step import forward_step, model_provider_for
 from megatron.training.initialize import initialize_megatron
 from megatron.training.tokenizer.build import build_tokenizer_from_args

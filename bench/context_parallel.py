@@ -50,8 +50,8 @@ from megatron.core.transformer.context_parallel import (  # noqa: E402
     shard_sequence,
     unshard_sequence,
 )
-from megatron.core.transformer.cp_blocks import CPLayout  # noqa: E402
-from megatron.core.transformer.cp_ring import _exchange  # noqa: E402
+from megatron.core.transformer.context_parallel.blocks import CPLayout  # noqa: E402
+from megatron.core.transformer.context_parallel.ring import _exchange  # noqa: E402
 from tests.allocation_tracker import track_allocations  # noqa: E402
 
 CP = 2

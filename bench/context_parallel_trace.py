@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from megatron.core.transformer import cp_all_gather, cp_ring
+from megatron.core.transformer.context_parallel import all_gather as cp_all_gather
+from megatron.core.transformer.context_parallel import ring as cp_ring
 
 KV_TAG, DKV_TAG = cp_ring._KV_TAG, cp_ring._DKV_TAG
 TAG_NAMES = {KV_TAG: "kv", DKV_TAG: "dkv"}
@@ -156,7 +157,8 @@ def peer_wait(mine: Tuple[float, float, float], peer: Tuple[float, float, float]
 
 
 class _TimedCollectives:
-    """Stands in for megatron.core.collectives inside cp_all_gather: times each call."""
+    """Stands in for megatron.core.collectives inside context_parallel.all_gather: times each
+    call."""
 
     def __init__(self, module, spans: list):
         self.module, self.spans = module, spans

@@ -3,7 +3,7 @@ uninterrupted run, and how much work each fault costs.
 
 Each trial runs pretrain_llama.py under `torchrun --standalone --max-restarts 2` on 4 CPU
 processes (TP=2 x DP=2, 20 iterations, a checkpoint every 5, --save = --load) with one fault
-from megatron/training/fault_injection.py: a rank SIGKILLed at the start of an iteration, or
+from megatron/training/guards/fault_injection.py: a rank SIGKILLed at the start of an iteration, or
 in the middle of writing a checkpoint. torchrun restarts the workers, the job resumes from its
 latest complete checkpoint, and the final checkpoint (model, optimizer state, RNG) is
 compared tensor by tensor with the uninterrupted run's. Work lost = iterations computed before

@@ -117,8 +117,8 @@ def grouped_mm_with_an_empty_group():
 
 @probe
 def cp_block_flash_forward_backward():
-    """cp_blocks' CUDA flash block (private aten op) against its reference kernel."""
-    from megatron.core.transformer import cp_blocks
+    """context_parallel.blocks' CUDA flash block (private aten op) against its reference kernel."""
+    from megatron.core.transformer.context_parallel import blocks as cp_blocks
 
     b, hq, hkv, s, d = 2, 8, 2, 128, 64
     kernel = cp_blocks.choose_block_kernel(device.device_type(), _half(), d, False, False)

@@ -31,14 +31,14 @@ Printed per model: median step time, tokens/s, achieved TFLOP/s, MFU (Megatron's
 the causal count) and peak memory; then the ratio ours/HF of tokens/s. ``--profile`` then
 profiles one more step of each model and prints where its device time goes (bench/profile.py).
 
-MFU = F / (t * P): F = megatron.training.flops.num_floating_point_operations for one micro
+MFU = F / (t * P): F = megatron.training.logging.flops.num_floating_point_operations for one micro
 batch, Megatron's model FLOPs: 6 * B * s * (L * (h*(a*d + 2*g*d) + 2*s*a*d + a*d*h + 3*h*f)
 + h*V) (QKV with GQA, attention scores and values over the full s x s, output projection,
 SwiGLU MLP, logits layer; forward plus twice that backward; no recomputation counted);
 t = median step seconds; P = --peak-tflops * 1e12 (989: H100 SXM dense bf16; H200 is the
 same chip's 989). Both models get the same F, so the MFU ratio equals the tokens/s ratio.
 "causal MFU" counts only the s (s + 1) / 2 query-key pairs a causal kernel computes
-(flops.py, causal=True): the work actually done.
+(logging/flops.py, causal=True): the work actually done.
 
 Peak memory = the device's peak allocated bytes during the model's own timed steps, less the
 other model's resident state (parameters, gradients, optimizer state), which stays allocated
@@ -242,7 +242,7 @@ def _hf_resident_bytes(hf, hf_opt):
 
 
 def run(args):
-    from megatron.training.flops import mfu, num_floating_point_operations
+    from megatron.training.logging.flops import mfu, num_floating_point_operations
     from megatron.training.initialize import initialize_megatron
 
     margs, configs = build_configs(args)
@@ -290,7 +290,7 @@ def run(args):
           f"steps={args.steps} warmup={args.warmup}")
     print(f"initial loss: ours {first['ours']:.8f} HF {first['HF']:.8f} "
           f"diff {abs(first['ours'] - first['HF']):.3e}")
-    print(f"model FLOPs per step: {flops:.6e} (megatron.training.flops, peak "
+    print(f"model FLOPs per step: {flops:.6e} (megatron.training.logging.flops, peak "
           f"{args.peak_tflops:g} TFLOP/s); causal: {causal_flops:.6e}")
     rate = {}
     for name in steps:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bench.launch import launch
-from bench.moe import (
+from bench.moe_common import (
     alternate,
     hf_block,
     hf_layout,

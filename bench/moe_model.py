@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench.moe import alternate, max_diff, print_summary
+from bench.moe_common import alternate, max_diff, print_summary
 from megatron.core import parallel_state
 from megatron.core.models import GPTModel
 from megatron.core.models import hf_moe_conversion as moe_hf

@@ -169,7 +169,7 @@ def write_traces(directory, per_rank, names):
 
 def draw_ours(directory, per_rank, names):
     """The last traced step of each of our schedules, by tools/plot_pipeline.py's drawing."""
-    from megatron.training.pipeline_timeline import timeline_from_traces
+    from megatron.training.logging.pipeline_timeline import timeline_from_traces
     from tools.plot_pipeline import draw, write_png
 
     os.makedirs(directory, exist_ok=True)

@@ -16,7 +16,7 @@ considered for sequences of 8192 tokens and more, or when nothing fits without i
 The model comes from Megatron flags after ``--``, a shtools/configs/*.sh file (its
 CONFIG_FLAGS, sourced in bash), or a Hugging Face config.json (LLaMA, Mistral, GPT-2). Their
 parallelism, batch, recomputation, optimizer-sharding and precision flags are ignored: those
-are what the planner chooses. Memory per GPU is ``megatron.training.theoretical_memory``'s
+are what the planner chooses. Memory per GPU is ``megatron.training.memory.estimate``'s
 estimate; the step-time model and its assumptions are in
 ``megatron/training/planner/step_time.py``. Prints a ranked table with the flags of each row,
 or the same rows as JSON with --json. Bad input: one message on stderr, exit 1. A Hugging

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT  # noqa: E402
 from megatron.core.utils import write_atomically  # noqa: E402
-from megatron.training.pipeline_timeline import (  # noqa: E402
+from megatron.training.logging.pipeline_timeline import (  # noqa: E402
     WEIGHT,
     PipelineTimeline,
     TimelineError,

@@ -7,15 +7,16 @@ the same for dense and expert layers; the TP x CP x DP ranks of a stage are re-c
 ETP x EP x EDP. Expert-data-parallel ranks hold the same experts (their gradients are
 reduced there); EP ranks hold different experts and exchange tokens.
 
-The groups live in ``parallel_state``'s registry (so ``destroy_model_parallel`` forgets them
-too), and ``parallel_state`` answers these queries under Megatron's names.
+The groups live in ``group_registry`` with the dense ones (so ``destroy_model_parallel`` forgets
+them too); ``parallel_state.initialize_expert_parallel`` makes them, and ``parallel_state``
+answers these queries under Megatron's names.
 """
 import itertools
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
+from megatron.core.group_registry import GROUP_RANKS, GROUPS
 
 _EXPERT_MODEL = "expert_model"
 _EXPERT_TENSOR = "expert_tensor"
@@ -66,37 +67,21 @@ def check_expert_world_size(world_size: int, pp: int, ep: int, etp: int) -> None
             f"pipeline-model-parallel-size {pp}); choose expert sizes whose product divides it.")
 
 
-def initialize_expert_parallel(expert_model_parallel_size: int = 1,
-                               expert_tensor_parallel_size: Optional[int] = None) -> None:
-    """Create the expert groups (after initialize_model_parallel; every rank, same arguments).
-    ``expert_tensor_parallel_size`` defaults to the tensor-parallel size, as in Megatron."""
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("initialize_expert_parallel() needs the model parallel groups; call "
-                           "parallel_state.initialize_model_parallel(...) first.")
-    if expert_parallel_is_initialized():
-        raise RuntimeError("expert parallel groups are already initialized; call "
-                           "destroy_model_parallel() before initializing them again.")
-    etp = expert_tensor_parallel_size or ps.get_tensor_model_parallel_world_size()
-    layout = expert_rank_layout(dist.get_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                                expert_model_parallel_size, etp)
-    ps.create_groups(layout)
-
-
 def expert_parallel_is_initialized() -> bool:
-    return _EXPERT_MODEL in ps._GROUPS
+    return _EXPERT_MODEL in GROUPS
 
 
 def _expert_ranks(kind: str) -> List[int]:
-    if kind not in ps._GROUPS:
+    if kind not in GROUPS:
         raise RuntimeError("expert parallel groups are not initialized; call "
                            "parallel_state.initialize_expert_parallel(...) (or pass "
                            "expert_model_parallel_size to initialize_model_parallel) first.")
-    return ps._GROUP_RANKS[kind]
+    return GROUP_RANKS[kind]
 
 
 def _expert_group(kind: str) -> dist.ProcessGroup:
     _expert_ranks(kind)
-    return ps._GROUPS[kind]
+    return GROUPS[kind]
 
 
 def get_expert_model_parallel_group() -> dist.ProcessGroup:

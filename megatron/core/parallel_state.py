@@ -16,11 +16,12 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron.core import device, pipeline_placement
+from megatron.core import device, expert_parallel_state, pipeline_placement
+from megatron.core.group_registry import GROUP_RANKS as _GROUP_RANKS
+from megatron.core.group_registry import GROUPS as _GROUPS
 
-# Process groups this rank belongs to, and the global ranks of each.
-_GROUPS: Dict[str, dist.ProcessGroup] = {}
-_GROUP_RANKS: Dict[str, List[int]] = {}
+# _GROUPS, _GROUP_RANKS: the process groups this rank belongs to, and the global ranks of each
+# (group_registry's, shared with expert_parallel_state: changed in place only, never rebound).
 _OWNED_GROUPS: List[dist.ProcessGroup] = []
 
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
@@ -102,8 +103,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ValueError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes "
                          f"must be >= 1.")
     check_world_size(world_size, tp, pp, cp)
-    from megatron.core import expert_parallel_state  # here: it imports this module
-
     with_experts = expert_model_parallel_size is not None or \
         expert_tensor_parallel_size is not None
     if with_experts:  # before any group exists, so a bad size costs no communication
@@ -131,8 +130,25 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         _VIRTUAL_PIPELINE_RANK = 0
         _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
     if with_experts:
-        expert_parallel_state.initialize_expert_parallel(expert_model_parallel_size or 1,
-                                                         expert_tensor_parallel_size)
+        initialize_expert_parallel(expert_model_parallel_size or 1, expert_tensor_parallel_size)
+
+
+def initialize_expert_parallel(expert_model_parallel_size: int = 1,
+                               expert_tensor_parallel_size: Optional[int] = None) -> None:
+    """Create the expert groups (after initialize_model_parallel; every rank, same arguments).
+    ``expert_tensor_parallel_size`` defaults to the tensor-parallel size, as in Megatron.
+    Their layout and queries: expert_parallel_state."""
+    if not model_parallel_is_initialized():
+        raise RuntimeError("initialize_expert_parallel() needs the model parallel groups; call "
+                           "parallel_state.initialize_model_parallel(...) first.")
+    if expert_parallel_state.expert_parallel_is_initialized():
+        raise RuntimeError("expert parallel groups are already initialized; call "
+                           "destroy_model_parallel() before initializing them again.")
+    etp = expert_tensor_parallel_size or get_tensor_model_parallel_world_size()
+    layout = expert_parallel_state.expert_rank_layout(
+        dist.get_world_size(), get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size, etp)
+    create_groups(layout)
 
 
 def create_groups(layout: Dict[str, List[List[int]]]) -> None:
@@ -477,12 +493,11 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
 
 # --- expert parallelism: megatron/core/expert_parallel_state.py ----------------------------
 # Megatron's callers ask this module for the expert groups too; the queries live in their own
-# module and are forwarded here (PEP 562), which also keeps the two modules' imports one-way.
+# module and are forwarded here (PEP 562). That module reads the groups from group_registry,
+# never from here, so the import runs one way.
 
 def __getattr__(name: str):
-    if name.startswith(("get_expert_", "initialize_expert_", "expert_", "check_expert_")):
-        from megatron.core import expert_parallel_state
-
+    if name.startswith(("get_expert_", "expert_", "check_expert_")):
         if hasattr(expert_parallel_state, name):
             return getattr(expert_parallel_state, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.packed_seq_params import packed_seq_params_from_eod
-from megatron.training.batch import get_batch_from_config, shard_for_context_parallel
-from megatron.training.timers import get_timers
+from megatron.training.data.batch import get_batch_from_config, shard_for_context_parallel
+from megatron.training.logging.timers import get_timers
 
 
 def model_provider_for(model_class):

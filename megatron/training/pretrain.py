@@ -15,9 +15,8 @@ from megatron.core import device, parallel_state
 from megatron.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
-from megatron.training import fault_injection
 from megatron.training.arguments import ConfigError, build_configs, parse_args
-from megatron.training.batch import stage_needs_data
+from megatron.training.arguments.configs import check_training_microbatches
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointWriter,
@@ -26,38 +25,39 @@ from megatron.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
-from megatron.training.configs_from_args import check_training_microbatches
-from megatron.training.data_samplers import (
+from megatron.training.data.batch import stage_needs_data
+from megatron.training.data.samplers import (
     DataLoaderStalled,
     build_pretraining_data_loader,
     cyclic_iter,
 )
-from megatron.training.errors import exit_with_error, is_reporting_rank, report_error
-from megatron.training.exit_signal import (
+from megatron.training.guards import fault_injection
+from megatron.training.guards.errors import exit_with_error, is_reporting_rank, report_error
+from megatron.training.guards.exit_signal import (
     SIGINT_EXIT_CODE,
     ExitSignal,
     install_sigint_handler,
     interrupted,
 )
-from megatron.training.flops import num_floating_point_operations
-from megatron.training.initialize import expert_sizes, initialize_megatron
-from megatron.training.moe_metrics import gather_moe_metrics
-from megatron.training.nan_guard import NanGuard
-from megatron.training.pipeline_tracing import finish_trace, start_trace
-from megatron.training.planner.moe_cost import effective_ffn_hidden_size
-from megatron.training.theoretical_memory import report_theoretical_memory
-from megatron.training.timers import Timers, set_timers
-from megatron.training.token_guard import (
+from megatron.training.guards.nan_guard import NanGuard
+from megatron.training.guards.token_guard import (
     TokenGuard,
     TokenIdError,
     check_datasets_at_start,
     set_token_guard,
 )
+from megatron.training.initialize import expert_sizes, initialize_megatron
+from megatron.training.logging.flops import num_floating_point_operations
+from megatron.training.logging.moe_metrics import gather_moe_metrics
+from megatron.training.logging.pipeline_tracing import finish_trace, start_trace
+from megatron.training.logging.timers import Timers, set_timers
+from megatron.training.logging.training_log import TrainingLogger
+from megatron.training.logging.wandb_log import resolve_save_dir
+from megatron.training.memory.estimate import report_theoretical_memory
+from megatron.training.planner.moe_cost import effective_ffn_hidden_size
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
-from megatron.training.training_log import TrainingLogger
-from megatron.training.wandb_log import resolve_save_dir
 
 _SILENT_RANK_GRACE_S = 1.0
 
@@ -157,7 +157,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              argv: Optional[Sequence[str]] = None) -> List[dict]:
     """Train as the flags say (Megatron's signature). Returns the per-iteration reported
     losses (last stage). A user's mistake exits with one error line (2 when found before
-    training, 1 during it); Ctrl-C with one line and 130 (see exit_signal.py)."""
+    training, 1 during it); Ctrl-C with one line and 130 (see guards/exit_signal.py)."""
     if model_type is not ModelType.encoder_or_decoder:
         raise ValueError(f"model_type {model_type} is not supported: only "
                          f"ModelType.encoder_or_decoder (GPT/LLaMA) models are.")

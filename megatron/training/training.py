@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import (
 from megatron.core.pipeline_parallel.model_chunks import get_model_config
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.training.initialize import seed_for_model_init
-from megatron.training.timers import Timer, Timers
+from megatron.training.logging.timers import Timer, Timers
 
 
 def build_model(model_provider: Callable[..., torch.nn.Module], config, ddp_config,

@@ -1,6 +1,6 @@
 """The training loop's own settings, and the bundle of configs one launch line produces.
 
-``megatron/training/arguments.py`` fills these from Megatron's flags; nothing here knows argparse.
+``megatron/training/arguments/`` fills these from Megatron's flags; nothing here knows argparse.
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional

@@ -37,7 +37,7 @@ def test_exit_duration_stops_after_the_first_iteration(runs):
 _RAISE_AT_3 = """
 import os, sys
 sys.path.insert(0, {root!r})
-from megatron.training import fault_injection
+from megatron.training.guards import fault_injection
 
 def boom(iteration):
     if iteration == 3:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from megatron.core.pipeline_parallel.schedule_order import schedule_order
-from megatron.training.pipeline_timeline import load_timeline
+from megatron.training.logging.pipeline_timeline import load_timeline
 from tests.e2e.conftest import load_tool
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script
 

@@ -19,8 +19,8 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def _microbatches_without_sync():
-    from megatron.training.batch import get_batch
-    from megatron.training.data_samplers import build_pretraining_data_loader
+    from megatron.training.data.batch import get_batch
+    from megatron.training.data.samplers import build_pretraining_data_loader
     from megatron.training.gpt_step import loss_func
 
     loader = build_pretraining_data_loader(_Tokens(), 0, micro_batch_size=MBS, num_workers=0)
@@ -51,7 +51,7 @@ def test_get_batch_and_loss_need_no_host_sync(gpu_env):
 
 
 def _timers_without_sync():
-    from megatron.training.timers import Timers
+    from megatron.training.logging.timers import Timers
 
     timers = Timers(log_level=2)
     a = torch.randn(2048, 2048, device="cuda")

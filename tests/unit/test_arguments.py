@@ -358,7 +358,7 @@ def _numeric_dests():
 
 
 def test_every_numeric_flag_has_a_range():
-    from megatron.training.flag_ranges import FLAG_RANGES
+    from megatron.training.arguments.ranges import FLAG_RANGES
 
     checked_elsewhere = {"timing_log_level", "pipeline_trace_iteration"}
     assert _numeric_dests() - checked_elsewhere == set(FLAG_RANGES)

@@ -17,7 +17,7 @@ from megatron.core.transformer.attention import (
     math_attention_reason,
     sdpa_kernel_for,
 )
-from megatron.training.batch import get_ltor_masks_and_position_ids
+from megatron.training.data.batch import get_ltor_masks_and_position_ids
 from tests.distributed import run_distributed
 
 VOCAB, EOD = 64, 0

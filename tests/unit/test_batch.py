@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron.training.batch import get_batch, get_ltor_masks_and_position_ids
+from megatron.training.data.batch import get_batch, get_ltor_masks_and_position_ids
 from tests.distributed import run_distributed
 
 EOD = 0

@@ -1,6 +1,6 @@
 """bench/moe.py's functions at a tiny size: what it times computes the same thing. Each
 difference is the largest |ours - reference| over the tensor relative to the reference's
-largest magnitude (bench.moe.max_diff).
+largest magnitude (bench.moe_common.max_diff).
 
 - our MoELayer vs HF's MixtralSparseMoeBlock on the same weights: output, input gradient and
   every weight gradient within 1e-5 (fp32; the router's top-k-then-softmax vs HF's

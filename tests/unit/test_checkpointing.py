@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron.core.models.tp_sharding import shard_tensor
-from megatron.training import fault_injection
 from megatron.training.checkpointing.paths import (
     CheckpointError,
     complete_iterations,
@@ -24,6 +23,7 @@ from megatron.training.checkpointing.reshard import (
 )
 from megatron.training.checkpointing.safe_io import atomic_save, safe_load
 from megatron.training.checkpointing.writer import CheckpointWriter
+from megatron.training.guards import fault_injection
 from tests.distributed import run_distributed
 
 

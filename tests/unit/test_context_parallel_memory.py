@@ -1,7 +1,7 @@
 """Context parallelism's activation memory, measured: the bytes autograd saves (counted with
 ``torch.autograd.graph.saved_tensors_hooks``, unique storages, as test_theoretical_memory.py
 does) by one attention call and by a whole model on each CP rank, against the unsharded run
-and against the memory estimate (``memory_activations``), which must equal them exactly.
+and against the memory estimate (``memory.activations``), which must equal them exactly.
 
 Attention alone: at CP=4 each rank saves at most 1/4 of what flash attention saves on the whole
 sequence, plus the ring's K/V blocks in flight (the estimate's ``cp_kv_in_flight_bytes``,
@@ -20,7 +20,7 @@ from megatron.core.transformer.context_parallel import (
     context_parallel_attention,
     shard_sequence,
 )
-from megatron.training.memory_activations import (
+from megatron.training.memory.activations import (
     ActivationSetup,
     attention_call_bytes,
     chunk_bytes,

@@ -16,7 +16,7 @@ from megatron.core.models.llama import llama_config
 from megatron.core.models.tp_sharding import merge_state_dicts
 from megatron.core.packed_seq_params import packed_seq_params_from_eod
 from megatron.training import gpt_step
-from megatron.training.batch import get_ltor_masks_and_position_ids, shard_for_context_parallel
+from megatron.training.data.batch import get_ltor_masks_and_position_ids, shard_for_context_parallel
 from megatron.training.training import build_model
 from tests.distributed import run_distributed
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.transformer import cp_ring
 from megatron.core.transformer.context_parallel import context_parallel_attention
+from megatron.core.transformer.context_parallel import ring as cp_ring
 from tests.distributed import run_distributed
 
 B, HQ, HKV, S_LOCAL, D = 2, 6, 2, 8, 8

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data._utils import signal_handling
 
 from megatron.core.datasets.mock_dataset import MockGPTDataset
-from megatron.training import data_samplers
-from megatron.training.data_samplers import (
+from megatron.training.data import samplers as data_samplers
+from megatron.training.data.samplers import (
     DataLoaderStalled,
     MegatronPretrainingRandomSampler,
     MegatronPretrainingSampler,
@@ -174,7 +174,7 @@ _EXIT_WITH_LIVE_WORKERS = """
 import multiprocessing.process, os, sys
 sys.path.insert(0, {root!r})
 from megatron.core.datasets.mock_dataset import MockGPTDataset
-from megatron.training.data_samplers import build_pretraining_data_loader
+from megatron.training.data.samplers import build_pretraining_data_loader
 
 kill = multiprocessing.process.BaseProcess.kill
 def kill_then_wait_for_its_sigchld(self):  # the race, lost every time

@@ -1,4 +1,4 @@
-"""errors.py: one error line for the whole job, whichever ranks raised it."""
+"""guards/errors.py: one error line for the whole job, whichever ranks raised it."""
 import contextlib
 import io
 import os
@@ -10,7 +10,7 @@ from tests.distributed import run_distributed
 def _report(reporting_ranks, round_id):
     import torch.distributed as dist
 
-    from megatron.training.errors import report_error
+    from megatron.training.guards.errors import report_error
 
     os.environ["TORCHELASTIC_RESTART_COUNT"] = round_id  # a fresh counter for this case
     err = io.StringIO()

@@ -13,7 +13,7 @@ from megatron.core.distributed import ddp_config_for_optimizer
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.models import LlamaModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.training import fault_injection
+from megatron.training.guards import fault_injection
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import (

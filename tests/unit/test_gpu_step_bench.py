@@ -1,5 +1,5 @@
 """bench/gpu_step.py end to end on CPU with its tiny fp32 LLaMA: both models are the same model
-(same initial loss) and the printed figures agree with each other and with flops.py."""
+(same initial loss) and the printed figures agree with each other and with logging/flops.py."""
 import math
 import os
 import re
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron.training.flops import num_floating_point_operations
+from megatron.training.logging.flops import num_floating_point_operations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Same weights (converted from HF's), same batch, fp32: the two differ only in the order of

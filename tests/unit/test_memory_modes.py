@@ -25,9 +25,9 @@ from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.models import LlamaModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import build_model_chunks
-from megatron.training.memory_modes import rank_memory
-from megatron.training.memory_params import FP32, ModelStateBytes, rank_state_bytes
-from megatron.training.theoretical_memory import optimizer_setup_from
+from megatron.training.memory.base import FP32, ModelStateBytes
+from megatron.training.memory.estimate import optimizer_setup_from
+from megatron.training.memory.modes import rank_memory, rank_state_bytes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import ADAM, MBS, SEQ, VOCAB, _config, _forward_step

@@ -1,4 +1,4 @@
-"""The memory estimate's MoE terms (memory_moe.py) against real MoE modules.
+"""The memory estimate's MoE terms (memory/moe.py) against real MoE modules.
 
 Activations: the bytes autograd saves for one MoE layer's forward (saved_tensors_hooks,
 unique storages, parameters excluded, the layer input included: it is the MLP input term), as
@@ -24,16 +24,18 @@ from megatron.core.transformer.moe import MoEConfig
 from megatron.core.transformer.moe.experts import SwiGLUExperts
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.memory_activations import ActivationSetup, chunk_bytes, layer_terms
-from megatron.training.memory_moe import (
+from megatron.training.memory.activations import ActivationSetup, chunk_bytes, layer_terms
+from megatron.training.memory.base import OptimizerSetup
+from megatron.training.memory.estimate import estimate_memory, format_report
+from megatron.training.memory.modes import rank_state_bytes
+from megatron.training.memory.moe import (
     dispatch_buffer_bytes,
     expert_data_parallel_size,
     is_expert_param,
     moe_layer_terms,
     moe_mlp_params,
 )
-from megatron.training.memory_params import OptimizerSetup, chunk_param_shapes, rank_state_bytes
-from megatron.training.theoretical_memory import estimate_memory, format_report
+from megatron.training.memory.params import chunk_param_shapes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step

@@ -4,7 +4,7 @@ A tiny LLaMA at PP=2 (gloo, fp32, CPU) runs each schedule through the pipeline e
 every F, B and W step each rank measures what it holds for backward: the unique storages of
 the tensors autograd saved that are still alive (``saved_tensors_hooks`` with weak references,
 parameters excluded) together with the tensors the pending ``WeightGradStore`` records keep.
-The estimate walks the same order (``memory_schedules.live_bytes_per_step``) with the chunk's
+The estimate walks the same order (``memory.schedules.live_bytes_per_step``) with the chunk's
 activations from F to B and its W records from B to W. Both are exact byte counts of the same
 tensors, so they are compared exactly, step by step, but for one thing the estimate leaves
 out (as the 1F1B estimate does): after a B the executor still references that microbatch's
@@ -28,12 +28,12 @@ from megatron.core.pipeline_parallel import (
 from megatron.core.pipeline_parallel import schedules as schedules_module
 from megatron.core.pipeline_parallel.schedule_order import schedule_order
 from megatron.core.tensor_parallel.weight_grad_store import WeightGradStore
-from megatron.training.memory_activations import (
+from megatron.training.memory.activations import (
     ActivationSetup,
     chunk_bytes,
     stage_activations,
 )
-from megatron.training.memory_schedules import (
+from megatron.training.memory.schedules import (
     live_bytes_per_step,
     weight_grad_record_bytes,
 )
@@ -193,8 +193,8 @@ def test_1f1b_and_interleaved_hold_no_w_records():
 
 
 def test_report_names_the_deferred_w_inputs():
-    from megatron.training.memory_params import OptimizerSetup
-    from megatron.training.theoretical_memory import estimate_memory, format_report
+    from megatron.training.memory.base import OptimizerSetup
+    from megatron.training.memory.estimate import estimate_memory, format_report
 
     config = _pure_config("zb-h1", 2, 4)
     estimate = estimate_memory(config, padded_vocab_size=VOCAB, seq_length=SEQ,

@@ -1,4 +1,4 @@
-"""Pipeline timelines (megatron/training/pipeline_timeline.py) and their drawing
+"""Pipeline timelines (megatron/training/logging/pipeline_timeline.py) and their drawing
 (tools/plot_pipeline.py): the bars of each row are the steps the rank's trace recorded, in the
 schedule's order, aligned across ranks by their clocks; the bubble numbers; a PNG; and one
 clear message, a non-zero exit and no file for each kind of bad input."""
@@ -10,7 +10,7 @@ import pytest
 from megatron.core.pipeline_parallel.schedule_order import schedule_order
 from megatron.core.pipeline_parallel.simulate import simulate, theoretical_bubble
 from megatron.core.pipeline_parallel.trace import BACKWARD, FORWARD, WAIT
-from megatron.training.pipeline_timeline import (
+from megatron.training.logging.pipeline_timeline import (
     Bar,
     TimelineError,
     planned_timeline,

@@ -6,12 +6,12 @@ import shlex
 
 import pytest
 
-from megatron.training.memory_activations import ActivationSetup, cp_kv_in_flight_bytes
+from megatron.training.memory.activations import ActivationSetup, cp_kv_in_flight_bytes
+from megatron.training.memory.estimate import estimate_from_configs
 from megatron.training.planner import Cluster, Layout, estimate_step_time, plan, workload_from_flags
 from megatron.training.planner.layouts import CP_MIN_SEQ_LENGTH
 from megatron.training.planner.plan import layout_config, layout_memory
 from megatron.training.planner.report import format_table, row_dict
-from megatron.training.theoretical_memory import estimate_from_configs
 from tests.unit.test_plan_parallelism import LLAMA2_7B, TINY_LLAMA, configs_of, table_rows
 
 

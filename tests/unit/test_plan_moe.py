@@ -8,13 +8,13 @@ import functools
 import json
 import shlex
 
-from megatron.training.memory_moe import is_moe_layer
-from megatron.training.memory_params import chunk_span
+from megatron.training.memory.estimate import GIB, estimate_from_configs
+from megatron.training.memory.moe import is_moe_layer
+from megatron.training.memory.params import chunk_span
 from megatron.training.planner import Cluster, plan, workload_from_flags
 from megatron.training.planner.layouts import expert_parallel_sizes
 from megatron.training.planner.plan import layout_config, layout_memory
 from megatron.training.planner.step_time import GB
-from megatron.training.theoretical_memory import GIB, estimate_from_configs
 from tests.unit.test_plan_parallelism import (
     TINY_LLAMA,
     configs_of,

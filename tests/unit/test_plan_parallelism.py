@@ -13,11 +13,11 @@ import pytest
 
 from megatron.core.pipeline_parallel.simulate import simulate
 from megatron.training.arguments import build_configs, parse_args
+from megatron.training.memory.estimate import GIB, estimate_from_configs, estimate_memory
 from megatron.training.planner import Cluster, Layout, estimate_step_time, plan, workload_from_flags
 from megatron.training.planner.layouts import optimizer_setup
 from megatron.training.planner.plan import layout_config, layout_memory
 from megatron.training.planner.workload import without_layout_flags
-from megatron.training.theoretical_memory import GIB, estimate_from_configs, estimate_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -7,11 +7,11 @@ import shlex
 import pytest
 
 from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
+from megatron.training.memory.estimate import estimate_from_configs
 from megatron.training.planner import Cluster, Layout, estimate_step_time, plan, workload_from_flags
 from megatron.training.planner.layouts import _schedules
 from megatron.training.planner.plan import layout_config, layout_memory
 from megatron.training.planner.step_time import weight_gradient_seconds
-from megatron.training.theoretical_memory import estimate_from_configs
 from tests.unit.test_plan_parallelism import LLAMA2_7B, TINY_LLAMA, configs_of
 
 NO_PIPELINE_COMM = dict(intra_node_bandwidth_gbs=1e12, inter_node_bandwidth_gbs=1e12)

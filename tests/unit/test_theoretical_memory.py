@@ -21,24 +21,20 @@ from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.core.pipeline_parallel.schedule_order import max_in_flight, schedule_order
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer import TransformerConfig
-from megatron.training.memory_activations import (
+from megatron.training.memory.activations import (
     ActivationSetup,
     chunk_bytes,
     layer_bytes,
     stage_activations,
 )
-from megatron.training.memory_params import (
-    ModelStateBytes,
-    OptimizerSetup,
-    ParamShape,
-    chunk_state_bytes,
-    rank_state_bytes,
-)
-from megatron.training.theoretical_memory import (
+from megatron.training.memory.base import ModelStateBytes, OptimizerSetup, ParamShape
+from megatron.training.memory.estimate import (
     estimate_memory,
     format_report,
     optimizer_setup_from,
 )
+from megatron.training.memory.modes import rank_state_bytes
+from megatron.training.memory.params import chunk_state_bytes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step

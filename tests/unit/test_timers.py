@@ -5,7 +5,7 @@ from tests.distributed import run_distributed
 def _report(option):
     import torch.distributed as dist
 
-    from megatron.training.timers import Timers
+    from megatron.training.logging.timers import Timers
 
     now = [0.0]
     timers = Timers(log_level=2, log_option=option, clock=lambda: now[0])

@@ -15,9 +15,9 @@ from megatron.core.datasets.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from megatron.training import exit_signal
-from megatron.training.nan_guard import NanGuard
-from megatron.training.token_guard import (
+from megatron.training.guards import exit_signal
+from megatron.training.guards.nan_guard import NanGuard
+from megatron.training.guards.token_guard import (
     TokenGuard,
     TokenIdError,
     check_datasets_at_start,
@@ -25,7 +25,7 @@ from megatron.training.token_guard import (
     sample_bad_id,
     scan_bad_id,
 )
-from megatron.training.training_log import TrainingLogger
+from megatron.training.logging.training_log import TrainingLogger
 
 
 def _dataset(tmp_path, name, documents, dtype=np.uint16):
@@ -147,7 +147,7 @@ def test_exit_signal_records_sigint_like_sigterm():
 
 _THREAD_ERRORS_AROUND_A_SIGINT = """
 import os, signal, threading
-from megatron.training import exit_signal
+from megatron.training.guards import exit_signal
 
 def raise_in_a_thread(text):
     def fail():

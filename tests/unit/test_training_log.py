@@ -7,10 +7,10 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from megatron.training import timers as timers_module
-from megatron.training.flops import mfu, num_floating_point_operations
-from megatron.training.timers import Timers
-from megatron.training.training_log import (TrainingLogger, format_log_line,
+from megatron.training.logging import timers as timers_module
+from megatron.training.logging.flops import mfu, num_floating_point_operations
+from megatron.training.logging.timers import Timers
+from megatron.training.logging.training_log import (TrainingLogger, format_log_line,
                                             format_validation_block, perplexity)
 
 
@@ -346,7 +346,7 @@ def test_memory_usage_goes_through_device_and_works_without_torch_accelerator(mo
     import torch
 
     from megatron.core import device
-    from megatron.training.training_log import memory_usage
+    from megatron.training.logging.training_log import memory_usage
 
     monkeypatch.setattr(device, "device_type", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)

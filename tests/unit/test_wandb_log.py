@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from megatron.training import wandb_log
 from megatron.training.arguments import ConfigError, build_configs, parse_args
-from megatron.training.timers import Timers
-from megatron.training.wandb_log import (
+from megatron.training.logging import wandb_log
+from megatron.training.logging.timers import Timers
+from megatron.training.logging.wandb_log import (
     WandbWriter,
     choose_mode,
     has_api_key,

@@ -1,5 +1,5 @@
 """Hugging Face configs <-> the ``args`` a Megatron checkpoint records (``vars(args)`` of
-megatron/training/arguments.py: argparse dest names), and the launch flags that rebuild the
+megatron/training/arguments/: argparse dest names), and the launch flags that rebuild the
 same model. A checkpoint's args start from the parser's defaults, so a reader can rebuild the
 model from ``{**parser defaults, **saved args}`` alone."""
 from typing import Dict, List, Optional

@@ -45,7 +45,7 @@ def hf_moe_config(args: Dict, llama_fields: Dict):
     import transformers
 
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training.moe_flags import moe_config_from_args
+    from megatron.training.arguments.moe import moe_config_from_args
 
     kind = hf_model_type_of_args(args)
 

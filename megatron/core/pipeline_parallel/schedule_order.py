@@ -11,19 +11,13 @@ Schedules: "1f1b" and "interleaved" (F and B, B being the whole backward) and th
 step runs the deferred weight gradient of one (chunk, microbatch). ``schedule=None`` is
 Megatron's choice: interleaved with virtual stages, else 1F1B.
 """
-from dataclasses import dataclass
 from typing import List, Optional
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+from megatron.core.pipeline_parallel import zero_bubble_order
+from megatron.core.pipeline_parallel.steps import BACKWARD, FORWARD, WEIGHT, Step
+
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
 ZERO_BUBBLE = ("zb-h1", "zbv")
-
-
-@dataclass(frozen=True)
-class Step:
-    kind: str  # FORWARD, BACKWARD or WEIGHT
-    microbatch: int
-    chunk: int = 0
 
 
 def check_schedule_settings(pipeline_size: int, num_microbatches: int,
@@ -125,8 +119,6 @@ def schedule_order(pipeline_size: int, rank: int, num_microbatches: int,
     if not 0 <= rank < pipeline_size:
         raise ValueError(f"pipeline rank {rank} out of range [0, {pipeline_size}).")
     if schedule in ZERO_BUBBLE:
-        from megatron.core.pipeline_parallel import zero_bubble_order  # it imports Step
-
         return zero_bubble_order.order(schedule, pipeline_size, rank, num_microbatches,
                                        forward_only)
     vsize = virtual_size or 1

@@ -18,12 +18,7 @@ its W.
 from typing import List, Tuple
 
 from megatron.core import pipeline_placement
-from megatron.core.pipeline_parallel.schedule_order import (
-    BACKWARD,
-    FORWARD,
-    WEIGHT,
-    Step,
-)
+from megatron.core.pipeline_parallel.steps import BACKWARD, FORWARD, WEIGHT, Step
 from megatron.core.pipeline_placement import V_CHUNKS, V
 
 ZB_H1, ZBV = "zb-h1", "zbv"

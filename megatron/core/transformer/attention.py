@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel import (
     get_rng_tracker,
 )
 from megatron.core.transformer.context_parallel import context_parallel_attention
-from megatron.core.transformer.cp_blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
+from megatron.core.transformer.context_parallel.blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
@@ -171,7 +171,7 @@ class SelfAttention(torch.nn.Module):
                                     dropout: float):
         """[b, s/CP, heads|groups, d] of this rank's two chunks -> [s/CP, b, heads * d]: causal
         (per document with ``packed_seq_params``) over the whole sequence, the other chunks'
-        keys/values coming from the CP ranks (context_parallel.py). It saves what flash
+        keys/values coming from the CP ranks (context_parallel/). It saves what flash
         attention saves (q, k, v, output, log-sum-exp), so selective recomputation has
         nothing to do here."""
         if attention_mask is not None:

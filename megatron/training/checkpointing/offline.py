@@ -29,6 +29,7 @@ from megatron.training.checkpointing.paths import (
     TRACKER_FILE,
     CheckpointError,
     iteration_dir_name,
+    publish,
     rank_dir_name,
     read_tracker,
 )
@@ -39,7 +40,7 @@ from megatron.training.checkpointing.reshard import (
 )
 from megatron.training.checkpointing.resharder import full_from_files
 from megatron.training.checkpointing.safe_io import atomic_save, safe_load
-from megatron.training.checkpointing.save import CHECKPOINT_VERSION, publish
+from megatron.training.checkpointing.save import CHECKPOINT_VERSION
 from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint
 
 CKPT_FORMATS = ("torch_dist", "torch")

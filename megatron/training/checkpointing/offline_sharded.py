@@ -15,8 +15,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.training.checkpointing.boxes import Placement
-from megatron.training.checkpointing.paths import RELEASE, STAGING_SUFFIX, iteration_dir_name
-from megatron.training.checkpointing.save import plain_data, publish
+from megatron.training.checkpointing.paths import (
+    RELEASE,
+    STAGING_SUFFIX,
+    iteration_dir_name,
+    publish,
+)
+from megatron.training.checkpointing.safe_io import plain_data
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
     DTYPE_NAMES,

@@ -9,6 +9,7 @@ finished; the tracker file is replaced last, so it always names a complete direc
 """
 import os
 import re
+import shutil
 from typing import List, Optional, Tuple
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -81,3 +82,23 @@ def complete_iterations(root: str) -> List[int]:
         return []
     found = [_ITER_DIR.match(name) for name in os.listdir(root)]
     return sorted(int(m.group(1)) for m in found if m)
+
+
+def publish(root: str, staging: str, final_name: str, tracker_value) -> None:
+    """Once every file is written: rename the staging directory into place, then point the
+    tracker at it (the tracker is replaced last, so it always names a complete directory)."""
+    final = os.path.join(root, final_name)
+    replaced = final + ".old"
+    if os.path.exists(final):  # saving an iteration again (e.g. after resuming from it)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    fsync_dir(root)
+    write_tracker(root, tracker_value)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def remove_stale_staging(root: str) -> None:
+    for name in os.listdir(root):
+        if name.endswith(STAGING_SUFFIX) or name.endswith(".old"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

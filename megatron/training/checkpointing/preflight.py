@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.disk_space import free_bytes
-from megatron.training.errors import exit_with_error, is_reporting_rank
+from megatron.training.guards.errors import exit_with_error, is_reporting_rank
 from megatron.training.tokenizer import fingerprint as tokenizer_fingerprint
 
 _PROBE = ".megatron_write_probe"

@@ -12,7 +12,7 @@ from megatron.training.checkpointing.disk_space import (
     looks_like_disk_full,
 )
 from megatron.training.checkpointing.paths import CheckpointError
-from megatron.training.fault_injection import maybe_crash_while_writing
+from megatron.training.guards.fault_injection import maybe_crash_while_writing
 
 
 def atomic_save(obj: Any, path: str, iteration: int = -1) -> None:
@@ -20,7 +20,7 @@ def atomic_save(obj: Any, path: str, iteration: int = -1) -> None:
     tmp = path + ".tmp"
     try:
         torch.save(obj, tmp)
-        maybe_crash_while_writing(tmp, iteration)  # tests only: see fault_injection.py
+        maybe_crash_while_writing(tmp, iteration)  # tests only: see guards/fault_injection.py
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,3 +66,14 @@ def safe_load(path: str) -> Any:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated "
                               f"({type(exc).__name__}: {exc}); load an earlier iteration with "
                               f"--ckpt-step.") from None
+
+
+def plain_data(value):
+    """Args as plain data (weights_only loads nothing else)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_data(v) for k, v in value.items()}
+    return str(value)

@@ -28,27 +28,17 @@ from megatron.training.checkpointing.paths import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     STAGING_SUFFIX,
-    fsync_dir,
     iteration_dir_name,
+    publish,
     rank_dir_name,
-    write_tracker,
+    remove_stale_staging,
 )
 from megatron.training.checkpointing.rng_state import capture_rng_state
-from megatron.training.checkpointing.safe_io import save_or_report_disk_full
+from megatron.training.checkpointing.safe_io import plain_data, save_or_report_disk_full
+from megatron.training.checkpointing.sharded_save import save_sharded
 from megatron.training.checkpointing.writer import CheckpointWriter
 
 CHECKPOINT_VERSION = 3.0
-
-
-def plain_data(value):
-    """Args as plain data (weights_only loads nothing else)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [plain_data(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): plain_data(v) for k, v in value.items()}
-    return str(value)
 
 
 def _map_tensors(tree, fn):
@@ -68,34 +58,12 @@ def _gather_rng_states() -> List[Dict]:
     return states
 
 
-def publish(root: str, staging: str, final_name: str, tracker_value) -> None:
-    """Once every file is written: rename the staging directory into place, then point the
-    tracker at it (the tracker is replaced last, so it always names a complete directory)."""
-    final = os.path.join(root, final_name)
-    replaced = final + ".old"
-    if os.path.exists(final):  # saving an iteration again (e.g. after resuming from it)
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.rename(final, replaced)
-    os.rename(staging, final)
-    fsync_dir(root)
-    write_tracker(root, tracker_value)
-    shutil.rmtree(replaced, ignore_errors=True)
-
-
-def remove_stale_staging(root: str) -> None:
-    for name in os.listdir(root):
-        if name.endswith(STAGING_SUFFIX) or name.endswith(".old"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, configs,
                     args: Dict, consumed_train_samples: int, consumed_valid_samples: int,
                     writer: CheckpointWriter) -> None:
     """Collective: every rank calls it. Returns once the state is captured (async) or saved."""
     t = configs.training
     if t.ckpt_format == "torch_dist":
-        from megatron.training.checkpointing.sharded_save import save_sharded
-
         return save_sharded(root, iteration, model_chunks, optimizer, scheduler, configs, args,
                             consumed_train_samples, consumed_valid_samples, writer)
     writer.wait()  # one save at a time: the previous one is published first

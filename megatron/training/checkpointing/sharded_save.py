@@ -28,10 +28,14 @@ from megatron.training.checkpointing.experts import (
     tensor_parts,
 )
 from megatron.training.checkpointing.layout import current_layout
-from megatron.training.checkpointing.paths import STAGING_SUFFIX, iteration_dir_name
+from megatron.training.checkpointing.paths import (
+    STAGING_SUFFIX,
+    iteration_dir_name,
+    publish,
+    remove_stale_staging,
+)
 from megatron.training.checkpointing.rng_state import capture_rng_state
-from megatron.training.checkpointing.safe_io import as_disk_full
-from megatron.training.checkpointing.save import plain_data, publish, remove_stale_staging
+from megatron.training.checkpointing.safe_io import as_disk_full, plain_data
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
     DTYPE_NAMES,
@@ -40,7 +44,7 @@ from megatron.training.checkpointing.sharded_index import (
     VERSION,
     shard_file_name,
 )
-from megatron.training.fault_injection import maybe_crash_while_writing
+from megatron.training.guards.fault_injection import maybe_crash_while_writing
 
 
 class _Shard:
@@ -229,7 +233,7 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
     def write():
         def write_shard(path):
             write_shard_file(path, shard.tensors, header)
-            maybe_crash_while_writing(path, iteration)  # tests only: see fault_injection.py
+            maybe_crash_while_writing(path, iteration)  # tests only: see guards/fault_injection.py
 
         write_atomic(os.path.join(staging, shard.file), staging, needed, write_shard)
         if metadata is not None:

@@ -1,5 +1,5 @@
 """Parallelism planner: which TP / CP / PP / VPP / DP / micro batch / recomputation / optimizer
-sharding to use for a model on a cluster, from the memory estimate (``theoretical_memory``)
+sharding to use for a model on a cluster, from the memory estimate (``memory.estimate``)
 and a step-time model (``step_time``). ``tools/plan_parallelism.py`` is its command line."""
 from megatron.training.planner.layouts import Layout
 from megatron.training.planner.plan import Plan, PlanRow, plan

@@ -23,8 +23,8 @@ from megatron.core.distributed.distributed_data_parallel_config import ddp_confi
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
-from megatron.training.memory_params import OptimizerSetup
-from megatron.training.theoretical_memory import optimizer_setup_from
+from megatron.training.memory.base import OptimizerSetup
+from megatron.training.memory.estimate import optimizer_setup_from
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
 CP_MIN_SEQ_LENGTH = 8192
@@ -178,7 +178,7 @@ def context_parallel_sizes(args: argparse.Namespace, num_gpus: int, tensor_paral
                            with_cp: bool) -> List[int]:
     """CP sizes beside TP ``tensor_parallel``: 1, and with ``with_cp`` every divisor of the
     GPUs left that cuts the sequence into 2 x CP equal chunks, each rank's s/CP tokens split
-    evenly again by sequence parallelism (arguments.py checks the same). None with
+    evenly again by sequence parallelism (arguments/parse.py checks the same). None with
     --allow-math-attention (the math kernel cannot be split over CP ranks)."""
     if not with_cp or args.allow_math_attention or is_moe(args):  # MoE: no CP yet
         return [1]
@@ -239,7 +239,7 @@ def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int):
     """(recomputation, distributed optimizer, EP) of a TP/PP/CP/DP layout."""
     shardings = _sharding_choices(mode, p, c, d)
     if is_moe(args) and mode in ("fsdp2", "fsdp2-zero2"):
-        shardings = ()  # FSDP2 with MoE is refused (configs_from_args)
+        shardings = ()  # FSDP2 with MoE is refused (arguments/configs.py)
     for recompute in RECOMPUTE_CHOICES:
         for sharded in shardings:
             for ep in expert_parallel_sizes(args, t * c * d, t):

@@ -14,7 +14,7 @@
   group spans ETP x EP consecutive ranks. Not overlapped with compute (the dispatch waits for
   the router, the experts for the dispatch).
 """
-from megatron.training.memory_moe import expert_sizes, is_moe_layer
+from megatron.training.memory.moe import expert_sizes, is_moe_layer
 
 
 def effective_ffn_hidden_size(config) -> int:

@@ -5,7 +5,8 @@ from typing import List, Optional
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
-from megatron.training.configs_from_args import transformer_config_from_args
+from megatron.training.arguments.configs import transformer_config_from_args
+from megatron.training.memory.estimate import GIB, MemoryEstimate, estimate_memory
 from megatron.training.planner.layouts import (
     CP_MIN_SEQ_LENGTH,
     MEMORY_MODES,
@@ -18,7 +19,6 @@ from megatron.training.planner.layouts import (
 )
 from megatron.training.planner.step_time import Cluster, StepTime, estimate_step_time
 from megatron.training.planner.workload import Workload
-from megatron.training.theoretical_memory import GIB, MemoryEstimate, estimate_memory
 from megatron.training.training_config import ConfigError
 
 

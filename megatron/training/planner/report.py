@@ -3,11 +3,11 @@ import dataclasses
 import shlex
 from typing import Dict, List
 
+from megatron.training.memory.estimate import GIB
 from megatron.training.planner.layouts import CP_COMM_TYPE, MODE_FLAGS, is_moe
 from megatron.training.planner.plan import Plan, PlanRow
 from megatron.training.planner.step_time import Cluster
 from megatron.training.planner.workload import Workload
-from megatron.training.theoretical_memory import GIB
 
 MIB = 2 ** 20
 COLUMNS = ("#", "TP", "CP", "PP", "VPP/sched", "DP", "MBS", "recompute", "dist-opt", "mem GiB",

@@ -4,7 +4,7 @@ The model, term by term (t TP, c CP, p PP, v model chunks per pipeline rank, d D
 batch, m = global batch / (b d) microbatches, s sequence, h hidden, e = 2 bytes (bf16); under
 CP every per-microbatch activation below is that of s/c tokens):
 
-- Compute: FLOPs as Megatron counts them (``flops.num_floating_point_operations``: each
+- Compute: FLOPs as Megatron counts them (``logging.flops.num_floating_point_operations``: each
   GEMM once forward, twice backward; attention's full s x s), plus what recomputation redoes:
   full recomputation one more forward of every layer (a third of its FLOPs), selective the
   attention core's forward (4 b s^2 a d FLOPs per layer). They run at ``peak x efficiency``
@@ -47,15 +47,15 @@ CP every per-microbatch activation below is that of s/c tokens):
 from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
-from megatron.training.flops import mfu, num_floating_point_operations
-from megatron.training.memory_params import chunk_span
+from megatron.training.logging.flops import mfu, num_floating_point_operations
+from megatron.training.memory.estimate import MemoryEstimate, dtype_bytes
+from megatron.training.memory.params import chunk_span
 from megatron.training.planner.layouts import Layout
 from megatron.training.planner.moe_cost import (
     alltoall_seconds_per_layer,
     effective_ffn_hidden_size,
     moe_layers_in,
 )
-from megatron.training.theoretical_memory import MemoryEstimate, dtype_bytes
 from megatron.training.training_config import ConfigError
 
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as vendors quote them

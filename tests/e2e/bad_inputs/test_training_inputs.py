@@ -15,7 +15,7 @@ from megatron.core.datasets.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from megatron.training.token_guard import SAMPLE_BYTES
+from megatron.training.guards.token_guard import SAMPLE_BYTES
 from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, run_torchrun
 from tests.e2e.runner import LLAMA, TINY, finish, start_script, without
 

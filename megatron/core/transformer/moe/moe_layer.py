@@ -9,7 +9,7 @@ The router's aux and z losses reach the gradient through ``MoEAuxLossAutoScaler`
 layer's output, scaled like the main loss (1 / microbatches, times the fp16 loss scale): a
 layer on any pipeline stage gets its losses' gradient in its own backward, without sending
 them to the stage with the loss. Their values and the routed tokens per expert are summed per
-layer in ``metrics`` (training forwards only) for the log (``moe_metrics.py``).
+layer in ``metrics`` (training forwards only) for the log (``training/logging/moe_metrics.py``).
 """
 import torch
 import torch.nn.functional as F

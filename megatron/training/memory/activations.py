@@ -40,9 +40,9 @@ import torch
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.core.transformer.attention import sdpa_kernel_for
-from megatron.training.memory_moe import dispatch_buffer_bytes, is_moe_layer, moe_layer_terms
-from megatron.training.memory_params import chunk_span
-from megatron.training.memory_schedules import (
+from megatron.training.memory.moe import dispatch_buffer_bytes, is_moe_layer, moe_layer_terms
+from megatron.training.memory.params import chunk_span
+from megatron.training.memory.schedules import (
     is_zero_bubble,
     pipeline_schedule,
     walk_peak,
@@ -92,7 +92,7 @@ def _norm_terms(config, tokens: int, h: int, e: int) -> Dict[str, int]:
 
 def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, int]:
     """Bytes one transformer layer keeps for backward, one microbatch, no recomputation, on
-    one tensor-parallel rank; ``moe``: an MoE layer (its MLP terms from memory_moe)."""
+    one tensor-parallel rank; ``moe``: an MoE layer (its MLP terms from moe.py)."""
     tp = config.tensor_model_parallel_size
     s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
     h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
@@ -158,8 +158,8 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
 
 def _cp_attention_core_terms(config, setup: ActivationSetup, heads: int, groups: int
                              ) -> Dict[str, int]:
-    """The CP attention's own saved tensors (cp_ring.py, cp_all_gather.py) beside its q, k
-    and v: its output [b, heads, s/CP, d] (the output projection keeps a [s/CP, b, heads x d]
+    """The CP attention's own saved tensors (context_parallel/ring.py, all_gather.py) beside its
+    q, k and v: its output [b, heads, s/CP, d] (the output projection keeps a [s/CP, b, heads x d]
     copy of it, counted as that GEMM's input), the fp32 log-sum-exp of the local queries, and
     under all_gather the gathered K and V of the whole sequence."""
     b, e, d = setup.micro_batch_size, setup.activation_bytes, config.kv_channels
@@ -192,7 +192,7 @@ def attention_call_bytes(config, setup: ActivationSetup) -> int:
 
 def cp_kv_in_flight_bytes(config, setup: ActivationSetup) -> int:
     """The CP attention's transient K/V buffers during one layer's backward (the larger half;
-    not saved, so they add to the peak once; from cp_ring.py / cp_all_gather.py, not
+    not saved, so they add to the peak once; from context_parallel/ring.py / all_gather.py, not
     measured). The ring: one block of K and V (b x groups/TP x s/CP x d each) being sent and
     one being received, and likewise the block's dK and dV travelling back, accumulated in
     fp32. all_gather: dK and dV of the whole sequence in fp32, and their rank-ordered copy for
@@ -334,7 +334,7 @@ def stage_activations(config, setup: ActivationSetup, pipeline_rank: int,
                       num_microbatches: int) -> StageActivations:
     """Walk this rank's schedule (the order the executor runs): each forward adds its chunk's
     microbatch activations until its backward frees them (zero-bubble schedules: the backward
-    leaves the W records until the W step, ``memory_schedules``); the peak is what must fit."""
+    leaves the W records until the W step, ``schedules``); the peak is what must fit."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     chunks = range(vpp or 1)
     per_chunk = [chunk_bytes(config, setup, pipeline_rank, c) for c in chunks]

@@ -20,13 +20,13 @@ from megatron.core.pipeline_parallel.schedule_order import check_schedule_settin
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
-from megatron.training.moe_flags import moe_config_from_args
+from megatron.training.arguments.moe import moe_config_from_args
+from megatron.training.logging.wandb_log import wandb_missing_reason
 from megatron.training.training_config import (
     ConfigError,
     MegatronConfigs,
     TrainingConfig,
 )
-from megatron.training.wandb_log import wandb_missing_reason
 
 
 def _need(ok: bool, message: str):

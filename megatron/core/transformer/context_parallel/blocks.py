@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.transformer.attention_dropout_hash import attention_dropout_keep
+from megatron.core.transformer.context_parallel.dropout_hash import attention_dropout_keep
 
 # Where torch's flash kernels apply (shared with attention.py's SDPA kernel choice).
 HALF_DTYPES = (torch.float16, torch.bfloat16)

@@ -16,79 +16,20 @@ CP: gradients are reduced and the optimizer sharded over DP x CP, ``OptimizerSet
 fp32 gradient buffers the copy is the buffer itself; with fp32 params the main params are the
 params.) Adam's per-tensor ``step`` counters (4 bytes each) are counted too.
 
-Mixture of experts (``config.moe``, memory_moe.py): an MoE layer's ``mlp.`` holds the router,
+Mixture of experts (``config.moe``, moe.py): an MoE layer's ``mlp.`` holds the router,
 its E/EP experts (f split by expert TP) and the shared expert; the routed experts' state is
 laid out in buffers of their own, with d = the expert-data-parallel size DP x CP x TP /
-(ETP x EP) in place of DP (``rank_state_bytes``).
+(ETP x EP) in place of DP (``modes.rank_state_bytes``).
 """
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.pipeline_placement import placement_for_schedule, virtual_stage_of
-from megatron.training.memory_moe import (
-    expert_data_parallel_size,
-    is_expert_param,
-    is_moe_layer,
-    moe_mlp_params,
-)
-
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class ParamShape:
-    name: str
-    numel: int
-    rows: int = 0  # size of dim 0 (FSDP2 shards it); 0: a 1-D tensor, rows == numel
-
-    @property
-    def dim0(self) -> int:
-        return self.rows or self.numel
-
-
-@dataclass(frozen=True)
-class OptimizerSetup:
-    """What decides the state's size besides the model: the DDP/optimizer flags."""
-    data_parallel_size: int = 1
-    use_distributed_optimizer: bool = False
-    grad_reduce_in_fp32: bool = False
-    bucket_size: Optional[int] = None  # elements; None: one bucket per buffer
-    optimizer: str = "adam"  # or "sgd"
-    sgd_momentum: float = 0.9
-    # Memory modes (memory_modes.py): ZeRO-2 for the distributed optimizer (--shard-gradients),
-    # torch FSDP2 (--use-torch-fsdp2; reshard_after_forward False: --no-reshard-after-forward,
-    # ZeRO-2), main params and optimizer state on the host (--optimizer-cpu-offload).
-    shard_gradients: bool = False
-    fsdp2: bool = False
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-
-    def states_per_element(self) -> int:
-        if self.optimizer == "adam":
-            return 2  # exp_avg, exp_avg_sq
-        return 1 if self.sgd_momentum else 0
-
-    def has_step_counters(self) -> bool:
-        return self.optimizer == "adam"
-
-
-@dataclass
-class ModelStateBytes:
-    """One rank's persistent training state, by kind (bytes)."""
-    params: int = 0
-    grads: int = 0  # DDP gradient buffers (main_grad)
-    main_params: int = 0  # fp32 copies of bf16/fp16 params
-    main_grads: int = 0  # fp32 copies of bf16/fp16 gradients for the update
-    optimizer_states: int = 0  # Adam m, v (SGD momentum)
-    step_counters: int = 0  # Adam's per-tensor step
-
-    @property
-    def total(self) -> int:
-        return (self.params + self.grads + self.main_params + self.main_grads +
-                self.optimizer_states + self.step_counters)
+from megatron.training.memory.base import FP32, ModelStateBytes, OptimizerSetup, ParamShape
+from megatron.training.memory.moe import is_moe_layer, moe_mlp_params
 
 
 def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
@@ -218,7 +159,7 @@ def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
                       data_parallel_rank: int = 0, alone=lambda shape: False
                       ) -> ModelStateBytes:
     """The state one model chunk costs on one rank's device after the optimizer step (with
-    CPU offload the optimizer's part is on the host: ``memory_modes.host_state_bytes``)."""
+    CPU offload the optimizer's part is on the host: ``modes.host_state_bytes``)."""
     if setup.cpu_offload:
         device = chunk_state_bytes(shapes, dataclasses.replace(setup, cpu_offload=False),
                                    param_bytes, data_parallel_rank, alone)
@@ -266,29 +207,4 @@ def rank_chunks(config, padded_vocab_size: int, pipeline_rank: int,
 def add_states(total: ModelStateBytes, part: ModelStateBytes) -> ModelStateBytes:
     for name in vars(total):
         setattr(total, name, getattr(total, name) + getattr(part, name))
-    return total
-
-
-def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
-                     pipeline_rank: int, param_bytes: int, data_parallel_rank: int = 0,
-                     share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
-    """Every chunk of one pipeline rank, on the device, after the optimizer step."""
-    if setup.fsdp2:
-        from megatron.training.memory_modes import fsdp2_state_bytes  # imports this module
-        return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
-                                 share_embeddings_and_output_weights)
-    total = ModelStateBytes()
-    expert_setup = dataclasses.replace(
-        setup, data_parallel_size=expert_data_parallel_size(config, setup.data_parallel_size))
-    for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank,
-                                     share_embeddings_and_output_weights):
-        # Routed experts have DDP buffers of their own, sharded over the expert-DP group.
-        experts = [s for s in shapes if is_expert_param(s)]
-        dense = [s for s in shapes if not is_expert_param(s)]
-        add_states(total, chunk_state_bytes(dense, setup, param_bytes, data_parallel_rank,
-                                            alone))
-        if experts:
-            add_states(total, chunk_state_bytes(
-                experts, expert_setup, param_bytes,
-                data_parallel_rank % expert_setup.data_parallel_size))
     return total

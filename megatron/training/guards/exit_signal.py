@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
-from megatron.training.errors import TRACEBACK_ENV
+from megatron.training.guards.errors import TRACEBACK_ENV
 
 SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what shells and schedulers expect of a Ctrl-C
 _interrupted = False

@@ -1,6 +1,6 @@
 """Megatron's flag definitions: the argparse parser, group by group (``get_parser``), and the
 flags accepted for compatibility that change nothing (``NOOP_FLAGS``). Parsing, the checks
-and the mapping onto configs are in arguments.py and configs_from_args.py."""
+and the mapping onto configs are in parse.py and configs.py."""
 import argparse
 import re
 
@@ -9,7 +9,7 @@ from megatron.core.optimizer.optimizer_param_scheduler import (
     WD_INCR_STYLES,
     WSD_DECAY_STYLES,
 )
-from megatron.training.moe_flags import add_moe_args
+from megatron.training.arguments.moe import add_moe_args
 from megatron.training.tokenizer.build import add_tokenizer_args
 from megatron.training.training_config import ConfigError
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import batch_isend_irecv
 
-from megatron.core.transformer.cp_blocks import (
+from megatron.core.transformer.context_parallel.blocks import (
     BlockSettings,
     CPLayout,
     block_backward,

@@ -3,8 +3,9 @@ whole sequence by passing K/V around a ring (``p2p``) or gathering them (``all_g
 
 Layout (load-balanced, "head-tail"): the sequence is cut into 2*CP equal chunks and CP rank r
 holds chunk r followed by chunk 2*CP-1-r, so under causal attention every rank has the same
-work. Ring and all-gather kernels: cp_ring.py, cp_all_gather.py; per-block attention and the
-log-sum-exp merge: cp_blocks.py; dropout mask: attention_dropout_hash.py.
+work. This package's entry point is ``context_parallel_attention`` (here); ring and all-gather
+kernels: ring.py, all_gather.py; per-block attention and the log-sum-exp merge: blocks.py;
+dropout mask: dropout_hash.py.
 """
 import math
 from typing import Optional, Sequence
@@ -12,10 +13,14 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core.transformer.attention_dropout_hash import attention_dropout_keep
-from megatron.core.transformer.cp_all_gather import AllGatherAttention
-from megatron.core.transformer.cp_blocks import BlockSettings, CPLayout, choose_block_kernel
-from megatron.core.transformer.cp_ring import RingAttention
+from megatron.core.transformer.context_parallel.all_gather import AllGatherAttention
+from megatron.core.transformer.context_parallel.blocks import (
+    BlockSettings,
+    CPLayout,
+    choose_block_kernel,
+)
+from megatron.core.transformer.context_parallel.dropout_hash import attention_dropout_keep
+from megatron.core.transformer.context_parallel.ring import RingAttention
 
 __all__ = ["load_balanced_positions", "shard_sequence", "unshard_sequence",
            "context_parallel_attention", "attention_dropout_keep", "COMM_TYPES"]

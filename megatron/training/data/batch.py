@@ -5,7 +5,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.context_parallel import shard_sequence
-from megatron.training.token_guard import get_token_guard
+from megatron.training.guards.token_guard import get_token_guard
 
 
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int,

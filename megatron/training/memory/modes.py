@@ -5,7 +5,7 @@ CPU offload (``--optimizer-cpu-offload``).
 
 Three amounts per rank (``RankMemory``):
 
-- ``device``: what the device holds after the optimizer step (``memory_params``'s kinds),
+- ``device``: what the device holds after the optimizer step (``params``' kinds),
   exact for this code base (tests/unit/test_memory_modes.py measures it);
 - ``host``: CPU offload's main params, their gradients, the optimizer state and step counters
   in host memory (exact; pinned allocations on CUDA may be rounded up by the allocator);
@@ -41,11 +41,9 @@ import math
 from dataclasses import dataclass, field
 from typing import List
 
-from megatron.training.memory_params import (
-    FP32,
-    ModelStateBytes,
-    OptimizerSetup,
-    ParamShape,
+from megatron.training.memory.base import FP32, ModelStateBytes, OptimizerSetup, ParamShape
+from megatron.training.memory.moe import expert_data_parallel_size, is_expert_param
+from megatron.training.memory.params import (
     _shard_pieces,
     add_states,
     bucket_layout,
@@ -190,3 +188,27 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
                                          alone)
             memory.transient_bytes += backward.grads
     return memory
+
+
+def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
+                     pipeline_rank: int, param_bytes: int, data_parallel_rank: int = 0,
+                     share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
+    """Every chunk of one pipeline rank, on the device, after the optimizer step."""
+    if setup.fsdp2:
+        return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
+                                 share_embeddings_and_output_weights)
+    total = ModelStateBytes()
+    expert_setup = dataclasses.replace(
+        setup, data_parallel_size=expert_data_parallel_size(config, setup.data_parallel_size))
+    for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank,
+                                     share_embeddings_and_output_weights):
+        # Routed experts have DDP buffers of their own, sharded over the expert-DP group.
+        experts = [s for s in shapes if is_expert_param(s)]
+        dense = [s for s in shapes if not is_expert_param(s)]
+        add_states(total, chunk_state_bytes(dense, setup, param_bytes, data_parallel_rank,
+                                            alone))
+        if experts:
+            add_states(total, chunk_state_bytes(
+                experts, expert_setup, param_bytes,
+                data_parallel_rank % expert_setup.data_parallel_size))
+    return total

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron.core import device, parallel_state
-from megatron.training.flops import mfu
+from megatron.training.logging.flops import mfu
 
 # The timers Megatron's training_log reports; names never created are skipped.
 TIMERS_TO_LOG = (
@@ -181,7 +181,7 @@ class TrainingLogger:
             writers.append(SummaryWriter(log_dir=tensorboard_dir,
                                          max_queue=tensorboard_queue_size))
         if wandb_project and should_log():
-            from megatron.training.wandb_log import open_wandb_writer
+            from megatron.training.logging.wandb_log import open_wandb_writer
             writers.append(open_wandb_writer(wandb_project, wandb_exp_name, wandb_save_dir,
                                              dict(wandb_config or {}), print_fn))
         self.writer = ScalarWriters(writers) if writers else None

@@ -6,16 +6,16 @@
                                                     use_distributed_optimizer=True))
     print(format_report(estimate))
 
-Parameters, gradients and optimizer state come from ``memory_params`` (exact for this code
-base); activations from ``memory_activations`` (Korthikanti et al.'s terms for these layers,
+Parameters, gradients and optimizer state come from ``params`` (exact for this code
+base); activations from ``activations`` (Korthikanti et al.'s terms for these layers,
 times the microbatches a stage holds at the peak of its schedule; under zb-h1 / zbv also the
-deferred weight-gradient inputs between each B and its W, ``memory_schedules``).
+deferred weight-gradient inputs between each B and its W, ``schedules``).
 ``pretrain()`` prints the report on rank 0 at start. Not counted: the CUDA context and
 allocator caching/fragmentation, communication buffers, and temporaries of single kernels
 (e.g. the logits' gradient), which is why real peaks sit somewhat above the estimate.
 
 Context parallelism (``config.context_parallel_size``): activations are those of s/CP tokens
-(``memory_activations``), plus the ring's K/V block in flight, reported on its own line; the
+(``activations``), plus the ring's K/V block in flight, reported on its own line; the
 parameters and gradients do not change, and the distributed optimizer shards over DP x CP
 (``OptimizerSetup.data_parallel_size`` is that group's size: ``optimizer_setup_from``).
 """
@@ -25,14 +25,14 @@ from typing import List
 import torch
 
 from megatron.core.distributed.distributed_data_parallel import bucket_size_for
-from megatron.training.memory_activations import (
+from megatron.training.memory.activations import (
     ActivationSetup,
     StageActivations,
     layer_bytes,
     stage_activations,
 )
-from megatron.training.memory_modes import mode_name, rank_memory
-from megatron.training.memory_params import ModelStateBytes, OptimizerSetup
+from megatron.training.memory.base import ModelStateBytes, OptimizerSetup
+from megatron.training.memory.modes import mode_name, rank_memory
 
 GIB = 1024 ** 3
 
@@ -47,7 +47,7 @@ class StageMemory:
     state: ModelStateBytes  # on the device after the optimizer step
     activations: StageActivations
     # Held during forward/backward only (ZeRO-2's full gradient buckets, FSDP2's gathered
-    # parameters and unsharded gradients: memory_modes) and CPU offload's host state.
+    # parameters and unsharded gradients: modes.py) and CPU offload's host state.
     transient_bytes: int = 0
     host: ModelStateBytes = field(default_factory=ModelStateBytes)
 
@@ -61,7 +61,7 @@ class StageMemory:
 class MemoryEstimate:
     stages: List[StageMemory] = field(default_factory=list)
     layer_activation_bytes: int = 0  # one layer, one microbatch, under the config's recompute
-    mode: str = "DDP"  # memory_modes.mode_name
+    mode: str = "DDP"  # modes.mode_name
 
     @property
     def peak(self) -> StageMemory:
@@ -116,7 +116,7 @@ def format_report(estimate: MemoryEstimate) -> str:
         optimizer = s.main_params + s.main_grads + s.optimizer_states + s.step_counters
         recompute = (f" + {_gib(a.recompute_working_bytes)} recompute working set"
                      if a.recompute_working_bytes else "")
-        if a.deferred:  # zero-bubble schedules: W records between B and W (memory_schedules)
+        if a.deferred:  # zero-bubble schedules: W records between B and W (schedules.py)
             recompute = (f" (of which {_gib(a.weight_grad_bytes)} deferred weight-gradient "
                          f"inputs of {a.deferred} backward(s) awaiting W)") + recompute
         if a.cp_kv_in_flight_bytes:  # the context-parallel ring's send and receive buffers

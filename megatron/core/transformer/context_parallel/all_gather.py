@@ -13,7 +13,7 @@ saved for backward per rank are local q and out, the gathered K and V and lse, i
 import torch
 
 from megatron.core import collectives
-from megatron.core.transformer.cp_blocks import (
+from megatron.core.transformer.context_parallel.blocks import (
     BlockSettings,
     CPLayout,
     block_backward,

@@ -31,6 +31,8 @@ EP x T partial outputs it reduce-scatters.
 import math
 from typing import Dict
 
+from megatron.training.memory.base import ParamShape
+
 FP32, INT64, INT32 = 4, 8, 4
 
 
@@ -58,7 +60,6 @@ def expert_data_parallel_size(config, data_parallel_size: int) -> int:
 
 def moe_mlp_params(config, prefix: str) -> list:
     """One MoE layer's ``mlp.`` parameters on one rank (ParamShape), in registration order."""
-    from megatron.training.memory_params import ParamShape  # it imports this module
     moe, h, tp = config.moe, config.hidden_size, config.tensor_model_parallel_size
     ep, etp = expert_sizes(config)
     local, f = moe.num_moe_experts // ep, moe.moe_ffn_hidden_size // etp

@@ -1,12 +1,11 @@
-"""Megatron's command-line flags -> config dataclasses. The ONE place that knows flag names.
+"""Parsing Megatron's flags: ``parse_args`` and ``validate_args``.
 
-The flags themselves are defined in flag_definitions.py (``get_parser``, re-exported here).
-``parse_args(argv)`` returns a plain ``argparse.Namespace`` (checkpoints store ``vars(args)``),
-with Megatron's old spellings folded into the current ones (``--RMSNorm`` -> ``normalization``,
+The flags themselves are defined in definitions.py (``get_parser``). ``parse_args(argv)``
+returns a plain ``argparse.Namespace`` (checkpoints store ``vars(args)``), with Megatron's old
+spellings folded into the current ones (``--RMSNorm`` -> ``normalization``,
 ``--use-rotary-position-embeddings`` -> ``position_embedding_type='rope'``, ...) and every check
-that needs no world size done. ``build_configs(args, world_size)`` (in configs_from_args.py,
-re-exported here) does the remaining checks (batch vs data parallel size, heads vs TP, data and
-tokenizer files) and returns the configs.
+that needs no world size done (numeric ranges: ranges.py). The remaining checks and the
+mapping onto configs are ``build_configs`` in configs.py.
 Every problem raises ``ConfigError`` naming the flag and the fix; entry points print it and exit
 non-zero before any process group or file is touched.
 """
@@ -15,17 +14,10 @@ import difflib
 import sys
 from typing import List, Optional, Sequence
 
-from megatron.training.errors import is_reporting_rank
-from megatron.training.flag_definitions import NOOP_FLAGS, get_parser
-from megatron.training.flag_ranges import check_flag_ranges
-from megatron.training.training_config import (
-    ConfigError,
-    MegatronConfigs,
-    TrainingConfig,
-)
-
-__all__ = ["ConfigError", "MegatronConfigs", "TrainingConfig", "build_configs", "get_parser",
-           "parse_args", "validate_args", "NOOP_FLAGS"]
+from megatron.training.arguments.definitions import get_parser
+from megatron.training.arguments.ranges import check_flag_ranges
+from megatron.training.guards.errors import is_reporting_rank
+from megatron.training.training_config import ConfigError
 
 
 def _unknown_flags_error(parser, extras: List[str]) -> ConfigError:
@@ -261,11 +253,3 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _fold_aliases(args)
     _check_flags(args)
     return args
-
-
-# ---------------------------------------------------------------------------------------------
-# Namespace -> configs
-
-
-# The mapping onto configs lives next door (it needs the world size and the file system).
-from megatron.training.configs_from_args import build_configs  # noqa: E402

@@ -3,7 +3,7 @@ microbatch's F, B and W, walked over the rank's real order.
 
 A zero-bubble B is the input gradient only; the linear layers' weight-gradient GEMMs wait in a
 ``WeightGradStore`` until the W step. So a (chunk, microbatch) holds
-- from F to B: the chunk's saved activations (``memory_activations.chunk_bytes``), as in 1F1B;
+- from F to B: the chunk's saved activations (``activations.chunk_bytes``), as in 1F1B;
 - from B to W: the deferred W records (``weight_grad_record_bytes``): every deferred linear
   keeps its output gradient and its saved input (``layers.LinearWithGradAllReduce``: under
   sequence parallelism the input is this rank's sequence shard). B frees the rest of the graph.
@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel.schedule_order import (
     ZERO_BUBBLE,
     Step,
 )
-from megatron.training.memory_params import chunk_span
+from megatron.training.memory.params import chunk_span
 
 
 def pipeline_schedule(config) -> str:
