@@ -36,7 +36,7 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
 
     import torch
     import torch.distributed as dist
-    from megatron.training import errors
+    from megatron.training.guards import errors
 
     rank = dist.get_rank()
     saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
