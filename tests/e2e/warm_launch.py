@@ -17,8 +17,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 import warnings
+
+from tests.script_main import run_as_main
 
 # Entry points that run whole in a rank: their main() trains and tears nothing down that the
 # pool needs (shutdown_distributed is made a no-op for the run).
@@ -32,8 +33,6 @@ class WarmRunFailed(Exception):
 
 def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
     """The task each pool rank runs: the script as __main__; returns (code, stdout, stderr)."""
-    import runpy
-
     import torch
     import torch.distributed as dist
     from megatron.training.guards import errors
@@ -55,22 +54,18 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
     process_config = multiprocessing.current_process()._config
     was_daemon = process_config.get("daemon")
     process_config["daemon"] = False
+    # A spawned rank inherits "spawn" as its start method; under torchrun the script's loader
+    # workers fork (Linux's default), which costs no torch import per worker.
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("fork", force=True)
     if hasattr(warnings, "_filters_mutated"):
         warnings._filters_mutated()  # once-per-process warnings print again, as in a launch
-    code = 0
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, out in zip((1, 2), outputs):
         os.dup2(out.fileno(), fd)
     try:
-        runpy.run_path(script_path, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as the interpreter would: traceback, exit 1
-        traceback.print_exc()
-        code = 1
+        code = run_as_main(script_path)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -79,6 +74,7 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
             os.close(saved)
         errors.shutdown_distributed = saved_shutdown
         process_config["daemon"] = was_daemon
+        multiprocessing.set_start_method(start_method, force=True)
         for signum, handler in saved_signals.items():
             signal.signal(signum, handler)
         os.chdir(saved_cwd)

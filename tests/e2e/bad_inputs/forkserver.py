@@ -8,9 +8,7 @@ stdout/stderr, then runs the script as ``__main__``, as ``python script argv`` w
 Nothing here runs a torch op before forking (no thread pools to inherit)."""
 import json
 import os
-import runpy
 import sys
-import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MEGATRON_DEVICE", "cpu")
@@ -20,6 +18,7 @@ import torch.distributed  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
 import megatron.training.pretrain  # noqa: E402,F401
+from tests.script_main import run_as_main  # noqa: E402
 
 
 def _child(request) -> None:
@@ -38,16 +37,7 @@ def _child(request) -> None:
     script = request["script"]
     sys.argv = [script] + request["argv"]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # what the interpreter would do: the traceback, exit 1
-        traceback.print_exc()
-        code = 1
+    code = run_as_main(script)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
