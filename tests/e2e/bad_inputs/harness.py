@@ -129,7 +129,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, code: int, *fragments:
         assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}{shown}"
     if torchrun:
         ours = [line for line in both.splitlines() if re.search(
-            r'File ".*(megatron|pretrain_\w+\.py|tools/)', line)]
+            r'File ".*/(megatron/|pretrain_\w+\.py|tools/)', line)]
         assert not ours, f"a traceback through our code{shown}"
     else:
         assert "Traceback" not in both, f"a traceback{shown}"
