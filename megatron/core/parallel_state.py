@@ -17,11 +17,9 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from megatron.core import device, expert_parallel_state, pipeline_placement
-from megatron.core.group_registry import GROUP_RANKS as _GROUP_RANKS
-from megatron.core.group_registry import GROUPS as _GROUPS
-
-# _GROUPS, _GROUP_RANKS: the process groups this rank belongs to, and the global ranks of each
-# (group_registry's, shared with expert_parallel_state: changed in place only, never rebound).
+# The process groups this rank belongs to, and the global ranks of each: shared with
+# expert_parallel_state, so changed in place only, never rebound.
+from megatron.core.group_registry import GROUP_RANKS as _GROUP_RANKS, GROUPS as _GROUPS
 _OWNED_GROUPS: List[dist.ProcessGroup] = []
 
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
@@ -491,10 +489,9 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
     return is_pipeline_first_stage(ignore_virtual) or is_pipeline_last_stage(ignore_virtual)
 
 
-# --- expert parallelism: megatron/core/expert_parallel_state.py ----------------------------
-# Megatron's callers ask this module for the expert groups too; the queries live in their own
-# module and are forwarded here (PEP 562). That module reads the groups from group_registry,
-# never from here, so the import runs one way.
+# --- expert parallelism: Megatron's callers ask this module for the expert groups too; the
+# queries live in expert_parallel_state (reading group_registry, never this module) and are
+# forwarded here (PEP 562).
 
 def __getattr__(name: str):
     if name.startswith(("get_expert_", "expert_", "check_expert_")):
