@@ -24,7 +24,6 @@ from tests.script_main import run_as_main
 # Entry points that run whole in a rank: their main() trains and tears nothing down that the
 # pool needs (shutdown_distributed is made a no-op for the run).
 WARM_SCRIPTS = ("pretrain_llama.py", "pretrain_gpt.py")
-_ERROR_KEY = "megatron/error_reported/0"  # errors.py's once-per-job counter in the store
 
 
 class WarmRunFailed(Exception):
@@ -91,7 +90,7 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
         raise WarmRunFailed(f"exit code {code}\n{texts[0][-2000:]}{texts[1][-2000:]}")
     dist.barrier()
     if rank == 0:  # the next run's first error must be reported again
-        dist.distributed_c10d._get_default_store().delete_key(_ERROR_KEY)
+        dist.distributed_c10d._get_default_store().delete_key(errors.error_report_key())
     return code, texts[0], texts[1]
 
 

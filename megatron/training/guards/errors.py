@@ -22,6 +22,11 @@ def is_reporting_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def error_report_key(restart: str = "0") -> str:
+    """The store key counting which rank reports a job attempt's error."""
+    return f"megatron/error_reported/{restart}"
+
+
 def _first_to_report() -> bool:
     """Whether this rank reports the job's error. Before torch.distributed starts every rank
     sees the same flags and files, so rank 0 speaks. After, an error may be raised on some
@@ -34,7 +39,7 @@ def _first_to_report() -> bool:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=10))  # never the run's long timeout
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return store.add(f"megatron/error_reported/{restart}", 1) == 1
+        return store.add(error_report_key(restart), 1) == 1
     except Exception:  # noqa: BLE001 (any store failure: speak)
         return True
 
