@@ -21,9 +21,9 @@ import warnings
 
 from tests.script_main import run_as_main
 
-# Entry points that run whole in a rank: their main() trains and tears nothing down that the
-# pool needs (shutdown_distributed is made a no-op for the run).
-WARM_SCRIPTS = ("pretrain_llama.py", "pretrain_gpt.py")
+# Entry points that run whole in a rank: their main() tears nothing down that the pool needs
+# (shutdown_distributed is made a no-op for the run).
+WARM_SCRIPTS = ("pretrain_llama.py", "pretrain_gpt.py", "tools/checkpoint/verify.py")
 
 
 class WarmRunFailed(Exception):
@@ -38,6 +38,7 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
 
     rank = dist.get_rank()
     saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
+    saved_path = list(sys.path)  # scripts put their checkout first, as tools do
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     saved_shutdown = errors.shutdown_distributed
     outputs = [tempfile.TemporaryFile(mode="w+b") for _ in range(2)]
@@ -78,6 +79,7 @@ def _run_in_rank(script_path: str, argv, env: dict, cwd: str, nproc: int):
             signal.signal(signum, handler)
         os.chdir(saved_cwd)
         sys.argv = saved_argv
+        sys.path[:] = saved_path
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(1)

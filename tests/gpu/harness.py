@@ -34,6 +34,13 @@ def close_pools() -> None:
     _backend_of_pool.clear()
 
 
+def adopt_pools(backend: str) -> None:
+    """Count the rank pools that exist now as made for ``backend``: on CPU the unit tier's
+    pools are gloo pools already, and the CPU tests of this harness reuse them."""
+    for world_size, pool in distributed._POOLS.items():
+        _backend_of_pool[world_size] = (id(pool), backend)
+
+
 def run_on_gpu(fn, world_size: int, backend: str = "gloo", timeout: float = 300, **kwargs):
     """run_distributed on the GPU: ranks spawned with GPU_ENV (set by the ``gpu_env`` fixture)
     and ``backend``; a pool made for another backend is replaced."""

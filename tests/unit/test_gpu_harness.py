@@ -1,9 +1,11 @@
 """tests/gpu's harness on CPU: in-process pretrain() on a rank pool, with pipeline messages
 staged through host copies as on the GPU, gives the one-process losses. The GPU tier runs this
 machinery with only the device changed, so a mistake in it shows up here first."""
+import os
+
 import pytest
 
-from tests.gpu.harness import close_pools, last_stage_losses, pretrain_losses, run_on_gpu
+from tests.gpu.harness import adopt_pools, close_pools, last_stage_losses, pretrain_losses, run_on_gpu
 from tests.gpu.test_parallel_gpu import FP32_TOL, LAYOUTS, _flags
 
 
@@ -13,11 +15,16 @@ def _staged(argv):
 
 @pytest.fixture
 def cpu_pools(monkeypatch):
-    close_pools()  # pools of this harness carry their backend's environment
+    # Pools of this harness carry their backend's environment. The tier's own pools are CPU
+    # gloo pools (tests/conftest.py): those serve as they are, and respawning costs seconds.
+    cpu_tier = os.environ.get("MEGATRON_DEVICE") == "cpu" and \
+        os.environ.get("MEGATRON_DIST_BACKEND", "gloo") == "gloo"
+    adopt_pools("gloo") if cpu_tier else close_pools()
     monkeypatch.setenv("MEGATRON_DEVICE", "cpu")
     monkeypatch.setenv("MEGATRON_DIST_BACKEND", "gloo")
     yield
-    close_pools()
+    if not cpu_tier:
+        close_pools()
 
 
 def test_tp2_and_staged_interleaved_pp2_equal_one_process_on_cpu(cpu_pools):

@@ -25,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.training.arguments import ConfigError  # noqa: E402
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.training.guards import errors  # noqa: E402
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Megatron checks its logits"
 # Fields of our TransformerConfig compared with the one the HF config implies (a difference
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
             ok = report(compare(hf, logits), args.tolerance, layout, vocab)
     ok = _share(ok)
     dist.barrier()
-    dist.destroy_process_group()
+    errors.shutdown_distributed()
     return 0 if ok else 1
 
 
