@@ -90,6 +90,16 @@ def test_fault_injection_switch(monkeypatch, tmp_path):
     path.write_bytes(b"x" * 100)
     fault_injection.maybe_crash_while_writing(str(path), 4)
     assert path.stat().st_size == 100
+    # A list plans one fault per attempt; a restarted attempt beyond it runs clean.
+    monkeypatch.setenv(fault_injection.ENV, "kill:1:7,save:0:10")
+    assert fault_injection.planned_fault() == ("kill", 1, range(7, 8))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert fault_injection.planned_fault() == ("save", 0, range(10, 11))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert fault_injection.planned_fault() is None
+    monkeypatch.setenv(fault_injection.ENV, "save:1:4")
+    assert fault_injection.planned_fault() is None  # one fault: the first attempt only
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv(fault_injection.ENV, "save:one:4")
     with pytest.raises(ValueError, match="KIND:RANK:ITERATION"):
         fault_injection.planned_fault()

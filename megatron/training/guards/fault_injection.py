@@ -10,8 +10,11 @@ rank RANK:
   logged). Every one, not one element: a distributed optimizer reads only its shard;
 - ``kill``: SIGKILL at the start of that iteration.
 
-Faults fire only in a job's first attempt: a worker group that torchrun restarted
+A fault fires only in a job's first attempt: a worker group that torchrun restarted
 (``TORCHELASTIC_RESTART_COUNT`` > 0) runs clean, so a test sees one fault and the recovery.
+A comma-separated list plans one fault per attempt (``kill:1:7,save:1:10``: the first attempt
+is killed at iteration 7, the restarted one while saving iteration 10, the third runs clean),
+so one job shows a chain of recoveries.
 """
 import os
 import signal
@@ -33,15 +36,17 @@ def _parse(spec: str) -> Tuple[str, int, range]:
 
 
 def planned_fault() -> Optional[Tuple[str, int, range]]:
+    """The fault planned for this attempt of the job (torchrun's restart count), if any."""
     spec = os.environ.get(ENV)
-    return _parse(spec) if spec else None
+    faults = [_parse(part) for part in spec.split(",")] if spec else []
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return faults[attempt] if attempt < len(faults) else None
 
 
 def _active(kind: str, iteration: int) -> bool:
     fault = planned_fault()
     return fault is not None and fault[0] == kind and iteration in fault[2] and \
-        int(os.environ.get("RANK", "0")) == fault[1] and \
-        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        int(os.environ.get("RANK", "0")) == fault[1]
 
 
 def _kill_self() -> None:
