@@ -15,9 +15,11 @@ _UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + o
 
 
 def pytest_collection_modifyitems(items):
-    """The quick tier (``-m quick``) is every unit test plus the e2e runs marked quick."""
+    """The quick tier (``-m quick``) is every unit test not marked slow (those start processes,
+    or are the larger cases of a matrix whose smaller case stays quick) plus the e2e runs
+    marked quick: one per parallel dimension."""
     for item in items:
-        if str(item.path).startswith(_UNIT_DIR):
+        if str(item.path).startswith(_UNIT_DIR) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
 
 # torch's math switches live on special module objects (torch.backends.cuda.matmul is a

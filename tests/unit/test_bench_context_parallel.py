@@ -36,6 +36,7 @@ def output():
     return proc.stdout
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_cp2_computes_what_cp1_computes(output):
     checks = re.findall(r"check (\w+) vs CP=1, max \|diff\| out/dq/dk/dv: (.*)", output)
     assert [name for name, _ in checks] == ["p2p", "all_gather"], output
@@ -44,6 +45,7 @@ def test_cp2_computes_what_cp1_computes(output):
         assert len(values) == 4 and max(values) < MAX_DIFF, output
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_saved_bytes_match_the_kernels_formulas(output):
     rows = re.findall(r"(\w+) rank (\d): [0-9.]+ \[[0-9.]+ (ok|MISMATCH)\]", output)
     assert sorted((n, r) for n, r, _ in rows) == [
@@ -56,6 +58,7 @@ def test_saved_bytes_match_the_kernels_formulas(output):
         assert ratio == pytest.approx(saved_bytes(name) / saved_bytes("cp1"), abs=5e-4)
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_ratios_are_of_the_printed_medians(output):
     medians = {}
     for label, name in (("CP=1 SDPA, 1 proc", "cp1"), ("CP=2 p2p", "p2p"),
@@ -71,6 +74,7 @@ def test_ratios_are_of_the_printed_medians(output):
         assert ratio == pytest.approx(medians[a] / medians[b], rel=tol), output
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_ring_timeline_has_the_rings_shape(output):
     """CP=2: forward posts one K/V hop; backward one K/V hop and two dK/dV hops, the last of
     which has no block left to hide behind."""

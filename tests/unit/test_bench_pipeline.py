@@ -13,6 +13,8 @@ import pytest
 
 from bench.pipeline import all_schedules
 
+pytestmark = pytest.mark.slow  # runs bench/pipeline.py: the full suite, not the quick tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M = 8  # microbatches; PP = 2
 SCHEDULES = all_schedules()

@@ -188,6 +188,7 @@ next(batches)
 """
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_exit_with_live_workers_kills_them_all(tmp_path):
     """At exit the loader workers (which ignore SIGTERM) are killed. torch's SIGCHLD handler
     raised at the first kill (a worker it watches died) and ended the loop, and

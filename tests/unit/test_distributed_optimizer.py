@@ -302,7 +302,9 @@ def _checkpoint_allocations(dtype):
                 installed_bytes=sum(v.untyped_storage().nbytes() for v in installed))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16"])
 def test_checkpoint_state_uses_one_bucket_of_one_key_at_a_time(dtype):
     """state_dict(): the extra memory (what it allocates and frees again) is at most one
     bucket's fp32 elements (numel * 4 bytes) on DP rank 0 (the bucket gathered for one state

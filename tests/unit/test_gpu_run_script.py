@@ -2,6 +2,7 @@
 script cannot rot between the rare sessions that have a GPU. Every step runs and succeeds
 (the compiled bench is skipped: tests/unit/test_torch_compile.py compiles on CPU), the summary
 holds each figure, and the output stays within what a lent machine sends back (7 files)."""
+import pytest
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_dry_run_runs_every_step_and_summarises(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, GPU_RUN_BUDGET_S="300")

@@ -28,6 +28,7 @@ def _run(*extra):
     return proc.stdout
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_tiny_run_same_model_and_sane_figures(microbatches):
     """With several micro batches a step is their gradient accumulation: the reported loss is
@@ -71,6 +72,7 @@ def test_tiny_run_same_model_and_sane_figures(microbatches):
     assert math.isclose(ratio, rates["ours"] / rates["HF"], rel_tol=1e-3), out
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_bad_flag_is_one_error_line():
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "gpu_step.py"), "--tiny", "--vocab", "100"],

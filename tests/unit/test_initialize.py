@@ -19,6 +19,7 @@ def _python(code: str, **env):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_plain_process_gets_a_world_of_one():
     result = _python("""
         import torch, torch.distributed as dist
@@ -32,6 +33,7 @@ def test_plain_process_gets_a_world_of_one():
     assert result.stdout.split() == ["1", "gloo", "1", "7"]
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_layout_that_does_not_divide_the_world_is_refused():
     result = _python("""
         from megatron.training.initialize import initialize_megatron
@@ -118,6 +120,7 @@ def test_timeout_and_device_id_reach_init_process_group(monkeypatch):
                                  "device_id": torch.device("cuda", 1)})
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_tensor_parallel_on_cuda_without_max_connections_is_one_error_line(tmp_path):
     """pretrain() refuses TP on CUDA without CUDA_DEVICE_MAX_CONNECTIONS=1 before any CUDA
     work: one 'error:' line, exit 2, no traceback (CUDA is pretended: the check comes first)."""
@@ -175,6 +178,7 @@ def _two_ranks(code: str):
     return [p.communicate(timeout=120) + (p.returncode,) for p in procs]
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_ranks_wait_for_rank_0_index_build_under_the_configured_timeout(tmp_path):
     """Rank 1 waits for rank 0's slow index build; the wait (gpt_dataset._tell_others, a
     broadcast on the world group) is bounded by that group's timeout, which is

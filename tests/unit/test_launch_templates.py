@@ -229,6 +229,7 @@ def test_slurm_command(files):
     assert re.search(r"^#SBATCH --time=", sbatch, re.M)
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_single_node_trains_gpt_small_on_cpu(tmp_path):
     """The smoke test of gpt_small.sh: 2 CPU processes (data parallel 2), mock data, tiny sizes
     given as extra flags, 2 iterations, a final checkpoint."""
@@ -277,6 +278,7 @@ def test_slurm_requeues_until_the_checkpoint_reaches_train_iters(
     assert requeued == (["requeue", "777"] if expect_requeue else []), proc.stderr
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_launchers_export_cuda_device_max_connections(launcher, files, tmp_path):
     """What the launched command sees: CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor-parallel

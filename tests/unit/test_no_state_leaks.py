@@ -4,6 +4,7 @@ torch.backends.cuda.matmul.allow_tf32 (a special module object), skipped the res
 list, and the faked device leaked: test_fused_elementwise then failed with "Torch not compiled
 with CUDA enabled" on a fresh machine although it passes alone. Run here in one process, in
 that order."""
+import pytest
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_device_tests_leak_nothing_into_the_next_file():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -136,6 +136,7 @@ def test_tp_ranks_without_a_data_iterator_train_and_evaluate():
     assert len(history0) == 4 and history0 == history1
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_error_exit_tears_down_the_process_group_first():
     """An exit with an agreed error destroys the process group before the interpreter's
     teardown, where gloo's threads can abort the process ("terminate called without an

@@ -413,7 +413,9 @@ def _save_and_load(tmp_path, kind):
                     fresh_model.module.parameters(), params)))
 
 
-@pytest.mark.parametrize("kind,dp", [("distributed", 2), ("distributed", 4), ("none", 2)])
+@pytest.mark.parametrize("kind,dp", [("distributed", 2),
+                                     pytest.param("distributed", 4, marks=pytest.mark.slow),
+                                     ("none", 2)])
 def test_each_rank_writes_its_share_and_saves_and_loads_in_bounded_memory(tmp_path, kind, dp):
     """Measured from the files: with the distributed optimizer each DP rank's file holds
     exactly its own optimizer shard (1/DP of the state, the shards differing only by the

@@ -1,5 +1,6 @@
 """One torch floor everywhere it is declared (setup.py, requirements.txt, install_deps.sh),
 and the torch running these tests is inside it."""
+import pytest
 import os
 import re
 
@@ -22,6 +23,7 @@ def test_torch_floor_is_the_same_everywhere_and_holds_here():
     assert here >= (2, 11)
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 def test_install_without_a_package_index_runs_from_the_checkout():
     """A lent GPU machine has no package index: pip cannot build the editable install, and
     the script goes on when every requirement already imports (as here), instead of failing

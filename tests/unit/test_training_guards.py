@@ -166,6 +166,7 @@ raise_in_a_thread("after the interrupt")
 """
 
 
+@pytest.mark.slow  # starts processes: the full suite, not the quick tier
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "MEGATRON_TRACEBACK"])
 def test_after_a_sigint_errors_in_background_threads_are_not_printed(debug):
     """The data loader's fd-sharing thread can lose a worker's connection while a Ctrl-C

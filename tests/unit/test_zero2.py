@@ -129,7 +129,7 @@ def _history(kind, shard_gradients, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero2_steps_equal_the_distributed_optimizer_bitwise(kind, dp):
     """Clipping active (clip_grad=1.0: the sharded norm sees the same shards)."""
     zero2 = run_distributed(_history, world_size=dp, tp=1, kind=kind, shard_gradients=True)
@@ -167,7 +167,8 @@ def _three_d_history(kind, shard_gradients):
     return _train(chunks, optimizer, _global_batches(4, steps=3))
 
 
-@pytest.mark.parametrize("kind,layout", [("llama", dict(tp=2)), ("gpt", dict(tp=1, pp=2))])
+@pytest.mark.parametrize("kind,layout", [
+    ("llama", dict(tp=2)), pytest.param("gpt", dict(tp=1, pp=2), marks=pytest.mark.slow)])
 def test_zero2_with_sequence_parallel_and_tied_embeddings_bitwise(kind, layout):
     zero2 = run_distributed(_three_d_history, world_size=4, kind=kind, shard_gradients=True,
                             **layout)
@@ -195,7 +196,8 @@ def _full_bucket_peak(kind, microbatches):
                 same_shards=all(a is b.grad_shard for a, b in zip(shards, buckets)))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["distributed",
+                                  pytest.param("overlapped", marks=pytest.mark.slow)])
 def test_full_buckets_do_not_all_coexist_with_one_microbatch(kind):
     """One microbatch per rank: each bucket is freed once reduced (synchronously in the hook,
     or overlapped: at most two in flight), so the peak of full gradient bytes is below all
@@ -247,7 +249,9 @@ def _memory(dtype, shard_gradients):
                 padding=padded - sum(p.numel() for p in chunks[0].module.parameters()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16"])
 def test_memory_after_the_step_is_the_shard_plus_the_unsharded_remainder(dtype):
     """Measured bytes equal the formula on every rank; at DP=4 the sharded part (gradients,
     main params, Adam moments) is at most 1/4 of DP=1's plus the padding of the buckets."""
