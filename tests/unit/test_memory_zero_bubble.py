@@ -126,7 +126,8 @@ def _estimate(config, rank, num_microbatches):
 
 @pytest.mark.parametrize("schedule,layers,num_microbatches",
                          [("zb-h1", 2, 2), pytest.param("zb-h1", 2, 5, marks=pytest.mark.slow),
-                          ("zbv", 4, 4), pytest.param("zbv", 4, 5, marks=pytest.mark.slow)])
+                          pytest.param("zbv", 4, 4, marks=pytest.mark.slow),
+                          pytest.param("zbv", 4, 5, marks=pytest.mark.slow)])
 def test_estimate_equals_what_each_step_holds(schedule, layers, num_microbatches):
     for run in run_distributed(_measured_run, world_size=2, tp=1, pp=2,
                                vpp=2 if schedule == "zbv" else None, schedule=schedule,

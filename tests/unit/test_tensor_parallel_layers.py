@@ -262,7 +262,7 @@ def _vectorized_vs_chunked(label_smoothing):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("label_smoothing", [0.0, pytest.param(0.1, marks=pytest.mark.slow)])
 def test_cross_entropy_vectorized_equals_chunked(tp, label_smoothing):
     """One pass over all rows (the default; CUDA's launch count) gives bitwise the chunked
     numbers, and in the same memory: the gradient is the logits buffer itself, and nothing
