@@ -15,6 +15,16 @@ if ! "$PYTHON" -c "$TORCH_OK" >/dev/null 2>&1; then
     # shellcheck disable=SC2086
     PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet ${TORCH_PIP_ARGS:-} "torch==${TORCH_VERSION:-2.13.0}"
 fi
+# Nothing changed since the last install here (the same interpreter, extras and setup.py, and
+# this checkout is what the interpreter imports): skip pip, which takes seconds even then.
+STAMP=build/.install-stamp
+WANT="$("$PYTHON" -c 'import sys; print(sys.executable)') [$EXTRAS] $(sha1sum setup.py | cut -c1-40)"
+HERE='import os, sys, megatron; sys.exit(os.path.dirname(os.path.dirname(megatron.__file__)) != sys.argv[1])'
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && \
+        (cd / && "$PYTHON" -c "$HERE" "$OLDPWD") >/dev/null 2>&1; then
+    echo "[install] nothing changed since the last install ($STAMP)"
+    exit 0
+fi
 echo "[install] this package (editable) with extras [$EXTRAS]"
 if ! PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet --disable-pip-version-check \
         -e ".[$EXTRAS]"; then
@@ -32,3 +42,4 @@ if ! PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet --disable-pip-
         exit 1
     fi
 fi
+mkdir -p build && echo "$WANT" > "$STAMP"
