@@ -17,10 +17,11 @@ if ! "$PYTHON" -c "$TORCH_OK" >/dev/null 2>&1; then
 fi
 # Nothing changed since the last install here (the same interpreter, extras and setup.py, and
 # this checkout is what the interpreter imports): skip pip, which takes seconds even then.
+# INSTALL_DEPS_FORCE=1 runs pip anyway.
 STAMP=build/.install-stamp
 WANT="$("$PYTHON" -c 'import sys; print(sys.executable)') [$EXTRAS] $(sha1sum setup.py | cut -c1-40)"
 HERE='import os, sys, megatron; sys.exit(os.path.dirname(os.path.dirname(megatron.__file__)) != sys.argv[1])'
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && \
+if [ -z "${INSTALL_DEPS_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && \
         (cd / && "$PYTHON" -c "$HERE" "$OLDPWD") >/dev/null 2>&1; then
     echo "[install] nothing changed since the last install ($STAMP)"
     exit 0
