@@ -11,6 +11,7 @@ output size depends on the values (``bincount``, ``repeat_interleave`` with tens
 instead: the same code on CUDA syncs at least that often. ``calls`` names each one (with the
 caller's file and line) so a failing assertion says where they are.
 """
+import os
 import sys
 from typing import List
 
@@ -46,10 +47,14 @@ def _to_host(args, kwargs) -> bool:
     return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def _caller() -> str:
+    """The first frame outside this module and torch: the code that asked for the value."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.endswith(
-            ("overrides.py", "_tensor.py", "sync_counter.py", "torch/functional.py")):
+    while frame is not None and (frame.f_code.co_filename == __file__ or
+                                 frame.f_code.co_filename.startswith(_TORCH_DIR)):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
