@@ -10,7 +10,7 @@ grads computed independently sum to the grads of the whole attention (as in flas
 """
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,17 @@ from megatron.core.transformer.context_parallel.dropout_hash import attention_dr
 # Where torch's flash kernels apply (shared with attention.py's SDPA kernel choice).
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+FLASH_HEAD_DIM_MULTIPLE = 8  # the CUDA flash op does not pad (SDPA pads before calling it)
 _CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 _CUDA_FLASH = "_scaled_dot_product_flash_attention"
-_disabled_kernels = set()  # a kernel whose op raised once is not tried again in this process
+# The private CUDA op's arguments as we call them (torch 2.11-2.13); checked against the
+# registered schema once, so a changed signature picks the reference kernel up front instead
+# of failing (or being caught) at the first call.
+_CUDA_FLASH_ARGS = ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask",
+                    "scale")
+_CUDA_FLASH_BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp",
+                             "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                             "is_causal", "philox_seed", "philox_offset", "scale")
 
 
 @dataclass
@@ -30,7 +38,7 @@ class BlockSettings:
     """What every block of one attention call shares."""
     scale: float
     dropout_p: float = 0.0
-    dropout_seed: Optional[int] = None
+    dropout_seed: Union[int, torch.Tensor, None] = None  # a tensor stays on its device
     head_offset: int = 0  # global index of local head 0 (heads are sharded over TP)
     document_ids: Optional[torch.Tensor] = None  # long [b, s_global]
     kernel: str = "reference"
@@ -58,21 +66,44 @@ def _has_aten_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
 
 
+def _op_arguments(name: str) -> Tuple[str, ...]:
+    return tuple(arg.name for arg in getattr(torch.ops.aten, name).default._schema.arguments)
+
+
+def _cuda_flash_op_matches() -> bool:
+    """Whether this torch registers the CUDA flash op with the arguments we pass."""
+    if not (_has_aten_op(_CUDA_FLASH) and _has_aten_op(_CUDA_FLASH + "_backward")):
+        return False
+    return (_op_arguments(_CUDA_FLASH) == _CUDA_FLASH_ARGS
+            and _op_arguments(_CUDA_FLASH + "_backward") == _CUDA_FLASH_BACKWARD_ARGS)
+
+
+_CUDA_FLASH_AVAILABLE = _cuda_flash_op_matches()
+
+
+def cuda_flash_fits(dtype: torch.dtype, head_dim: int, has_mask: bool) -> bool:
+    """The CUDA flash op's own checks (flash_api.cpp mha_fwd): fp16/bf16, head dim a multiple
+    of 8 and at most 256, no mask; grouped-query K/V (hq % hkv == 0) are taken as they are."""
+    return (_CUDA_FLASH_AVAILABLE and dtype in HALF_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM
+            and head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and not has_mask)
+
+
 def choose_block_kernel(device_type: str, dtype: torch.dtype, head_dim: int, has_mask: bool,
                         dropout: bool) -> str:
-    """'cpu_flash', 'cuda_flash' or 'reference' (plain torch ops, our own LSE and dropout).
+    """'cpu_flash', 'cuda_flash' or 'reference' (plain torch ops, our own LSE and dropout),
+    decided once per attention call from what the kernels accept; the chosen kernel's errors
+    (out of memory included) propagate, nothing falls back at run time.
 
     torch's flash kernels return the log-sum-exp we merge with, but have no hash dropout;
-    the CUDA one also takes no mask (packed documents) and needs fp16/bf16, d <= 256. The CPU
-    op takes hq != hkv directly (forward and backward, checked against SDPA with torch 2.13);
-    for the CUDA op K/V are expanded per block, after they travelled."""
+    the CUDA one also takes no mask (packed documents) and needs fp16/bf16 and a head dim that
+    is a multiple of 8, at most 256 (cuda_flash_fits). Both ops take hq != hkv directly
+    (GQA: K/V are never expanded to the query heads; the CPU op checked against SDPA with
+    torch 2.13, the CUDA op is what SDPA's enable_gqa=True calls)."""
     if dropout:
         return "reference"
-    if device_type == "cpu" and _has_aten_op(_CPU_FLASH) and "cpu_flash" not in _disabled_kernels:
+    if device_type == "cpu" and _has_aten_op(_CPU_FLASH):
         return "cpu_flash"
-    if (device_type == "cuda" and dtype in HALF_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM
-            and not has_mask and _has_aten_op(_CUDA_FLASH)
-            and "cuda_flash" not in _disabled_kernels):
+    if device_type == "cuda" and cuda_flash_fits(dtype, head_dim, has_mask):
         return "cuda_flash"
     return "reference"
 
@@ -172,31 +203,26 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal, st: Block
     return op(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=st.scale)
 
 
-def _repeat_kv(k, v, groups: int):
-    if groups == 1:
-        return k, v
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+def _cuda_flash_ops():
+    """(forward, backward) of torch's private CUDA flash op (a function so tests can stand in
+    for it on CPU)."""
+    aten = torch.ops.aten
+    return getattr(aten, _CUDA_FLASH), getattr(aten, _CUDA_FLASH + "_backward")
 
 
 def _cuda_flash_forward(q, k, v, q_pos, k_pos, causal, st: BlockSettings):
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])  # per block, transient, after the send
-    res = getattr(torch.ops.aten, _CUDA_FLASH)(q, k, v, 0.0, causal, False, scale=st.scale)
+    forward, _ = _cuda_flash_ops()
+    res = forward(q, k, v, 0.0, causal, False, scale=st.scale)  # hkv heads as they came
     return res[0].float(), res[1].float()
 
 
 def _cuda_flash_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal, st: BlockSettings):
-    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
-    k, v = _repeat_kv(k, v, groups)
+    _, backward = _cuda_flash_ops()
     sq, sk = q.shape[2], k.shape[2]
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unused
-    op = getattr(torch.ops.aten, _CUDA_FLASH + "_backward")
-    dq, dk, dv = op(dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_rng, no_rng,
+    # Under GQA the op sums dK/dV over each group's query heads itself: [b, hkv, sk, d].
+    return backward(dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_rng, no_rng,
                     scale=st.scale)
-    if groups > 1:
-        b, _, s, d = dk.shape
-        dk = dk.view(b, hkv, groups, s, d).sum(2)
-        dv = dv.view(b, hkv, groups, s, d).sum(2)
-    return dq, dk, dv
 
 
 _FORWARD = {"cpu_flash": _cpu_flash_forward, "cuda_flash": _cuda_flash_forward,
@@ -206,15 +232,8 @@ _BACKWARD = {"cpu_flash": _cpu_flash_backward, "cuda_flash": _cuda_flash_backwar
 
 
 def _run(table, kernel: str, *args):
-    """Run ``kernel``. The CUDA flash op's private signature has changed between torch
-    versions: if it refuses, disable it for the process and use the reference (same math)."""
-    if kernel != "cuda_flash":
-        return table[kernel](*args)
-    try:
-        return table[kernel](*args)
-    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
-        _disabled_kernels.add(kernel)
-        return table["reference"](*args)
+    """Run the kernel choose_block_kernel picked; its errors are the caller's."""
+    return table[kernel](*args)
 
 
 def block_forward(q, k, v, q_pos, k_pos, causal: bool,
