@@ -88,6 +88,16 @@ def math_attention_reason(config, device_type: str) -> Optional[str]:
             f"--allow-math-attention to accept the math kernel.")
 
 
+def context_parallel_dropout_seed(device) -> torch.Tensor:
+    """The seed of one call's attention-dropout mask under CP: a 0-dim int64 tensor on
+    ``device``, drawn from the per-TP-rank stream (heads are sharded over TP; CP ranks share
+    the stream) and never read on the host, so no per-layer sync. Recomputation replays the
+    stream; the mask is a hash of (seed, global head and positions), the same on every rank
+    that computes a block."""
+    with get_rng_tracker().fork():
+        return torch.randint(0, 2 ** 62, (1,), device=device)[0]
+
+
 def check_attention_partition(config, tp_size: int) -> None:
     """Clear errors for head counts that TP cannot split into whole heads and groups."""
     if config.num_attention_heads % tp_size != 0:
@@ -179,13 +189,7 @@ class SelfAttention(torch.nn.Module):
                              "attention mask; pass document boundaries (packed_seq_params) "
                              "instead, as --reset-attention-mask does.")
         b, s = query.shape[:2]
-        seed = None
-        if dropout > 0:
-            # One draw per call from the per-TP-rank stream (heads are sharded over TP; CP
-            # ranks share the stream); recomputation replays it. The mask is then a function
-            # of global positions and heads, the same on every rank that computes a block.
-            with get_rng_tracker().fork():
-                seed = int(torch.randint(0, 2 ** 62, (1,), device=query.device).item())
+        seed = context_parallel_dropout_seed(query.device) if dropout > 0 else None
         out = context_parallel_attention(
             *(t.transpose(1, 2) for t in (query, key, value)),
             group=parallel_state.get_context_parallel_group(),

@@ -10,6 +10,8 @@ saved for backward per rank are local q and out, the gathered K and V and lse, i
 2*b*hq*s_local*d * itemsize + 2*b*hkv*s_global*d * itemsize + b*hq*s_local * 4 bytes
 (the ring saves local K/V instead of the gathered ones).
 """
+import functools
+
 import torch
 
 from megatron.core import collectives
@@ -23,9 +25,17 @@ from megatron.core.transformer.context_parallel.blocks import (
 
 
 def _chunk_sources(cp_size: int) -> torch.Tensor:
-    """For each global chunk m, its index in the gathered [rank, half] order."""
+    """For each global chunk m, its index in the gathered [rank, half] order (host tensor)."""
     return torch.tensor([2 * m if m < cp_size else 2 * (2 * cp_size - 1 - m) + 1
                          for m in range(2 * cp_size)])
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_sources_on(cp_size: int, device: torch.device) -> torch.Tensor:
+    """_chunk_sources on ``device``, built and copied once per (CP size, device): it depends on
+    neither the sequence length nor the layer (a copy from pageable host memory per layer,
+    forward and backward, is a stall on CUDA)."""
+    return _chunk_sources(cp_size).to(device)
 
 
 def _to_global_order(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -33,7 +43,7 @@ def _to_global_order(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
     c, two, b, h, s, d = gathered.shape
     chunks = gathered.view(c, two, b, h, 2, s // 2, d).permute(0, 4, 1, 2, 3, 5, 6)
     chunks = chunks.reshape(2 * c, two, b, h, s // 2, d)
-    chunks = chunks[_chunk_sources(cp_size).to(gathered.device)]
+    chunks = chunks[_chunk_sources_on(cp_size, gathered.device)]
     return chunks.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, c * s, d)
 
 
@@ -43,7 +53,7 @@ def _to_rank_order(full: torch.Tensor, cp_size: int) -> torch.Tensor:
     c, chunk = cp_size, s_global // (2 * cp_size)
     chunks = full.view(two, b, h, 2 * c, chunk, d).permute(3, 0, 1, 2, 4, 5)
     in_rank_order = torch.empty_like(chunks)
-    in_rank_order[_chunk_sources(cp_size).to(full.device)] = chunks
+    in_rank_order[_chunk_sources_on(cp_size, full.device)] = chunks
     in_rank_order = in_rank_order.view(c, 2, two, b, h, chunk, d).permute(0, 2, 3, 4, 1, 5, 6)
     return in_rank_order.reshape(c, two, b, h, 2 * chunk, d)
 

@@ -27,22 +27,24 @@ def _fold(h: torch.Tensor, counter) -> torch.Tensor:
     return _mix32(h ^ (torch.as_tensor(counter, dtype=torch.int64, device=h.device) & _MASK32))
 
 
-def attention_dropout_hash(seed: int, batch_idx, head_idx, q_pos, k_pos,
+def attention_dropout_hash(seed, batch_idx, head_idx, q_pos, k_pos,
                            device=None) -> torch.Tensor:
-    """int64 values uniform in [0, 2^32), broadcast over the long index tensors."""
+    """int64 values uniform in [0, 2^32), broadcast over the long index tensors. ``seed``: an
+    int in [0, 2^62) or a 0-dim int64 tensor holding one (used where it is, never read: a seed
+    drawn on the GPU costs no sync; the same value gives the same bits either way)."""
     if device is None:
-        device = next((t.device for t in (batch_idx, head_idx, q_pos, k_pos)
+        device = next((t.device for t in (seed, batch_idx, head_idx, q_pos, k_pos)
                        if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    seed = int(seed)
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=device)
     folded = (seed ^ (seed >> 32)) & _MASK32
-    h = _mix32(torch.tensor(folded ^ 0x9E3779B9, dtype=torch.int64, device=device))
+    h = _mix32(folded ^ 0x9E3779B9)
     # Fold the small tensors first so the full [.., sq, sk] tensor is touched last.
     for counter in (batch_idx, head_idx, q_pos, k_pos):
         h = _fold(h, counter)
     return h
 
 
-def attention_dropout_keep(seed: int, batch_idx, head_idx, q_pos, k_pos,
+def attention_dropout_keep(seed, batch_idx, head_idx, q_pos, k_pos,
                            p: float) -> torch.Tensor:
     """bool mask, True where the attention probability is kept (probability 1 - p).
 
