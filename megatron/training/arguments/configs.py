@@ -18,6 +18,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
 from megatron.core.transformer.attention import math_attention_reason
+from megatron.core.transformer.context_parallel import reference_kernel_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
 from megatron.training.arguments.moe import moe_config_from_args
@@ -275,6 +276,9 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     if not getattr(args, "allow_math_attention", False):  # saved args may predate the flag
         target = device.device_type() if args.device == "auto" else args.device
         reason = math_attention_reason(transformer, target)
+        _need(reason is None, reason)
+        reason = reference_kernel_reason(transformer, target, args.seq_length,
+                                         packed_documents=args.reset_attention_mask)
         _need(reason is None, reason)
     optimizer = _built("optimizer flags", lambda: OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,

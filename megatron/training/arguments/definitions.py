@@ -103,7 +103,9 @@ def _add_network_args(parser):
     g.add_argument("--allow-math-attention", action="store_true",
                    help="On CUDA, accept a configuration in which SDPA would run its math "
                         "kernel ([b, heads, s, s] scores per layer: slow, out of memory at long "
-                        "sequences); without it such a run stops at start saying why.")
+                        "sequences), or, under --context-parallel-size, its fp32 reference "
+                        "block kernel (attention dropout, packed documents) at more than 4096 "
+                        "tokens per rank; without it such a run stops at start saying why.")
     for flag, why in NOOP_FLAGS.items():
         g.add_argument(flag, action="store_true", help=f"Accepted, no effect: {why}.")
 

@@ -199,7 +199,8 @@ def _check_flags(args):
 
 def _check_context_parallel(args):
     """CP cuts each sequence into 2 x CP chunks (rank r holds r and 2CP-1-r); under SP each
-    rank's s / CP tokens are split again over TP."""
+    rank's s / CP tokens are split again over TP. --allow-math-attention is allowed: under CP
+    it accepts the fp32 reference block kernel on CUDA (configs.py checks when it would run)."""
     cp, seq, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
     if cp == 1:
         return
@@ -211,10 +212,6 @@ def _check_context_parallel(args):
           f"--sequence-parallel with --context-parallel-size {cp} splits each rank's "
           f"{seq // cp} tokens over --tensor-model-parallel-size {tp}, which does not divide "
           f"them; use a sequence length that is a multiple of {cp * tp * 2}.")
-    _need(not args.allow_math_attention,
-          "--allow-math-attention asks for SDPA's math kernel, which cannot be split over "
-          "--context-parallel-size ranks (context parallelism runs its own blocked attention "
-          "with log-sum-exp merging); drop one of the two flags.")
 
 
 def _check_positions(args):

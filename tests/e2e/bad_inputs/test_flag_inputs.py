@@ -70,10 +70,6 @@ CASES = [
      ["--sequence-parallel with --context-parallel-size 2 splits each rank's 8 tokens over "
       "--tensor-model-parallel-size 3, which does not divide them",
       "use a sequence length that is a multiple of 12."]),
-    ("cp-with-math-attention", "pretrain_llama.py",
-     ["--context-parallel-size", "2", "--allow-math-attention"], {"WORLD_SIZE": "2"},
-     ["--allow-math-attention asks for SDPA's math kernel, which cannot be split over "
-      "--context-parallel-size ranks"]),
     ("world-size-not-a-multiple-of-tp-x-cp", "pretrain_llama.py",
      ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"],
      {"WORLD_SIZE": "6"},

@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 from megatron.core.transformer.context_parallel.all_gather import AllGatherAttention
 from megatron.core.transformer.context_parallel.blocks import (
+    FLASH_HEAD_DIM_MULTIPLE,
+    FLASH_MAX_HEAD_DIM,
+    HALF_DTYPES,
     BlockSettings,
     CPLayout,
     choose_block_kernel,
@@ -23,9 +26,13 @@ from megatron.core.transformer.context_parallel.dropout_hash import attention_dr
 from megatron.core.transformer.context_parallel.ring import RingAttention
 
 __all__ = ["load_balanced_positions", "shard_sequence", "unshard_sequence",
-           "context_parallel_attention", "attention_dropout_keep", "COMM_TYPES"]
+           "context_parallel_attention", "attention_dropout_keep", "COMM_TYPES",
+           "reference_kernel_reason"]
 
 COMM_TYPES = ("p2p", "all_gather")
+# Above this many tokens per rank the reference block kernel's fp32 scores are refused on CUDA
+# (at 8192: 8.6 GB per block for 32 heads of one sample).
+MAX_REFERENCE_LOCAL_TOKENS = 4096
 
 
 def _check_divisible(seq_length: int, cp_size: int) -> None:
@@ -140,3 +147,52 @@ def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2
                              head_offset=head_offset, document_ids=document_ids, kernel=kernel)
     function = RingAttention if comm_type == "p2p" else AllGatherAttention
     return function.apply(query, key, value, layout, settings)
+
+
+def _reference_causes(config, packed_documents: bool):
+    """(cause, fix) pairs: why choose_block_kernel picks the reference kernel on CUDA."""
+    d, dtype = config.kv_channels, config.params_dtype
+    causes = []
+    if config.attention_dropout > 0:
+        causes.append((f"attention dropout {config.attention_dropout} (the flash kernels have "
+                       f"no position-hash dropout)", "--attention-dropout 0"))
+    if packed_documents:
+        causes.append(("packed documents (the CUDA flash kernel takes no per-document mask)",
+                       "train without --reset-attention-mask"))
+    if dtype not in HALF_DTYPES:
+        causes.append((f"{str(dtype).replace('torch.', '')} (the CUDA flash kernel needs "
+                       f"fp16/bf16)", "--bf16"))
+    if d > FLASH_MAX_HEAD_DIM or d % FLASH_HEAD_DIM_MULTIPLE:
+        causes.append((f"head dim {d} (the CUDA flash kernel needs a multiple of "
+                       f"{FLASH_HEAD_DIM_MULTIPLE}, at most {FLASH_MAX_HEAD_DIM})",
+                       f"a head dim (--kv-channels) that is a multiple of "
+                       f"{FLASH_HEAD_DIM_MULTIPLE} and at most {FLASH_MAX_HEAD_DIM}"))
+    return causes
+
+
+def reference_kernel_reason(config, device_type: str, seq_length: int,
+                            packed_documents: bool) -> Optional[str]:
+    """Why training ``config`` (a TransformerConfig) with context parallelism on
+    ``device_type`` would run the reference block kernel, whose fp32 scores of one block are
+    [heads, s/CP, s/CP] per sample, at more than MAX_REFERENCE_LOCAL_TOKENS tokens per rank;
+    or None. Only CUDA is checked (on CPU the reference kernel is the expected path for
+    dropout) and only long local sequences (short ones fit)."""
+    cp = config.context_parallel_size
+    local = seq_length // cp
+    if cp == 1 or device_type != "cuda" or local <= MAX_REFERENCE_LOCAL_TOKENS:
+        return None
+    kernel = choose_block_kernel("cuda", config.params_dtype, config.kv_channels,
+                                 packed_documents, config.attention_dropout > 0)
+    if kernel != "reference":
+        return None
+    causes = _reference_causes(config, packed_documents)
+    heads = config.num_attention_heads // config.tensor_model_parallel_size
+    gigabytes = heads * local * local * 4 / 1e9
+    because = "; ".join(cause for cause, _ in causes) or "torch's CUDA flash op is missing"
+    fixes = " and ".join(fix for _, fix in causes)
+    fixes = f"{fixes} (the CUDA flash kernel then runs); or " if fixes else ""
+    return (f"context parallelism would run its fp32 reference attention kernel on CUDA "
+            f"({because}): {gigabytes:.1f} GB of scores per block and sample at {local} "
+            f"tokens per rank. Fix: {fixes}raise --context-parallel-size so that each rank "
+            f"holds at most {MAX_REFERENCE_LOCAL_TOKENS} tokens; or pass "
+            f"--allow-math-attention to accept it.")
