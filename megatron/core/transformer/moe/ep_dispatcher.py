@@ -9,14 +9,16 @@ Same API as LocalDispatcher (EP=1), so the MoE layer can hold either:
     output = dispatcher.unpermute(expert_output, state)
 hidden [T, h] (T may differ between ranks, and be 0), indices/probs [T, k] with GLOBAL expert
 ids. Capacity, dropping and padding are decided on this rank's own tokens first
-(capacity.plan_rows, as at EP = 1). expert_input holds the rows this rank's experts receive,
+(capacity.sort_choices, as at EP = 1). expert_input holds the rows this rank's experts receive,
 grouped by local expert and, within an expert, by source rank (global rank order of the
 ETP x EP group) then the source's token order: the order LocalDispatcher gives on those
 ranks' tokens concatenated (with capacity: each rank's plan, merged by expert), so EP > 1
 computes exactly what EP = 1 does. unpermute takes the (ETP-partial) expert output and returns
 this rank's tokens, each the gate-weighted sum of its kept expert outputs. Both are
 differentiable (hidden and probs): every collective is an autograd function whose backward is
-the reverse collective. state.num_dropped: T*k minus the choices kept on this rank.
+the reverse collective. state.num_dropped (0-dim, on the device): T*k minus the choices
+kept on this rank. Host syncs: one copy of split sizes per permute (all the sizes the layer
+needs, gathered into one tensor first); the expert loop reuses it (state.host_tokens_per_expert).
 """
 from dataclasses import dataclass
 from typing import List
@@ -25,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import collectives, parallel_state
-from megatron.core.transformer.moe.capacity import RowPlan, combine, plan_rows, source_rows
+from megatron.core.transformer.moe.capacity import (
+    Choices,
+    RowPlan,
+    combine,
+    plan_from_choices,
+    sort_choices,
+    source_rows,
+)
 
 
 def _all_to_all(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
@@ -108,6 +117,7 @@ class AllToAllState:
     recv_splits: List[int]
     etp_sizes: List[int]      # rows each ETP rank received from its EP all-to-all
     expert_order: torch.Tensor  # arrival order -> local-expert order
+    host_tokens_per_expert: List[int]  # rows per local expert (from the one host copy)
 
     @property
     def num_dropped(self):
@@ -123,6 +133,15 @@ class AllGatherState:
     @property
     def num_dropped(self):
         return self.plan.num_dropped
+
+    @property
+    def host_tokens_per_expert(self):
+        return self.rows.host_tokens_per_expert
+
+
+def _sums(values: List[int], width: int) -> List[int]:
+    """Sums of consecutive runs of ``width`` values."""
+    return [sum(values[i:i + width]) for i in range(0, len(values), width)]
 
 
 class _EPDispatcher:
@@ -141,32 +160,39 @@ class _EPDispatcher:
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
         self.first_local = self.ep_rank * self.num_local
-        self.plan_args = (capacity_factor, drop_policy, pad_to_capacity)
+        self.capacity_args = (capacity_factor, drop_policy)
+        self.pad_to_capacity = pad_to_capacity
 
-    def _plan(self, indices, probs) -> RowPlan:
-        return plan_rows(indices, probs, self.num_experts, *self.plan_args)
+    def _sort(self, indices, probs) -> Choices:
+        return sort_choices(indices, probs, self.num_experts, *self.capacity_args)
 
 
 class AllToAllDispatcher(_EPDispatcher):
     """Megatron's alltoall dispatcher: each rank sends its kept rows to the EP rank of their
     expert (counts first, so the receivers know the split sizes); with ETP > 1 the received
     rows are all-gathered over the ETP group and the partial outputs reduce-scattered back;
-    the answers return the same way."""
+    the answers return the same way. The counts travel on the device; every size the layer
+    needs on the host (its kept rows, the splits, the rows per local expert) comes from one
+    copy of this rank's counts and the counts it receives."""
 
     def permute(self, hidden, indices, probs):
-        plan = self._plan(indices, probs)
+        choices = self._sort(indices, probs)
         ep, etp, local = self.ep_size, self.etp_size, self.num_local
+        counts = choices.rows_per_expert(self.pad_to_capacity)
         per_rank = [local] * ep
         # received[r, l]: rows EP rank r sends to my local expert l
-        received = _all_to_all(plan.tokens_per_expert, per_rank, per_rank, self.ep_group)
-        send_splits = plan.tokens_per_expert.view(ep, local).sum(1).tolist()
-        recv_splits = received.view(ep, local).sum(1).tolist()
-        arrived = _AllToAll.apply(source_rows(hidden, plan), recv_splits, send_splits,
-                                  self.ep_group)
+        received = _all_to_all(counts, per_rank, per_rank, self.ep_group)
         every = received.view(1, ep, local)  # [ETP source, EP source, local expert]
         if etp > 1:
             every = _gather_counts(received.view(ep, local), self.etp_group)
-        etp_sizes = every.view(etp, -1).sum(1).tolist()
+        host = torch.cat([counts, every.reshape(-1)]).tolist()  # the layer's one host copy
+        mine, every_host = host[:self.num_experts], host[self.num_experts:]
+        plan = plan_from_choices(choices, self.pad_to_capacity, mine)
+        send_splits = _sums(mine, local)
+        recv_splits = _sums(every_host[self.etp_rank * ep * local:][:ep * local], local)
+        arrived = _AllToAll.apply(source_rows(hidden, plan), recv_splits, send_splits,
+                                  self.ep_group)
+        etp_sizes = _sums(every_host, ep * local)
         if etp > 1:
             arrived = _GatherRows.apply(arrived, etp_sizes, self.etp_rank, self.etp_group)
         # Regroup by local expert, then source rank in the ETP x EP group (ep * ETP + etp).
@@ -175,8 +201,11 @@ class AllToAllDispatcher(_EPDispatcher):
                + torch.arange(ep, device=dev).view(1, ep, 1) * etp
                + torch.arange(etp, device=dev).view(etp, 1, 1))
         expert_order = torch.argsort(
-            torch.repeat_interleave(key.reshape(-1), every.reshape(-1)), stable=True)
-        state = AllToAllState(plan, send_splits, recv_splits, etp_sizes, expert_order)
+            torch.repeat_interleave(key.reshape(-1), every.reshape(-1),
+                                    output_size=sum(every_host)), stable=True)
+        per_local_expert = [sum(every_host[l::local]) for l in range(local)]
+        state = AllToAllState(plan, send_splits, recv_splits, etp_sizes, expert_order,
+                              per_local_expert)
         return arrived.index_select(0, expert_order), every.sum((0, 1)), state
 
     def unpermute(self, expert_output, state: AllToAllState):
@@ -195,7 +224,8 @@ class AllGatherDispatcher(_EPDispatcher):
     """Megatron's allgather dispatcher: every rank of the ETP x EP group gathers all the
     group's tokens and kept rows, keeps the rows of its local experts, and unpermute
     reduce-scatters (sums) the partial outputs back to the tokens' ranks. Simple, and more
-    traffic than all-to-all."""
+    traffic than all-to-all. Every rank's token count and rows per expert are gathered on
+    the device and copied to the host once."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -203,10 +233,14 @@ class AllGatherDispatcher(_EPDispatcher):
         self.rank = dist.get_rank(self.group)
 
     def permute(self, hidden, indices, probs):
-        plan = self._plan(indices, probs)
-        sizes = _gather_counts(torch.tensor([plan.num_tokens, plan.row_token.numel()],
-                                            device=hidden.device), self.group)
-        token_sizes, row_sizes = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+        choices = self._sort(indices, probs)
+        counts = choices.rows_per_expert(self.pad_to_capacity)
+        sizes = _gather_counts(torch.cat([counts.new_full((1,), choices.num_tokens), counts]),
+                               self.group)  # [group size, 1 + E]
+        host = sizes.tolist()  # the layer's one host copy
+        token_sizes = [row[0] for row in host]
+        row_sizes = [sum(row[1:]) for row in host]
+        plan = plan_from_choices(choices, self.pad_to_capacity, host[self.rank][1:])
         total = sum(token_sizes)
         offset = sum(token_sizes[:self.rank])
         # Tokens indexed over the group; padding rows read the zero row at index `total`.
@@ -216,14 +250,17 @@ class AllGatherDispatcher(_EPDispatcher):
         every_expert = _gather_rows(plan.row_expert, row_sizes, self.group)
         every_probs = _GatherRows.apply(plan.row_probs, row_sizes, self.rank, self.group)
         every_hidden = _GatherRows.apply(hidden, token_sizes, self.rank, self.group)
+        mine = slice(1 + self.first_local, 1 + self.first_local + self.num_local)
+        per_local_expert = [sum(row[mine][l] for row in host) for l in range(self.num_local)]
         local = every_expert - self.first_local
         is_mine = (local >= 0) & (local < self.num_local)
         # Other ranks' experts sort after every local expert (key num_local) and are cut off.
         order = torch.argsort(torch.where(is_mine, local, self.num_local),
-                              stable=True)[:int(is_mine.sum())]
-        tokens_per_local_expert = torch.bincount(local[order], minlength=self.num_local)
+                              stable=True)[:sum(per_local_expert)]
+        tokens_per_local_expert = sizes[:, mine].sum(0)
         rows = RowPlan(every_token[order], every_probs[order], every_expert[order],
-                       tokens_per_local_expert, total, True, 0)
+                       tokens_per_local_expert, total, True, plan.num_dropped.new_zeros(()),
+                       per_local_expert)
         state = AllGatherState(plan, rows, token_sizes)
         return source_rows(every_hidden, rows), tokens_per_local_expert, state
 

@@ -8,7 +8,7 @@ The input is grouped: rows of expert 0, then expert 1, ... (tokens_per_expert of
 moe_grouped_gemm the two projections are torch._grouped_mm calls where that applies (torch
 has it, fp32/bf16, every row stride a multiple of 16 bytes); otherwise the fallback loops over
 the experts on contiguous slices (one F.linear pair per expert, not per token), which needs
-the counts on the host.
+the counts on the host: the dispatcher's copy where it made one (see forward).
 
 Expert parallelism (EP) and expert tensor parallelism (ETP): a rank holds E/EP experts (local
 expert l is global expert ep_rank*E/EP + l) and, of each, the ETP rank's slice of f: weight1
@@ -125,12 +125,14 @@ class SwiGLUExperts(torch.nn.Module):
         self.weight1.copy_(local1)
         self.weight2.copy_(local2)
 
-    def forward(self, expert_input, tokens_per_expert):
+    def forward(self, expert_input, tokens_per_expert, host_tokens_per_expert=None):
         """expert_input [N, h] grouped by local expert, tokens_per_expert [E/EP] -> [N, h]
-        (partial over the ETP group when ETP > 1)."""
+        (partial over the ETP group when ETP > 1). host_tokens_per_expert: the same counts
+        as a list, where the dispatcher already copied them (the loop then needs no copy of
+        its own; the grouped GEMM reads the device counts)."""
         if self.grouped_gemm and grouped_mm_applies(expert_input, self.weight1, self.weight2):
             return self._forward_grouped(expert_input, tokens_per_expert)
-        return self._forward_loop(expert_input, tokens_per_expert)
+        return self._forward_loop(expert_input, tokens_per_expert, host_tokens_per_expert)
 
     def _forward_grouped(self, x, tokens_per_expert):
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
@@ -139,9 +141,11 @@ class SwiGLUExperts(torch.nn.Module):
         out = torch._grouped_mm(act, self.weight2.transpose(1, 2), offs=offsets)
         return _ContiguousGrad.apply(out)
 
-    def _forward_loop(self, x, tokens_per_expert):
+    def _forward_loop(self, x, tokens_per_expert, host_tokens_per_expert=None):
+        if host_tokens_per_expert is None:
+            host_tokens_per_expert = tokens_per_expert.tolist()  # a host sync on CUDA
         outputs = []
-        for expert, rows in enumerate(torch.split(x, tokens_per_expert.tolist())):
+        for expert, rows in enumerate(torch.split(x, host_tokens_per_expert)):
             fc1 = F.linear(rows, self.weight1[expert])
             outputs.append(F.linear(_swiglu(fc1), self.weight2[expert]))
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])

@@ -7,11 +7,14 @@ expert_input holds one row per kept (token, choice) pair, grouped by expert (asc
 within an expert, in token order (capacity.plan_rows; with padding, `capacity` rows per
 expert). No Python loop over tokens: one stable argsort, index_select to gather and index_add
 to combine (weighted by the gate probabilities, summed over choices). state.num_dropped is
-T*k minus the kept choices.
+T*k minus the kept choices (0-dim, on the device). Host syncs: none, except one copy of the
+kept counts when dropping without padding (the row count depends on them), which
+state.host_tokens_per_expert hands on to the expert loop.
 """
 from megatron.core.transformer.moe.capacity import (  # noqa: F401 - re-exported
     RowPlan,
     combine,
+    count_per_expert,
     expert_capacity,
     kept_mask,
     plan_rows,

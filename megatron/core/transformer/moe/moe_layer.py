@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core import device, parallel_state
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.capacity import count_per_expert
 from megatron.core.transformer.moe.ep_dispatcher import DISPATCHERS
 from megatron.core.transformer.moe.experts import SwiGLUExperts
 from megatron.core.transformer.moe.local_dispatcher import LocalDispatcher
@@ -117,18 +118,18 @@ class MoELayer(torch.nn.Module):
         """hidden [s, b, h] -> (output [s, b, h], aux): aux holds the scaled "aux_loss" and
         "z_loss" where enabled, "routed_per_expert" ([E], this rank's routing choices per
         expert), "tokens_per_expert" (rows each local expert received, padding included) and
-        "num_dropped"."""
+        "num_dropped" (0-dim), all on the device."""
         seq_len, batch, hidden_size = hidden.shape
         tokens = hidden.reshape(seq_len * batch, hidden_size)
         probs, indices, aux = self.router(tokens, num_sequences=batch)
         expert_input, tokens_per_expert, state = self.dispatcher.permute(tokens, indices, probs)
-        expert_output = self.experts(expert_input, tokens_per_expert)
+        expert_output = self.experts(expert_input, tokens_per_expert,
+                                     state.host_tokens_per_expert)
         output = self.dispatcher.unpermute(expert_output, state).to(hidden.dtype)
         output = output.reshape(seq_len, batch, hidden_size)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden)
-        aux["routed_per_expert"] = torch.bincount(indices.reshape(-1),
-                                                  minlength=self.config.moe.num_moe_experts)
+        aux["routed_per_expert"] = count_per_expert(indices, self.config.moe.num_moe_experts)
         aux["tokens_per_expert"] = tokens_per_expert.detach()
         aux["num_dropped"] = state.num_dropped
         return output, aux

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.transformer.moe.capacity import count_per_expert
+
 
 def route(logits, topk, score_function="softmax", pre_softmax=False, topk_norm=False,
           expert_bias=None):
@@ -62,7 +64,7 @@ def _summed_over(counts, group):
 def switch_aux_loss(scores, indices, num_experts, group=None):
     """Switch/GShard load balancing: E * sum_e f_e * P_e, where f_e is the fraction of the
     T*k routing choices that picked expert e and P_e the mean score of expert e."""
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(scores.dtype)
+    counts = count_per_expert(indices, num_experts).to(scores.dtype)
     counts, ranks = _summed_over(counts, group)
     tokens = scores.shape[0] * ranks
     fraction = counts / (tokens * indices.shape[-1])
@@ -123,8 +125,7 @@ class TopKRouter(torch.nn.Module):
                                self.expert_bias)
         # Recomputation runs a forward twice: count the one with grad enabled.
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
-            self.local_tokens_per_expert += torch.bincount(
-                indices.reshape(-1), minlength=cfg.num_moe_experts)
+            self.local_tokens_per_expert += count_per_expert(indices, cfg.num_moe_experts)
         return probs, indices, self._losses(logits, indices, num_sequences)
 
     def _losses(self, logits, indices, num_sequences):
