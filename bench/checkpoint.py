@@ -1,9 +1,9 @@
 """Checkpoint save/load throughput against plain torch.save/torch.load, and how long
 --async-save blocks training against a synchronous save.
 
-    python bench/checkpoint.py [--size-gb 1.0] [--repeats 5] [--dir /tmp] [--threads 2]
+    python3 bench/checkpoint.py [--size-gb 1.0] [--repeats 5] [--dir /tmp] [--threads 2]
                                [--parts save,load,async] [--idle 0]
-    python bench/checkpoint.py --parts formats [--size-gb 1.0] [--format-repeats 3]
+    python3 bench/checkpoint.py --parts formats [--size-gb 1.0] [--format-repeats 3]
 
 ``--parts formats`` runs bench/checkpoint_formats.py under torchrun at DP=1 and then DP=2 (the
 sharded ``--ckpt-format torch_dist`` against ``--ckpt-format torch`` and one torch.save, the

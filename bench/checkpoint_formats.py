@@ -4,7 +4,7 @@
 
     torchrun --standalone --nproc-per-node 1 bench/checkpoint_formats.py [--size-gb 1] [--repeats 3]
     torchrun --standalone --nproc-per-node 2 bench/checkpoint_formats.py [...]
-    python bench/checkpoint.py --parts formats        # both, one after the other
+    python3 bench/checkpoint.py --parts formats        # both, one after the other
 
 Every rank builds the run as bench/checkpoint.py does (``pretrain()``'s construction, LLaMA
 fp32 whose params + Adam state come to ``--size-gb``), with ``--use-distributed-optimizer``

@@ -1,7 +1,7 @@
 """Context parallel attention, CP=2 on 2 processes (ring ``p2p`` and ``all_gather``) vs CP=1
 on one process (torch SDPA) at the same sequence length.
 
-    python bench/context_parallel.py [--seqs 2048,4096 --batch 1 --heads 8 --kv-heads 2
+    python3 bench/context_parallel.py [--seqs 2048,4096 --batch 1 --heads 8 --kv-heads 2
                                       --head-dim 64 --steps 5 --warmup 1 --trace-steps 2]
     torchrun --nproc-per-node 2 bench/context_parallel.py [...]      (same, under torchrun)
 

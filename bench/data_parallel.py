@@ -1,6 +1,6 @@
 """Data parallel, DP=2: our DDP (synchronous and overlapped reduction) vs torch's DDP.
 
-    python bench/data_parallel.py [--layers 4 --hidden 384 --seq 128 --micro-batch-size 2
+    python3 bench/data_parallel.py [--layers 4 --hidden 384 --seq 128 --micro-batch-size 2
                                    --microbatches 4 --bucket-size 1500000 --steps 12]
     torchrun --nproc-per-node 2 bench/data_parallel.py [...]   (same, launched by torchrun)
 

@@ -1,7 +1,7 @@
 """DP=2, gradient accumulation: step time without sharding, with --use-distributed-optimizer
 and with --overlapped-distributed-optimizer.
 
-    python bench/distributed_optimizer.py [--layers 4 --hidden 384 --seq 128
+    python3 bench/distributed_optimizer.py [--layers 4 --hidden 384 --seq 128
                                            --micro-batch-size 2 --microbatches 8 --steps 10]
     torchrun --nproc-per-node 2 bench/distributed_optimizer.py [...]
 

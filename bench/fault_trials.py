@@ -9,7 +9,7 @@ latest complete checkpoint, and the final checkpoint (model, optimizer state, RN
 compared tensor by tensor with the uninterrupted run's. Work lost = iterations computed before
 the fault that had to be computed again.
 
-    python bench/fault_trials.py            # 10 trials, ~5 minutes on 2 cores
+    python3 bench/fault_trials.py            # 10 trials, ~5 minutes on 2 cores
 """
 import argparse
 import os

@@ -1,9 +1,9 @@
 """One-GPU training step of a ~1.1B LLaMA: ours (pretrain_llama.py's path) vs transformers.
 
-    python bench/gpu_step.py [--micro-batch-size 4] [--num-microbatches 1] [--steps 10]
+    python3 bench/gpu_step.py [--micro-batch-size 4] [--num-microbatches 1] [--steps 10]
         [--warmup 3] [--recompute-granularity selective|full] [--torch-compile]
         [--peak-tflops 989] [--profile]
-    MEGATRON_DEVICE=cpu python bench/gpu_step.py --tiny      # end to end on CPU, fp32, seconds
+    MEGATRON_DEVICE=cpu python3 bench/gpu_step.py --tiny      # end to end on CPU, fp32, seconds
 
 The model (default): 22 layers, hidden 2048, FFN 5632, 32 heads, 4 query groups, vocabulary
 32000, sequence 2048 (TinyLlama-1.1B's shape), bf16.

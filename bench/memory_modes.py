@@ -2,7 +2,7 @@
 (--shard-gradients), FSDP2 (ZeRO-3, and ZeRO-2 without reshard-after-forward) and the
 distributed optimizer with --optimizer-cpu-offload, on the same LLaMA and the same data.
 
-    python bench/memory_modes.py [--layers 4 --hidden 512 --seq 256 --micro-batch-size 1
+    python3 bench/memory_modes.py [--layers 4 --hidden 512 --seq 256 --micro-batch-size 1
                                   --microbatches 2 --steps 5 --warmup 2 --repeats 3]
     torchrun --nproc-per-node 2 bench/memory_modes.py [...]
 

@@ -1,6 +1,6 @@
 """One training step (forward, backward, AdamW) of our LLaMA vs transformers.LlamaForCausalLM.
 
-    python bench/model_step.py [--steps 6] [--threads 2] [--torch-compile] [--hf-compile]
+    python3 bench/model_step.py [--steps 6] [--threads 2] [--torch-compile] [--hf-compile]
 
 Same config, same weights, fused AdamW for both (copied through hf_conversion), same batch, same process; the two
 models run alternately so drift in machine load hits both. Prints tokens/s of each and the

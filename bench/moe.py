@@ -2,7 +2,7 @@
 grouped GEMM against the per-expert loop, and the all-to-all against the all-gather
 dispatcher at EP=2.
 
-    python bench/moe.py [--parts layer,experts,dispatch,model] [--tokens 1024 --hidden 256
+    python3 bench/moe.py [--parts layer,experts,dispatch,model] [--tokens 1024 --hidden 256
                         --ffn 512 --experts 8 --topk 2 --repeats 7 --warmup 2 --threads 1]
                         [--layers 2 --vocab 1024 --seq 256 --micro-batch 2]
 

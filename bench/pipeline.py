@@ -1,7 +1,7 @@
 """Pipeline parallel, PP=2: our 1F1B, ZB-H1 and ZB-V schedules vs torch.distributed.pipelining's
 Schedule1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV.
 
-    python bench/pipeline.py [--schedule all | 1f1b,zb-h1,zbv,torch-1f1b,torch-zb,torch-zbv,
+    python3 bench/pipeline.py [--schedule all | 1f1b,zb-h1,zbv,torch-1f1b,torch-zb,torch-zbv,
                               torch-dualpipev] [--layers 4 --hidden 384 --seq 128
                               --micro-batch-size 2 --microbatches 8 --steps 10 --warmup 2]
                              [--trace-dir DIR] [--png-dir docs]

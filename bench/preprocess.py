@@ -1,6 +1,6 @@
 """Benchmark tools/preprocess_data.py against two peers on real text that does not repeat.
 
-    python bench/preprocess.py [--work-dir DIR] [--trials 3] [--workers 1,2]
+    python3 bench/preprocess.py [--work-dir DIR] [--trials 3] [--workers 1,2]
 
 Builds (bench/preprocess_corpus.py) a JSONL of ~31 MB of documents from the Python standard
 library's .py files, deduplicated, and a 32,000-token GPT-2-style byte-level BPE trained on it.

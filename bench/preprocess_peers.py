@@ -2,7 +2,7 @@
 document at a time, appends the end-of-document id and writes with our IndexedDatasetBuilder
 (so the .bin/.idx can be compared byte for byte with ours):
 
-    python bench/preprocess_peers.py {python-bpe,tokenizers} JSONL VOCAB MERGES OUTPUT_PREFIX
+    python3 bench/preprocess_peers.py {python-bpe,tokenizers} JSONL VOCAB MERGES OUTPUT_PREFIX
 
   python-bpe  Megatron-LLaMA's method: json.loads + a pure-Python GPT-2 BPE with a word cache.
   tokenizers  json.loads + tokenizers.Tokenizer.encode (GPT-2's byte-level BPE) per document.

@@ -31,12 +31,19 @@ if ! PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet --disable-pip-
         -e ".[$EXTRAS]"; then
     # A machine without a package index (a lent GPU machine) cannot even build the editable
     # install; the checkout still runs from its root when every requirement is already there.
+    # Only what training imports: pyarrow (.parquet), zstandard (.jsonl.zst) and wandb
+    # (--wandb-project) are imported when used, and their tests skip without them.
     NEEDED="torch, numpy, tokenizers, sentencepiece, transformers, safetensors, tensorboard, matplotlib"
-    NEEDED="$NEEDED, pyarrow, zstandard, tiktoken"  # preprocessing: Parquet, .zst, tiktoken
-    [ "$EXTRAS" = dev ] && NEEDED="$NEEDED, pytest, wandb"  # wandb: --wandb-project's tests
+    NEEDED="$NEEDED, tiktoken"  # megatron.training.tokenizer imports it unconditionally
+    [ "$EXTRAS" = dev ] && NEEDED="$NEEDED, pytest"
     if "$PYTHON" -c "import $NEEDED" >/dev/null 2>&1; then
         echo "[install] pip could not install (no package index?); every requirement is" \
              "already importable, so running from the checkout"
+        ABSENT='import importlib.util as u, sys; print(*[p for p in sys.argv[1:] if not u.find_spec(p)])'
+        OPTIONAL_ABSENT="$("$PYTHON" -c "$ABSENT" pyarrow zstandard wandb)"
+        if [ -n "$OPTIONAL_ABSENT" ]; then
+            echo "[install] not installed (optional, their tests skip): $OPTIONAL_ABSENT"
+        fi
     else
         echo "error: pip could not install this package and some of ($NEEDED) is missing;" \
              "install them (or carry their wheels) and run again" >&2

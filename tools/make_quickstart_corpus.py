@@ -1,7 +1,7 @@
 """Make the quickstart's data with nothing to download: a small English-like corpus (JSONL) and
 a byte-level BPE tokenizer trained on it (a local Hugging Face tokenizer directory).
 
-    python tools/make_quickstart_corpus.py --output-dir run/
+    python3 tools/make_quickstart_corpus.py --output-dir run/
     # -> run/corpus.jsonl          {"text": ...} per line, one document each
     #    run/tokenizer/            for --tokenizer-type PretrainedFromHF --tokenizer-name-or-path
     #    run/corpus_stats.json     documents, tokens, vocabulary, unigram entropy (nats)

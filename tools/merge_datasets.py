@@ -1,7 +1,7 @@
 """Concatenate `.bin/.idx` datasets into one, as if they had been built in one go.
 
-    python tools/merge_datasets.py --input data/parts --output-prefix data/all_text_document
-    python tools/merge_datasets.py --input data/a_text_document data/b_text_document \\
+    python3 tools/merge_datasets.py --input data/parts --output-prefix data/all_text_document
+    python3 tools/merge_datasets.py --input data/a_text_document data/b_text_document \\
         --output-prefix data/ab_text_document
 
 `--input` is either one directory (every `.bin/.idx` pair in it, in sorted name order, as

@@ -3,11 +3,11 @@ recomputation and optimizer sharding fit the GPUs, and which is fastest by an es
 Context parallelism (--context-parallel-size N --cp-comm-type p2p in a row's flags) is
 considered for sequences of 8192 tokens and more, or when nothing fits without it.
 
-    python tools/plan_parallelism.py --num-gpus 32 --global-batch-size 1024 --vocab-size 32000 \\
+    python3 tools/plan_parallelism.py --num-gpus 32 --global-batch-size 1024 --vocab-size 32000 \\
         --config-file shtools/configs/llama2_7b.sh
-    python tools/plan_parallelism.py --num-gpus 8 --global-batch-size 512 \\
+    python3 tools/plan_parallelism.py --num-gpus 8 --global-batch-size 512 \\
         --hf-config path/to/config.json --json
-    python tools/plan_parallelism.py --num-gpus 8 --global-batch-size 64 -- \\
+    python3 tools/plan_parallelism.py --num-gpus 8 --global-batch-size 64 -- \\
         --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 \\
         --ffn-hidden-size 11008 --swiglu --normalization RMSNorm \\
         --position-embedding-type rope --disable-bias-linear \\

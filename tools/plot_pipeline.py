@@ -4,13 +4,13 @@ grey bars, idle time as empty space; the title gives the measured and theoretica
 
 A real run (the traces that training writes with --pipeline-trace-dir DIR):
 
-    python tools/plot_pipeline.py DIR --out pipeline.png [--all-ranks]
+    python3 tools/plot_pipeline.py DIR --out pipeline.png [--all-ranks]
 
 A planned one (the simulated schedule, forward and backward costs in arbitrary units):
 
-    python tools/plot_pipeline.py --planned --pipeline-size 4 --num-microbatches 8 \\
+    python3 tools/plot_pipeline.py --planned --pipeline-size 4 --num-microbatches 8 \\
         [--virtual-size 2] [--forward-cost 1 --backward-cost 2] --out planned.png
-    python tools/plot_pipeline.py --planned --schedule zbv --pipeline-size 4 \\
+    python3 tools/plot_pipeline.py --planned --schedule zbv --pipeline-size 4 \\
         --num-microbatches 8 --backward-cost 1 [--weight-cost 1] --out zbv.png
 
 Zero-bubble schedules (--schedule zb-h1 | zbv) draw the deferred weight-gradient steps (W) in

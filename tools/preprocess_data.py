@@ -1,6 +1,6 @@
 """Tokenize a JSONL or Parquet corpus into Megatron `.bin/.idx` datasets, one per JSON key.
 
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+    python3 tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 8
 
@@ -57,6 +57,7 @@ from megatron.training.corpus.encoder import Encoder, encode_in_worker, init_wor
 from megatron.training.corpus.inputs import (  # noqa: E402
     CorruptInput,
     InputError,
+    check_packages,
     check_parquet,
     resolve_inputs,
 )
@@ -107,6 +108,7 @@ def get_args(argv=None):
 
     try:
         args.files = resolve_inputs(args.input)
+        check_packages(args.files)
         check_parquet(args.files, args.json_keys)
     except InputError as e:
         fail(str(e))

@@ -6,9 +6,12 @@ import os
 import re
 
 import numpy as np
+import pytest
 
-from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
-from tests.wandb_records import (
+pytest.importorskip("wandb")  # optional (--wandb-project only): reading its records needs it
+
+from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without  # noqa: E402
+from tests.wandb_records import (  # noqa: E402
     history_rows,
     records,
     run_config,

@@ -11,14 +11,15 @@ import json
 import os
 import random
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import zstandard
-from tokenizers import ByteLevelBPETokenizer
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.training.corpus.inputs import InputError, resolve_inputs
+pa = pytest.importorskip("pyarrow")  # optional packages: a machine without them skips these
+pq = pytest.importorskip("pyarrow.parquet")
+zstandard = pytest.importorskip("zstandard")
+from tokenizers import ByteLevelBPETokenizer  # noqa: E402
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
+from megatron.training.corpus.inputs import InputError, resolve_inputs  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")

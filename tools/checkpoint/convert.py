@@ -1,11 +1,11 @@
 """Convert checkpoints between Hugging Face and Megatron, and reshard Megatron checkpoints.
 
-    python tools/checkpoint/convert.py hf-to-megatron --load HF_DIR --save CKPT_DIR \\
+    python3 tools/checkpoint/convert.py hf-to-megatron --load HF_DIR --save CKPT_DIR \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-    python tools/checkpoint/convert.py megatron-to-hf --load CKPT_DIR --save HF_OUT
-    python tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
+    python3 tools/checkpoint/convert.py megatron-to-hf --load CKPT_DIR --save HF_OUT
+    python3 tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
-    python tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
+    python3 tools/checkpoint/convert.py megatron-to-megatron --load CKPT_DIR --save NEW_DIR \\
         --ckpt-format torch        # the sharded format -> mp_rank_* files, all state kept
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope

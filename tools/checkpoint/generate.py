@@ -1,7 +1,7 @@
 """Generate a few tokens with Hugging Face ``transformers`` from a converted checkpoint: the
 proof that a model trained here is an ordinary HF model.
 
-    python tools/checkpoint/generate.py --hf-dir HF_OUT --prompt "three plus four is"
+    python3 tools/checkpoint/generate.py --hf-dir HF_OUT --prompt "three plus four is"
 """
 import argparse
 import os

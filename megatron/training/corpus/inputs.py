@@ -7,6 +7,7 @@ names starting with "." or "_" (hidden files, Spark's `_SUCCESS` and `_temporary
 convention of pyarrow's datasets; a file named explicitly must be of a supported type.
 """
 import glob
+import importlib
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -114,15 +115,33 @@ def resolve_inputs(spec: str) -> List[InputFile]:
     return files
 
 
+PACKAGE_OF_KIND = {ZSTD: "zstandard", PARQUET: "pyarrow"}  # imported only when read
+
+
+def check_packages(files: List[InputFile]) -> None:
+    """InputError when a file's format needs a package that does not import here, so that a
+    missing zstandard or pyarrow is one line at start, not a reader's traceback."""
+    for kind, package in PACKAGE_OF_KIND.items():
+        first = next((f for f in files if f.kind == kind), None)
+        if first is None:
+            continue
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise InputError(f"--input {first.path}: .{kind} files need the {package} package, "
+                             f"which is not installed: pip install {package}") from None
+
+
 def check_parquet(files: List[InputFile], keys: List[str]) -> None:
     """Reads each Parquet file's footer: its row groups, and that it has the --json-keys as
     columns (InputError naming the columns it has); CorruptInput when the footer is bad."""
+    parquet_files = [f for f in files if f.kind == PARQUET]
+    if not parquet_files:  # pyarrow is optional: JSONL inputs never import it
+        return
     import pyarrow
     import pyarrow.parquet as pq
 
-    for f in files:
-        if f.kind != PARQUET:
-            continue
+    for f in parquet_files:
         try:
             with pq.ParquetFile(f.path) as parquet:
                 columns = parquet.schema_arrow.names

@@ -129,7 +129,9 @@ def _decompressing(kind: str, raw):
     return io.BufferedReader(_ZstdStream(raw), CHUNK)
 
 
-def _read_errors():
+def _read_errors(kind: str):
+    if kind == GZIP:  # a .gz input must not need zstandard
+        return OSError, EOFError, zlib.error
     import zstandard
 
     return OSError, EOFError, zlib.error, zstandard.ZstdError
@@ -192,7 +194,7 @@ class TaskReader:
     def _readline(file, stream, last_line):
         try:
             return stream.readline()
-        except _read_errors() as e:
+        except _read_errors(file.kind) as e:
             codec = "gzip" if file.kind == GZIP else "zstd"
             raise CorruptInput(f"{file.label}: {codec} data is truncated or corrupt after line "
                                f"{last_line} ({one_line(e)}); re-create or re-download the "

@@ -52,6 +52,6 @@ def finish_trace(trace: Optional[PipelineTrace], training_config) -> None:
     trace.write(path)
     if trace.rank == 0:
         print(f"pipeline trace of iteration {trace.info['iteration']} written to "
-              f"{training_config.pipeline_trace_dir} (draw it with: python "
+              f"{training_config.pipeline_trace_dir} (draw it with: python3 "
               f"tools/plot_pipeline.py {training_config.pipeline_trace_dir} --out FILE.png)",
               flush=True)

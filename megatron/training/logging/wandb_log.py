@@ -11,6 +11,7 @@ here, without waiting on the network: online only with an API key and api.wandb.
 ``WANDB_BASE_URL``) reachable within ``PROBE_SECONDS``; otherwise offline, with one line on
 how to upload the run later (``wandb sync DIR``).
 """
+import importlib
 import importlib.util
 import netrc
 import os
@@ -27,10 +28,20 @@ SAMPLES_SUFFIX = " vs samples"  # TensorBoard's tags whose step is consumed samp
 
 
 def wandb_missing_reason(project: Optional[str]) -> Optional[str]:
-    """Why ``--wandb-project`` cannot work here (wandb not installed), else None."""
-    if project and importlib.util.find_spec("wandb") is None:
+    """Why ``--wandb-project`` cannot work here (wandb not installed, or not importable), else
+    None. Checked at start, so that the run stops before a step rather than when the last rank
+    opens the run."""
+    if not project:
+        return None
+    if importlib.util.find_spec("wandb") is None:
         return ("--wandb-project needs the wandb package, which is not installed: "
                 "pip install wandb (or drop --wandb-project).")
+    try:  # found but broken (a partial install, a missing dependency of its own)
+        importlib.import_module("wandb")
+    except ImportError as e:
+        return (f"--wandb-project needs the wandb package, which does not import here "
+                f"({' '.join(str(e).split())}): pip install wandb "
+                f"(or drop --wandb-project).")
     return None
 
 
