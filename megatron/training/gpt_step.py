@@ -8,8 +8,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.datasets.builder import build_train_valid_test_datasets
-from megatron.core.packed_seq_params import packed_seq_params_from_eod
-from megatron.training.data.batch import get_batch_from_config, shard_for_context_parallel
+from megatron.training.data.batch import get_batch_and_documents, shard_for_context_parallel
 from megatron.training.logging.timers import get_timers
 
 
@@ -48,12 +47,10 @@ def forward_step(data_iterator, model, configs):
     data = configs.dataset
     timer = get_timers()("batch-generator", log_level=2)
     timer.start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch_from_config(
+    # Packed documents attend within themselves: boundaries, not a [b, 1, s, s] mask, from
+    # the whole sequence, computed from the host batch (no device-to-host read).
+    (tokens, labels, loss_mask, _, position_ids), packed = get_batch_and_documents(
         data_iterator, data, configs.training.micro_batch_size)
-    # Packed documents attend within themselves: boundaries, not a [b, 1, s, s] mask (one
-    # host copy of the EOD positions per microbatch), from the whole sequence.
-    packed = packed_seq_params_from_eod(tokens, data.eod_token) \
-        if data.reset_attention_mask and tokens is not None else None
     context_parallel = parallel_state.get_context_parallel_world_size() > 1
     tokens, labels, loss_mask, position_ids = shard_for_context_parallel(
         tokens, labels, loss_mask, position_ids)

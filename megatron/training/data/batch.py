@@ -1,9 +1,16 @@
 """From a data-loader batch to model inputs: tokens, labels, masks and position ids."""
 from typing import Dict, Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import (
+    PackedSeqParams,
+    document_ids_from_eod,
+    packed_seq_params_from_eod,
+    packed_seq_params_from_host,
+)
 from megatron.core.transformer.context_parallel import shard_sequence
 from megatron.training.guards.token_guard import get_token_guard
 
@@ -81,8 +88,15 @@ def get_batch(data_iterator: Optional[Iterator[Dict[str, torch.Tensor]]], eod_to
     guard set (token_guard.set_token_guard), ids outside the vocabulary are flagged and
     replaced by 0, on device.
     """
+    return _get_batch(data_iterator, eod_token, reset_position_ids, reset_attention_mask,
+                      eod_mask_loss, micro_batch_size, seq_length)[0]
+
+
+def _get_batch(data_iterator, eod_token, reset_position_ids, reset_attention_mask,
+               eod_mask_loss, micro_batch_size, seq_length):
+    """get_batch's tuple and the host text it came from (None where this rank read none)."""
     if not stage_needs_data(reset_position_ids, reset_attention_mask):
-        return None, None, None, None, None
+        return (None, None, None, None, None), None
     data = None
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         if data_iterator is None:
@@ -103,7 +117,25 @@ def get_batch(data_iterator: Optional[Iterator[Dict[str, torch.Tensor]]], eod_to
         create_attention_mask=False)
     if not parallel_state.is_pipeline_last_stage():
         labels = loss_mask = None
-    return tokens, labels, loss_mask, attention_mask, position_ids
+    return (tokens, labels, loss_mask, attention_mask, position_ids), \
+        None if data is None else data.get("text")
+
+
+def documents_of(host_text: Optional[torch.Tensor], tokens: torch.Tensor,
+                 eod_token: int) -> PackedSeqParams:
+    """The packed documents of ``tokens`` (get_batch's, on the device), from the host batch
+    they were copied from when this rank has it (TP rank 0, and every rank at TP=1): no
+    device-to-host read per microbatch. Other TP ranks got only the device copy and read its
+    EOD positions back (one sync per microbatch)."""
+    if host_text is None or host_text.device.type != "cpu":
+        return packed_seq_params_from_eod(tokens, eod_token)
+    host_tokens = np.asarray(host_text)[:, :-1]
+    guard = get_token_guard()
+    if guard is not None:  # as sanitize did on the device: an id outside the vocabulary is 0
+        host_tokens = np.where((host_tokens < 0) | (host_tokens >= guard.vocab_size), 0,
+                               host_tokens)
+    return packed_seq_params_from_host(host_tokens, eod_token, tokens.device,
+                                       document_ids_from_eod(tokens, eod_token))
 
 
 def shard_for_context_parallel(*tensors: Optional[torch.Tensor]
@@ -122,6 +154,20 @@ def get_batch_from_config(data_iterator, config, micro_batch_size: Optional[int]
                           ) -> Tuple[Optional[torch.Tensor], ...]:
     """get_batch with the EOD/reset/mask options and sequence length of a GPTDatasetConfig;
     with ``micro_batch_size`` the batch shape is known (no host sync)."""
-    return get_batch(data_iterator, config.eod_token, config.reset_position_ids,
-                     config.reset_attention_mask, config.eod_mask_loss, micro_batch_size,
-                     config.seq_length if micro_batch_size is not None else None)
+    return get_batch_and_documents(data_iterator, config, micro_batch_size)[0]
+
+
+def get_batch_and_documents(data_iterator, config, micro_batch_size: Optional[int] = None
+                            ) -> Tuple[Tuple[Optional[torch.Tensor], ...],
+                                       Optional[PackedSeqParams]]:
+    """get_batch_from_config's tuple and, with ``reset_attention_mask``, the boundaries of the
+    documents packed in its tokens (``documents_of``; None otherwise or where the stage has
+    no tokens), of the whole sequence (before any context-parallel sharding)."""
+    batch, host_text = _get_batch(
+        data_iterator, config.eod_token, config.reset_position_ids,
+        config.reset_attention_mask, config.eod_mask_loss, micro_batch_size,
+        config.seq_length if micro_batch_size is not None else None)
+    tokens = batch[0]
+    documents = documents_of(host_text, tokens, config.eod_token) \
+        if config.reset_attention_mask and tokens is not None else None
+    return batch, documents
