@@ -22,6 +22,7 @@ from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     _model_grad,
+    copy_main_to_model,
     main_param_like,
 )
 
@@ -89,8 +90,7 @@ class CpuOffloadOptimizer(_HostStep, Float16OptimizerWithFloat16Params):
         device.wait_event(device.record_event())
 
     def _copy_main_params_to_model_params(self) -> None:
-        for main, model in self._model_of.items():
-            model.data.copy_(main.data, non_blocking=True)
+        copy_main_to_model(list(self._model_of.items()), non_blocking=True)
 
     def state_dict(self) -> Dict:
         state = super().state_dict()
@@ -124,8 +124,8 @@ class CpuOffloadDistributedOptimizer(_HostStep, DistributedOptimizer):
         device.wait_event(device.record_event())
 
     def _copy_main_params_to_model_params(self) -> None:
-        for shard in self.shards:
-            shard.bucket.param_data[shard.begin:shard.end].copy_(shard.main, non_blocking=True)
+        copy_main_to_model([(shard.main, shard.bucket.param_data[shard.begin:shard.end])
+                            for shard in self.shards], non_blocking=True)
         overlap = any(chunk.ddp_config.overlap_param_gather for chunk in self.model_chunks)
         for chunk in self.model_chunks:
             chunk.start_param_sync(async_op=overlap)

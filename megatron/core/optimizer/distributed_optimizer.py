@@ -34,7 +34,10 @@ from megatron.core.optimizer.named_state import (
     state_keys,
     wrap_state,
 )
-from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer import (
+    MegatronOptimizer,
+    copy_main_to_model,
+)
 
 
 class _Shard:
@@ -102,9 +105,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 piece.grad = grads[offset:offset + piece.numel()]
 
     def _copy_main_params_to_model_params(self) -> None:
-        for shard in self.shards:
-            if not shard.in_place:
-                shard.bucket.param_data[shard.begin:shard.end].copy_(shard.main)
+        copy_main_to_model([(shard.main, shard.bucket.param_data[shard.begin:shard.end])
+                            for shard in self.shards if not shard.in_place])
         overlap = any(chunk.ddp_config.overlap_param_gather for chunk in self.model_chunks)
         for chunk in self.model_chunks:
             chunk.start_param_sync(async_op=overlap)

@@ -236,6 +236,15 @@ def fp32_main_param_groups(param_groups: List[Dict]):
     return main_groups, model_of
 
 
+def copy_main_to_model(pairs: List[Tuple[torch.Tensor, torch.Tensor]],
+                       non_blocking: bool = False) -> None:
+    """Each main param (fp32) into its model param, in one foreach copy: one launch on CUDA
+    instead of one per tensor; the same rounding as ``copy_``, so bitwise the loop's."""
+    if pairs:
+        torch._foreach_copy_([model.data for _, model in pairs],
+                             [main.data for main, _ in pairs], non_blocking=non_blocking)
+
+
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """Model params in bf16/fp16; the torch optimizer updates fp32 copies of them (the main
     params), which are copied back to the model after each step."""
@@ -261,9 +270,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 main.grad = grad.float()
 
     def _copy_main_params_to_model_params(self) -> None:
-        for main, model in self._model_of.items():
-            if main is not model:
-                model.data.copy_(main.data)
+        copy_main_to_model([(main, model) for main, model in self._model_of.items()
+                            if main is not model])
 
     def zero_grad(self) -> None:
         super().zero_grad()
