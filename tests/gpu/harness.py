@@ -111,10 +111,34 @@ def deterministic():
         torch.use_deterministic_algorithms(False)
 
 
-def pretrain_losses(argv, bitwise: bool = False, stage_p2p: Optional[bool] = None) -> dict:
+class RepeatedBatch(torch.utils.data.Dataset):
+    """The first ``batch`` samples of ``dataset``, over and over, at its length: the samplers
+    read samples in order, so every global batch of that size is the same one and the loss
+    falls far in a few steps (a step that does nothing, or too much, shows)."""
+
+    def __init__(self, dataset, batch: int):
+        self.dataset, self.batch = dataset, batch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index % self.batch]
+
+
+def _repeating_train_batch(provider, batch: int):
+    def datasets(num_samples, configs):
+        train, valid, test = provider(num_samples, configs)
+        return RepeatedBatch(train, batch), valid, test
+    return datasets
+
+
+def pretrain_losses(argv, bitwise: bool = False, stage_p2p: Optional[bool] = None,
+                    repeat_batch: Optional[int] = None) -> dict:
     """pretrain_llama.py's pretrain() in this rank, on the pool's process group. Returns
     {'losses': per-iteration 'lm loss' (empty off the last stage), 'device': where the
-    parameters live, 'backend': the process group's}."""
+    parameters live, 'backend': the process group's}. ``repeat_batch``: train on the first
+    that many samples over and over (the global batch size: the same batch every step)."""
     from megatron.core.enums import ModelType
     from megatron.core.models import LlamaModel
     from megatron.training import pretrain as pretrain_module
@@ -136,8 +160,10 @@ def pretrain_losses(argv, bitwise: bool = False, stage_p2p: Optional[bool] = Non
     pretrain_module.build_model = build_model
     try:
         with host_staged_p2p(stage_p2p), (deterministic() if bitwise else contextlib.nullcontext()):
+            provider = train_valid_test_datasets_provider if repeat_batch is None else \
+                _repeating_train_batch(train_valid_test_datasets_provider, repeat_batch)
             history = pretrain_module.pretrain(
-                train_valid_test_datasets_provider, model_provider_for(LlamaModel),
+                provider, model_provider_for(LlamaModel),
                 ModelType.encoder_or_decoder, forward_step, argv=[str(a) for a in argv])
     finally:
         pretrain_module.build_model = original_build

@@ -6,7 +6,13 @@ import os
 import pytest
 
 from tests.gpu.harness import adopt_pools, close_pools, last_stage_losses, pretrain_losses, run_on_gpu
-from tests.gpu.test_parallel_gpu import FP32_TOL, LAYOUTS, _flags
+from tests.gpu.test_parallel_gpu import (
+    FP32_TOL,
+    GLOBAL_BATCH,
+    LAYOUTS,
+    _flags,
+    assert_bf16_close,
+)
 
 
 def _staged(argv):
@@ -54,3 +60,45 @@ def test_attention_workers_of_the_gpu_tier_run_on_cpu(cpu_pools, monkeypatch):
     (_, _, out_diff, grad_diff), = run_on_gpu(_packed, world_size=1, tp=1, timeout=120,
                                               seq_length=256, docs=4)
     assert out_diff == 0 and grad_diff == 0
+
+
+def _pretrain_with_fault(fault, **kwargs):
+    """pretrain_losses with one bug planted in this rank: an optimizer step that does nothing,
+    gradients summed over DP instead of averaged, or parameters never all-gathered after the
+    distributed optimizer's step (each rank keeps others' shards stale)."""
+    import torch
+
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    if fault == "no-op step":
+        torch.optim.SGD.step = lambda self, closure=None: None
+    elif fault == "no DP average":
+        init = buffers.GradBuffer.__init__
+
+        def summed(self, params, grad_dtype, bucket_size, group, scaling, *args, **kw):
+            init(self, params, grad_dtype, bucket_size, group, 1.0, *args, **kw)
+        buffers.GradBuffer.__init__ = summed
+    elif fault == "stale all-gather":
+        buffers.Bucket.start_param_gather = lambda self, async_op: None
+    return pretrain_losses(**kwargs)
+
+
+@pytest.mark.slow  # five bf16 runs
+def test_bf16_tolerance_of_the_gpu_tier_catches_a_broken_step(cpu_pools):
+    """The GPU tier's bf16 check (a share of how far the reference's loss falls on a repeated
+    batch) passes the DP=2 distributed-optimizer layout and fails each planted bug. The pools
+    are closed after: the patches live in their ranks."""
+    try:
+        argv = _flags("bf16")
+        (ref,) = run_on_gpu(pretrain_losses, world_size=1, argv=argv, repeat_batch=GLOBAL_BATCH)
+        layout = argv + LAYOUTS["dp2_distributed_optimizer"]
+        for fault in (None, "no-op step", "no DP average", "stale all-gather"):
+            got = last_stage_losses(run_on_gpu(_pretrain_with_fault, world_size=2, fault=fault,
+                                               argv=layout, repeat_batch=GLOBAL_BATCH))
+            if fault is None:
+                assert_bf16_close(got, ref["losses"], "no fault")
+            else:
+                with pytest.raises(AssertionError):
+                    assert_bf16_close(got, ref["losses"], fault)
+    finally:
+        close_pools()
