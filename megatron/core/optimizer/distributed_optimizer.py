@@ -37,6 +37,7 @@ from megatron.core.optimizer.named_state import (
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     copy_main_to_model,
+    last_step_tensor,
 )
 
 
@@ -146,12 +147,12 @@ class DistributedOptimizer(MegatronOptimizer):
         whose shard holds no stepped parameter has none of its own). Reduced in a slot made
         once: a collective's own tensors may be released late by the backend's thread, and
         would then count against the gather that follows."""
-        step = -1.0
-        for shard in self.shards:
-            for piece, *_ in shard.pieces:
-                if "step" in self.optimizer.state.get(piece, {}):
-                    step = float(self.optimizer.state[piece]["step"])
-        self._step_slot.fill_(step)
+        step = last_step_tensor(self.optimizer, [piece for shard in self.shards
+                                                 for piece, *_ in shard.pieces])
+        if not torch.is_tensor(step):
+            self._step_slot.fill_(-1.0 if step is None else step)
+        else:  # a copy, not a float(): no host read per piece (one sync each on CUDA)
+            self._step_slot.copy_(step.reshape(1))
         dist.all_reduce(self._step_slot, op=dist.ReduceOp.MAX,
                         group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         return float(self._step_slot.item())

@@ -153,17 +153,16 @@ class MegatronOptimizer:
         """As torch's: host tensors that are the live state on CPU (copy before training on if
         the dict must stay a snapshot)."""
         keys = state_keys(self.optimizer, lambda p, v: v.shape == p.shape)
-        params, step = {}, None
+        params = {}
         for main in self._main_params():
             model = self._model_param(main)
             entry = {} if main is model else {"param": main.detach().to("cpu")}
             state = self.optimizer.state.get(main, {})
             entry.update({k: state[k].detach().to("cpu") for k in keys if k in state})
-            if "step" in state:
-                step = float(state["step"])
             params[self._names[model]] = entry
-        return wrap_state(self.optimizer, params, step, keys, self.num_skipped_steps,
-                          self.grad_scaler)
+        step = last_step_tensor(self.optimizer, self._main_params())
+        return wrap_state(self.optimizer, params, None if step is None else float(step), keys,
+                          self.num_skipped_steps, self.grad_scaler)
 
     def sharded_state(self):
         """The named state as parts (see DistributedOptimizer.sharded_state): here every
@@ -195,6 +194,17 @@ class MegatronOptimizer:
         load_torch_state(self.optimizer, per_param, state["param_groups"])
         load_scaler_and_counters(self, state)
         self._copy_main_params_to_model_params()
+
+
+def last_step_tensor(optimizer: torch.optim.Optimizer,
+                     params: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The step tensor of the last of ``params`` that has one (the checkpoint's step), unread:
+    a save reads it once, not once per parameter."""
+    for param in reversed(params):
+        state = optimizer.state.get(param, {})
+        if "step" in state:
+            return state["step"]
+    return None
 
 
 class FP32Optimizer(MegatronOptimizer):
