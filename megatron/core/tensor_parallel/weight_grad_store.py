@@ -22,12 +22,13 @@ Splitting the small ones would lengthen B (more kernels, more records) and save 
 worth having in W; B must stay short because it is on the critical path.
 
 W is the whole backward's arithmetic (the same function computes both, see
-``layers.LinearWithGradAllReduce``), delivered through autograd's accumulation on the leaf
-(``torch.autograd.backward(param, grad)``): ``.grad`` accumulates and the post-accumulate-grad
-hooks (DDP's ``_grad_ready``, ZeRO-2's ``ensure_full_grad``) fire once per deferred gradient,
-exactly as in a whole backward. Caveat: autograd also visits a deferred weight's leaf in B,
-with no gradient, and runs its post-accumulate hooks there with ``.grad`` None; a hook must
-ignore that visit (DDP's ``_grad_ready`` needs that guard). Under sequence parallelism a
+``layers.LinearWithGradAllReduce``), delivered as autograd's accumulation on the leaf would
+(``_deliver``: ``.grad`` is set or added to in place, then the post-accumulate-grad hooks,
+DDP's ``_grad_ready`` with ZeRO-2's ``ensure_full_grad``, fire once per deferred gradient,
+exactly as in a whole backward), called directly: ``torch.autograd.backward(param, grad)``
+started autograd's engine once per weight, for one add. Caveat: autograd also visits a
+deferred weight's leaf in B, with no gradient, and runs its post-accumulate hooks there with
+``.grad`` None; a hook must ignore that visit (DDP's ``_grad_ready`` needs that guard). Under sequence parallelism a
 record keeps only this rank's input shard and W all-gathers it over TP synchronously: every TP
 rank runs the same W sequence, so the collectives match.
 
@@ -80,10 +81,30 @@ class WeightGradStore:
 
 
 def _deliver(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Accumulate ``grad`` into ``param`` the way autograd ends a whole backward."""
+    """Accumulate ``grad`` into ``param`` the way autograd's AccumulateGrad ends a whole
+    backward, then run the parameter's post-accumulate-grad hooks (DDP's ``_grad_ready``): the
+    same arithmetic and bookkeeping as ``torch.autograd.backward(param, grad)``, without
+    starting autograd's engine once per weight."""
     if grad.dtype != param.dtype:  # what autograd's engine does to a node's output
         grad = grad.to(param.dtype)
-    torch.autograd.backward(param, grad)
+    if param._backward_hooks:  # tensor hooks rewrite the gradient first: autograd runs them
+        torch.autograd.backward(param, grad)
+        return
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = _in_layout_of(param, grad)
+        else:
+            param.grad += grad  # AccumulateGrad's in-place add (no create_graph here)
+    for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)
+
+
+def _in_layout_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """AccumulateGrad's layout contract: a first ``.grad`` has the parameter's strides."""
+    if grad.stride() == param.stride():
+        return grad.detach()
+    return torch.empty_strided(param.shape, param.stride(), dtype=param.dtype,
+                               device=param.device).copy_(grad)
 
 
 def current_weight_grad_store() -> Optional[WeightGradStore]:
