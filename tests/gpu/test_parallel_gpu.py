@@ -1,5 +1,7 @@
-"""TP=2, PP=2 (1F1B and interleaved) and DP=2 with the distributed optimizer on CUDA tensors,
-each equal to one process, through pretrain_llama.py's pretrain() (tiny LLaMA, 6 iterations).
+"""On CUDA tensors, each equal to one process through pretrain_llama.py's pretrain() (tiny
+LLaMA, 6 iterations): TP=2, PP=2 (1F1B, interleaved, ZB-H1 with the gradient-accumulation
+fusion), DP=2 with the distributed optimizer, ZeRO-2, FSDP2 and CPU offload, CP=2 (ring and
+all-gather), and EP=2 routed experts (all-to-all, grouped GEMM).
 
 Several ranks share the one GPU with gloo collectives on CUDA tensors (see harness.py: gloo
 takes CUDA tensors for all_reduce, broadcast, all_gather[_into_tensor] and reduce_scatter_tensor,
@@ -47,6 +49,22 @@ LAYOUTS = {
                         "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2_distributed_optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                   "--overlap-param-gather"],
+    "cp2_p2p": ["--context-parallel-size", "2"],
+    "cp2_all_gather": ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+    # the gradient-accumulation fusion (on by default) in the zero-bubble split backward
+    "pp2_zb_h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+    "dp2_fsdp2": ["--use-torch-fsdp2"],
+    "dp2_zero2": ["--use-distributed-optimizer", "--shard-gradients"],
+    "dp2_cpu_offload": ["--use-distributed-optimizer", "--optimizer-cpu-offload"],
+    # routed experts: the all-to-all dispatch and the grouped GEMM
+    "ep2_moe_grouped_gemm": ["--expert-model-parallel-size", "2"],
+}
+# Flags every run of a layout carries, its one-process reference included.
+MODEL_FLAGS = {
+    "ep2_moe_grouped_gemm": ["--num-experts", "4", "--moe-router-topk", "2",
+                             "--moe-ffn-hidden-size", "16", "--moe-grouped-gemm",
+                             "--moe-token-dispatcher-type", "alltoall",
+                             "--moe-aux-loss-coeff", "0.01"],
 }
 BF16_LAYOUTS = ("tp2", "pp2_1f1b", "dp2_distributed_optimizer")
 
@@ -93,11 +111,22 @@ def test_one_process_on_gpu_equals_the_cpu_run(references, monkeypatch):
         assert abs(a - b) <= FP32_TOL, (gpu, cpu)  # CPU and CUDA sum in other orders
 
 
+def _fp32_reference(references, layout):
+    """The one-process losses for ``layout``: the shared reference, or one of its own model."""
+    if layout not in MODEL_FLAGS:
+        return references["fp32"]["losses"]
+    (own,) = run_on_gpu(pretrain_losses, world_size=1, backend="nccl",
+                        argv=_flags("fp32") + MODEL_FLAGS[layout])
+    return own["losses"]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fp32_layout_equals_one_process(references, layout):
-    results = run_on_gpu(pretrain_losses, world_size=2, argv=_flags("fp32") + LAYOUTS[layout])
+    want = _fp32_reference(references, layout)
+    results = run_on_gpu(pretrain_losses, world_size=2,
+                         argv=_flags("fp32") + MODEL_FLAGS.get(layout, []) + LAYOUTS[layout])
     assert all(r["device"] == "cuda" and r["backend"] == "gloo" for r in results), results
-    got, want = last_stage_losses(results), references["fp32"]["losses"]
+    got = last_stage_losses(results)
     assert len(got) == len(want) == 6
     for a, b in zip(got, want):
         assert abs(a - b) <= FP32_TOL, (layout, got, want)
