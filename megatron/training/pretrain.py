@@ -47,6 +47,7 @@ from megatron.training.guards.token_guard import (
     set_token_guard,
 )
 from megatron.training.initialize import expert_sizes, initialize_megatron
+from megatron.training.logging.deferred import resolve_reports
 from megatron.training.logging.flops import num_floating_point_operations
 from megatron.training.logging.moe_metrics import gather_moe_metrics
 from megatron.training.logging.pipeline_tracing import finish_trace, start_trace
@@ -285,7 +286,7 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                 timers=timers)
             finish_trace(trace, t)
             consumed_train += gbs
-            history.append(losses)
+            history.append(losses)  # on the device: the logger reads them at --log-interval
             logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
                                 optimizer.get_loss_scale(), skipped_iter=skipped,
                                 grad_norm=grad_norm, num_zeros=num_zeros,
@@ -329,7 +330,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     finally:  # an error exit too: TensorBoard's queue written, the W&B run finished
         logger.close()
     set_timers(None)
-    return history
+    resolve_reports(history)  # those the logger has not read, at once
+    return [report.value() for report in history]
 
 
 def _known_peak_tflops(peak_tflops: Optional[float]) -> Optional[float]:

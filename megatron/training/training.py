@@ -4,7 +4,8 @@
 batch's microbatches (which finalizes gradients), step the optimizer, and advance the LR
 schedule by the number of samples consumed, unless the step was skipped (loss-scale overflow).
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from megatron.core.pipeline_parallel import (
 from megatron.core.pipeline_parallel.model_chunks import get_model_config
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.training.initialize import seed_for_model_init
+from megatron.training.logging.deferred import DeviceReport, resolve_reports
 from megatron.training.logging.timers import Timer, Timers
 
 
@@ -47,46 +49,92 @@ def build_model(model_provider: Callable[..., torch.nn.Module], config, ddp_conf
     return [wrapper(config, ddp_config, chunk) for chunk in chunks]
 
 
-def _average_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-    """Mean of each reported value over DP, then over the microbatches (only the last stage
-    has any): one all-reduce over DP for the whole iteration."""
-    return _average_losses_of_iterations([losses_reduced])[0]
-
-
 def _average_losses_of_iterations(iterations: List[List[Dict[str, torch.Tensor]]]
                                   ) -> List[Dict[str, float]]:
-    """``_average_losses`` of each iteration's reports, with one all-reduce for them all.
+    """The mean of each reported value over DP, then over the microbatches (only the last
+    stage has any), of each iteration's reports, with one all-reduce and one host read for
+    them all.
 
     The arithmetic is what reducing each microbatch's value on its own gave (Megatron's
     per-microbatch average_losses_across_data_parallel_group): a float32 sum over DP divided
     by the DP size, element by element, then a float64 mean over microbatches. A stacked
     all-reduce sums each element over the same ranks, so the result is bitwise the same
     where the backend adds the ranks in the same order (always at DP <= 2)."""
+    keys, stacked = _reduce_over_data_parallel(iterations)
+    if stacked is None:
+        return [{} for _ in iterations]
+    rows = stacked.tolist()  # the one host sync
+    return _means_over_microbatches(keys, [len(losses) for losses in iterations], rows)
+
+
+def _reduce_over_data_parallel(iterations: List[List[Dict[str, torch.Tensor]]]
+                               ) -> Tuple[List[str], Optional[torch.Tensor]]:
+    """(keys, [microbatches of all iterations, keys] averaged over DP on the device), or
+    (keys, None) where nothing was reported."""
     reports = [report for losses in iterations for report in losses]
     keys = list(reports[0].keys()) if reports else []
     if not keys:
-        return [{} for _ in iterations]
+        return keys, None
     stacked = torch.stack([torch.stack([r[k].detach().float().reshape(()) for k in keys])
-                           for r in reports])  # [microbatches of all iterations, keys]
+                           for r in reports])
     dp_size = parallel_state.get_data_parallel_world_size()
     if dp_size > 1:
         dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
         stacked = stacked / dp_size
-    rows = iter(stacked.tolist())  # the iteration's one host sync
+    return keys, stacked
+
+
+def _means_over_microbatches(keys: List[str], microbatches: List[int],
+                             rows: List[List[float]]) -> List[Dict[str, float]]:
+    rows = iter(rows)
     averaged = []
-    for losses in iterations:
-        mine = [next(rows) for _ in losses]
+    for count in microbatches:
+        mine = [next(rows) for _ in range(count)]
         averaged.append({k: float(sum(row[i] for row in mine) / len(mine))
                          for i, k in enumerate(keys)} if mine else {})
     return averaged
+
+
+class LossReport(DeviceReport, Mapping):
+    """One iteration's reported losses, averaged over DP on the device and not read yet: a
+    read is a host sync on CUDA, so the logger reads a log interval's reports together
+    (``deferred.resolve_reports``). Used as a mapping, it reads itself."""
+
+    def __init__(self, losses_reduced: List[Dict[str, torch.Tensor]]):
+        self._keys, self._rows = _reduce_over_data_parallel([losses_reduced])
+        self._value = None if self._rows is not None else {}
+
+    def pending(self) -> Optional[torch.Tensor]:
+        return self._rows
+
+    def resolve(self, numbers: List[float]) -> None:
+        width = len(self._keys)
+        rows = [numbers[i:i + width] for i in range(0, len(numbers), width)]
+        self._value = _means_over_microbatches(self._keys, [len(rows)], rows)[0]
+        self._rows = None
+
+    def value(self) -> Dict[str, float]:
+        resolve_reports([self])
+        return self._value
+
+    def __getitem__(self, key: str) -> float:
+        return self.value()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.value())
+
+    def __len__(self) -> int:
+        return len(self.value())
 
 
 def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], optimizer,
                scheduler, num_microbatches: int, seq_length: int, micro_batch_size: int,
                before_optimizer_step: Optional[Callable[[List[torch.nn.Module]], None]] = None,
                trace: Optional[PipelineTrace] = None, timers: Optional[Timers] = None
-               ) -> Tuple[Dict[str, float], bool, Optional[float], Optional[int]]:
-    """Returns (mean reported losses, skipped?, grad norm, zeros in grads).
+               ) -> Tuple[LossReport, bool, Optional[Union[float, torch.Tensor]],
+                          Optional[int]]:
+    """Returns (mean reported losses, skipped?, grad norm, zeros in grads); the losses and,
+    unless the optimizer read it (the NaN check), the norm stay on the device until read.
     ``before_optimizer_step(model)`` sees the reduced gradients (fault injection in tests);
     ``trace`` records the schedule's steps (``--pipeline-trace-dir``); ``timers`` times
     Megatron's forward-backward, optimizer (level 1), forward-compute (level 2) and
@@ -118,7 +166,7 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *
                        parallel_state.get_data_parallel_world_size())
-    return _average_losses(losses), not ok, grad_norm, num_zeros
+    return LossReport(losses), not ok, grad_norm, num_zeros
 
 
 def _timed(fn: Callable, timer) -> Callable:

@@ -14,22 +14,34 @@ import torch.distributed as dist
 from megatron.core import device
 
 
-def get_grad_norm_fp32(grads_for_norm: List[torch.Tensor], model_parallel_group) -> float:
-    """L2 norm of all ranks' gradients together."""
+def get_grad_norm_fp32(grads_for_norm: List[torch.Tensor],
+                       model_parallel_group) -> torch.Tensor:
+    """L2 norm of all ranks' gradients together: a one-element fp32 device tensor, not read
+    (a read is a host sync on CUDA; the logger reads it at the log interval)."""
     total = device.zeros(1, dtype=torch.float32)
     if grads_for_norm:
         norms = torch._foreach_norm([g.float() for g in grads_for_norm])
         total += torch.stack(norms).square().sum()
     dist.all_reduce(total, group=model_parallel_group)
-    return total.sqrt().item()
+    return total.sqrt()
 
 
 def clip_grad_by_total_norm_fp32(grads: List[torch.Tensor], max_norm: float,
-                                 total_norm: float) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (torch's coefficient)."""
-    coeff = max_norm / (total_norm + 1.0e-6)
-    if coeff < 1.0:
-        torch._foreach_mul_(grads, coeff)
+                                 total_norm: torch.Tensor) -> None:
+    """Scale fp32 gradients so their global norm is at most ``max_norm``, on the device.
+
+    The coefficient is the host code's: ``max_norm / (norm + 1e-6)`` in float64, applied where
+    it is < 1 (a NaN norm leaves the gradients alone). Elsewhere it is exactly 1.0, and
+    multiplying by 1.0 leaves every value bitwise unchanged, so no read decides whether to
+    scale."""
+    if not grads:
+        return
+    coeff = max_norm / (total_norm.double() + 1.0e-6)
+    # float32, as the Python scalar was rounded; 0-dim, as foreach ops take a tensor scalar
+    coeff = torch.where(coeff < 1.0, coeff, 1.0).float().reshape(())
+    if coeff.device != grads[0].device:  # CPU offload: host gradients
+        coeff = coeff.to(grads[0].device)
+    torch._foreach_mul_(grads, coeff)
 
 
 def count_zeros_fp32(grads_for_norm: List[torch.Tensor], model_parallel_group) -> int:

@@ -8,7 +8,7 @@
 4. the torch optimizer steps; mixed precision copies the fp32 main params back to the model.
 """
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -108,7 +108,8 @@ class MegatronOptimizer:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._reduction_group())
         return found_inf.item() > 0
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
+    def clip_grad_norm(self, clip_grad: float) -> torch.Tensor:
+        """The global gradient norm (a device tensor, unread), after clipping by it."""
         grad_norm = get_grad_norm_fp32(self._grads_for_norm(), self._reduction_group())
         if clip_grad > 0:
             clip_grad_by_total_norm_fp32([g for _, g in self._main_params_and_grads()],
@@ -116,7 +117,9 @@ class MegatronOptimizer:
         return grad_norm
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+    def step(self) -> Tuple[bool, Optional[Union[float, torch.Tensor]], Optional[int]]:
+        """The grad norm comes back as a float where the NaN check read it, else as a device
+        tensor (read it when needed: on CUDA each read waits for the GPU)."""
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_inf()
@@ -125,8 +128,10 @@ class MegatronOptimizer:
                 self.num_skipped_steps += 1
                 return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        if self.config.check_for_nan_in_grad and not math.isfinite(grad_norm):
-            return False, grad_norm, None  # the norm is global: every rank skips alike
+        if self.config.check_for_nan_in_grad:
+            grad_norm = grad_norm.item()  # the host decides the skip: one read per step
+            if not math.isfinite(grad_norm):
+                return False, grad_norm, None  # the norm is global: every rank skips alike
         num_zeros = count_zeros_fp32(self._grads_for_norm(), self._reduction_group()) \
             if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()

@@ -2,6 +2,7 @@
 FLOPs and MFU, the MoE layers' metrics, and pipeline traces and timelines.
 
     training_log.py       the console line and every writer's scalars (ScalarWriters)
+    deferred.py           the loop's reports kept on the device, read once per log interval
     wandb_log.py          Weights & Biases (--wandb-project), offline without network
     timers.py             Megatron's named timers (--timing-log-level)
     flops.py              model FLOPs per iteration and MFU, Megatron's accounting

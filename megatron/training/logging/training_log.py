@@ -16,11 +16,12 @@ import resource
 import sys
 import time
 from datetime import datetime, timedelta
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from megatron.core import device, parallel_state
+from megatron.training.logging.deferred import DeviceReport, DeviceScalar, resolve_reports
 from megatron.training.logging.flops import mfu
 
 # The timers Megatron's training_log reports; names never created are skipped.
@@ -132,6 +133,24 @@ class ScalarWriters:
             writer.close()
 
 
+class _Step(NamedTuple):
+    """One ``training_log`` call, waiting for its device values to be read."""
+    iteration: int
+    losses: Mapping[str, float]
+    learning_rate: float
+    loss_scale: float
+    skipped_iter: bool
+    grad_norm: Optional[float]
+    num_zeros: Optional[float]
+    params_norm: Optional[float]
+    consumed_samples: Optional[int]
+
+
+def _read(value):
+    """A resolved device report's value (see ``_log_waiting``); other values as they are."""
+    return value.value() if isinstance(value, DeviceReport) else value
+
+
 def _as_float(value) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
@@ -185,6 +204,7 @@ class TrainingLogger:
             writers.append(open_wandb_writer(wandb_project, wandb_exp_name, wandb_save_dir,
                                              dict(wandb_config or {}), print_fn))
         self.writer = ScalarWriters(writers) if writers else None
+        self._waiting = []  # _Steps whose device values are read at the log interval
         self._loss_sums: Dict[str, float] = {}
         self._advanced = self._skipped = self._nan = 0
         self._interval_start = None
@@ -237,7 +257,33 @@ class TrainingLogger:
                      params_norm: Optional[float] = None,
                      consumed_samples: Optional[int] = None,
                      interval_seconds: Optional[float] = None) -> Optional[str]:
-        """Record one step; at the log interval print and return the console line."""
+        """Record one step; at the log interval print and return the console line.
+
+        Losses (a ``deferred.DeviceReport``) or a grad norm (a tensor) still on the device wait
+        for the log interval (or ``close()``): then the interval's steps are read in one host
+        copy and logged in order, so the writers get the same values at the same steps."""
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = DeviceScalar(grad_norm)
+        self._waiting.append(_Step(iteration, losses, learning_rate, loss_scale, skipped_iter,
+                                   grad_norm, num_zeros, params_norm, consumed_samples))
+        on_device = isinstance(losses, DeviceReport) or isinstance(grad_norm, DeviceReport)
+        if on_device and iteration % self.log_interval != 0:
+            return None
+        return self._log_waiting(interval_seconds)
+
+    def _log_waiting(self, interval_seconds: Optional[float]) -> Optional[str]:
+        steps, self._waiting = self._waiting, []
+        resolve_reports([s.losses for s in steps] + [s.grad_norm for s in steps])
+        line = None
+        for s in steps:
+            line = self._log_step(
+                s.iteration, _read(s.losses), s.learning_rate, s.loss_scale, s.skipped_iter,
+                _read(s.grad_norm), s.num_zeros, s.params_norm, s.consumed_samples,
+                interval_seconds)
+        return line
+
+    def _log_step(self, iteration, losses, learning_rate, loss_scale, skipped_iter, grad_norm,
+                  num_zeros, params_norm, consumed_samples, interval_seconds) -> Optional[str]:
         self._accumulate(losses, skipped_iter)
         interval_iters = self._advanced + self._skipped
         # Timers are read only at the log interval: reading one synchronizes the device, and a
@@ -332,6 +378,8 @@ class TrainingLogger:
     def log_validation(self, iteration: int, losses: Mapping[str, float],
                        consumed_samples: Optional[int] = None) -> Tuple[str, ...]:
         """Print Megatron's validation block; write '<key> validation' (and ppl) scalars."""
+        if self._waiting:  # the iterations before it first, so every writer sees them in order
+            self._log_waiting(None)
         values = {key: _as_float(value) for key, value in losses.items()}
         block = format_validation_block(iteration, values)
         if self.writer is not None:
@@ -347,6 +395,8 @@ class TrainingLogger:
     def close(self) -> None:
         """Flush and close the writers (TensorBoard's events sit in a queue until then; W&B's
         run is finished)."""
+        if self._waiting:  # the steps since the last log interval (the run ended between)
+            self._log_waiting(None)
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
