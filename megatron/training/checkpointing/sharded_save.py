@@ -209,7 +209,10 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
     header = {} if t.no_save_rng else _rng_header(shard)
     if writer.async_save:  # host copies now; the thread writes them while training goes on
         writer.host.start()
-        copies = writer.host.snapshot({key: value for key, value in shard.tensors}, "sharded")
+        # Only the bytes written (a file holds each tensor's own bytes): a DP rank's share of
+        # the distributed optimizer's parameter buffer, not the whole buffer.
+        copies = writer.host.snapshot({key: value for key, value in shard.tensors}, "sharded",
+                                      whole_storages=False)
         shard.tensors = [(key, copies[key]) for key, _ in shard.tensors]
 
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -11,11 +11,13 @@ previous checkpoint the latest.
 An async save writes host copies taken at save time (``HostBuffers``): allocated by the first
 save and reused by every later one (pinned on CUDA), filled by non_blocking device-to-host
 copies; the writer thread waits for them (one event), so training is held up only while the
-copies are issued, not while they run or while files are written.
+copies are issued, not while they run or while files are written. The sharded format copies
+only the bytes this rank writes; ``torch.save`` files need whole storages.
 """
+import bisect
 import math
 import threading
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,36 +61,102 @@ class HostBuffers:
         nbytes = math.prod(shape) * dtype.itemsize
         return self._buffer(name, nbytes).view(dtype).view(shape)
 
-    def snapshot(self, tree, name: str = ""):
+    def snapshot(self, tree, name: str = "", whole_storages: bool = True):
         """``tree`` with every tensor replaced by its copy in a host buffer (copies issued
         non_blocking: record an event before reading them). Tensors already in our buffers
-        (filled by ``tensor()``) are kept as they are."""
-        copies: Dict[tuple, torch.Tensor] = {}  # (device, data_ptr) of a storage -> its copy
+        (filled by ``tensor()``) are kept as they are.
 
-        def copy(x: torch.Tensor, path: str) -> torch.Tensor:
-            x = x.detach()
+        ``whole_storages``: for ``torch.save``, which writes each tensor's whole storage.
+        False (the sharded format writes only each tensor's own bytes): only the byte ranges
+        the tensors read are copied, packed into one buffer per storage. A DP rank's share of
+        the distributed optimizer's parameter buffer (views of one storage) then costs its
+        share, not the whole buffer."""
+        leaves: List[Tuple[str, torch.Tensor]] = []
+        _collect(tree, name, leaves)
+        by_storage: Dict[tuple, List[Tuple[str, torch.Tensor]]] = {}
+        for path, x in leaves:
             storage = x.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in self._ours:
-                return x
-            key = (storage.device, storage.data_ptr())
-            if key not in copies:
-                host = self._buffer(path, storage.nbytes())
-                whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                host.copy_(whole, non_blocking=True)
-                copies[key] = host
-            return torch.empty(0, dtype=x.dtype).set_(
-                copies[key].untyped_storage(), x.storage_offset(), x.shape, x.stride())
+            if storage.nbytes() == 0 or storage.data_ptr() in self._ours or \
+                    (not whole_storages and x.numel() == 0):
+                continue
+            by_storage.setdefault((storage.device, storage.data_ptr()), []).append((path, x))
+        views = {}  # path -> the tensor's copy
+        for tensors in by_storage.values():
+            views.update(self._copy_storage(tensors, whole_storages))
+        return _rebuild(tree, name, lambda x, path: views.get(path, x.detach()))
 
-        def walk(value, path):
-            if torch.is_tensor(value):
-                return copy(value, path)
-            if isinstance(value, dict):
-                return {k: walk(v, f"{path}/{k}") for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
-            return value
+    def _copy_storage(self, tensors, whole_storages: bool) -> Dict[str, torch.Tensor]:
+        """Copy what ``tensors`` (views of one storage, with their paths) read into the buffer
+        named by the first one's path; each tensor's view of the copy, by path."""
+        storage = tensors[0][1].untyped_storage()
+        ranges = [(0, storage.nbytes())] if whole_storages else \
+            _merged([_byte_span(x) for _, x in tensors])
+        placed, nbytes = _packed(ranges)
+        host = self._buffer(tensors[0][0], nbytes)
+        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        for (lo, hi), at in zip(ranges, placed):
+            host[at:at + hi - lo].copy_(whole[lo:hi], non_blocking=True)
+        views = {}
+        for path, x in tensors:
+            begin = x.storage_offset() * x.element_size()
+            i = bisect.bisect_right([lo for lo, _ in ranges], begin) - 1
+            offset = placed[i] + begin - ranges[i][0]
+            views[path] = torch.empty(0, dtype=x.dtype).set_(
+                host.untyped_storage(), offset // x.element_size(), x.shape, x.stride())
+        return views
 
-        return walk(tree, name)
+
+_ALIGN = 16  # bytes: a range lands at its old address modulo this, so every dtype stays aligned
+
+
+def _byte_span(x: torch.Tensor) -> Tuple[int, int]:
+    """[first, end) bytes of its storage that ``x`` reads (non-empty ``x``, any strides)."""
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(x.shape, x.stride()))
+    begin = x.storage_offset() * x.element_size()
+    return begin, begin + extent * x.element_size()
+
+
+def _merged(spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """Sorted, overlapping or touching spans joined."""
+    out: List[List[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _packed(ranges: List[Tuple[int, int]]) -> Tuple[List[int], int]:
+    """Where each range goes in one buffer (at its old address modulo _ALIGN), and the size."""
+    placed, end = [], 0
+    for lo, hi in ranges:
+        at = end + (lo - end) % _ALIGN
+        placed.append(at)
+        end = at + hi - lo
+    return placed, end
+
+
+def _collect(value, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
+    if torch.is_tensor(value):
+        out.append((path, value.detach()))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _collect(v, f"{path}/{k}", out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _collect(v, f"{path}/{i}", out)
+
+
+def _rebuild(value, path: str, replace: Callable[[torch.Tensor, str], torch.Tensor]):
+    """``value`` with each tensor replaced, walked as ``_collect`` walks it (the same paths)."""
+    if torch.is_tensor(value):
+        return replace(value, path)
+    if isinstance(value, dict):
+        return {k: _rebuild(v, f"{path}/{k}", replace) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, f"{path}/{i}", replace) for i, v in enumerate(value))
+    return value
 
 
 class _Pending:
