@@ -69,9 +69,11 @@ class _StagedRequests:
 
 @contextlib.contextmanager
 def host_staged_p2p(stage: Optional[bool] = None):
-    """Pipeline sends/receives of CUDA tensors over gloo, through host copies (``stage``:
-    None = when the device is cuda and the backend gloo)."""
+    """Pipeline and CP-ring sends/receives of CUDA tensors over gloo, through host copies
+    (``stage``: None = when the device is cuda and the backend gloo). The ring imported the
+    function by name: its reference is replaced too."""
     from megatron.core import device
+    from megatron.core.transformer.context_parallel import ring
 
     if stage is None:
         stage = device.device_type() == "cuda" and device.dist_backend() == "gloo"
@@ -90,11 +92,11 @@ def host_staged_p2p(stage: Optional[bool] = None):
             host_ops.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
         return [_StagedRequests(original(host_ops), copies)]
 
-    dist.batch_isend_irecv = staged
+    dist.batch_isend_irecv = ring.batch_isend_irecv = staged
     try:
         yield
     finally:
-        dist.batch_isend_irecv = original
+        dist.batch_isend_irecv = ring.batch_isend_irecv = original
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ s x s tensor), i.e. per rank (2*b*hq*s*d + 2*b*hkv*s*d) * itemsize + b*hq*s * 4 
 """
 import torch
 import torch.distributed as dist
+from torch.distributed import batch_isend_irecv
 
 from megatron.core.transformer.context_parallel.blocks import (
     BlockSettings,
@@ -30,7 +31,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, layout: CPLayout, tag: int
     """Post: send ``send`` to the next rank, receive ``recv`` from the previous one."""
     ops = [dist.P2POp(dist.isend, send, layout.next_peer, layout.group, tag),
            dist.P2POp(dist.irecv, recv, layout.prev_peer, layout.group, tag)]
-    return dist.batch_isend_irecv(ops)  # looked up per call: the GPU tier stages it
+    return batch_isend_irecv(ops)
 
 
 def _wait(works) -> None:
