@@ -14,6 +14,7 @@ Overrides, for tests and odd clusters:
 or ``set_device_type(...)`` from Python.
 """
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -207,6 +208,38 @@ def host_empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A host tensor for device-to-host copies: pinned on CUDA (so a non_blocking copy into it
     is truly asynchronous and runs at full bandwidth), plain memory on CPU."""
     return torch.empty(*size, dtype=dtype, device="cpu", pin_memory=device_type() == "cuda")
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def pinned_host_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-D host tensor of exactly ``numel`` elements for asynchronous copies to and from the
+    device. On CUDA: plain host memory page-locked with cudaHostRegister (as torch's async
+    checkpoint stager does), not the caching host allocator (``pin_memory=True``), which rounds
+    every allocation up to a power of two (4.4 GB would take 8 GB); unregistered when the
+    memory is freed. Plain memory on CPU."""
+    tensor = torch.empty(numel, dtype=dtype, device="cpu")
+    if device_type() == "cuda" and tensor.numel() > 0:
+        register_host_memory(tensor.untyped_storage(), _cudart())
+    return tensor
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+def register_host_memory(storage: torch.UntypedStorage, cudart) -> None:
+    """Page-lock ``storage`` for the device until the storage is freed (``cudart``: torch's
+    CUDA runtime bindings, ``torch.cuda.cudart()``)."""
+    pointer, nbytes = storage.data_ptr(), storage.nbytes()
+    error = int(cudart.cudaHostRegister(pointer, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed "
+                           f"(cudaError {error}): is the locked-memory limit (ulimit -l) too low?")
+    # The storage object lives as long as its memory (torch keeps it for the views).
+    unregister = weakref.finalize(storage, cudart.cudaHostUnregister, pointer)
+    unregister.atexit = False  # at exit the CUDA context may already be gone
 
 
 def record_event(timing: bool = False):

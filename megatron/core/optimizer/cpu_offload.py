@@ -28,9 +28,9 @@ from megatron.core.optimizer.optimizer import (
 
 
 def _host_buffers(numels: List[int]) -> List[torch.Tensor]:
-    """1-D fp32 host tensors of these sizes, views into one buffer: one pinned allocation
-    (CUDA's pinned allocator rounds each allocation up to a power of two)."""
-    flat = device.host_empty(sum(numels), dtype=torch.float32)
+    """1-D fp32 host tensors of these sizes, views into one buffer pinned at its exact size
+    (``device.pinned_host_empty``: not the caching allocator's power-of-two blocks)."""
+    flat = device.pinned_host_empty(sum(numels), dtype=torch.float32)
     return list(torch.split(flat, numels)) if numels else []
 
 
