@@ -61,13 +61,17 @@ def test_nccl_group_is_bound_to_the_gpu_with_the_configured_timeout():
         import json, torch, torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.training.initialize import initialize_megatron
+        init_kwargs, real_init = {}, dist.init_process_group
+        def init_spy(*args, **kwargs):  # what the world group is made with (public API)
+            init_kwargs.update(kwargs)
+            return real_init(*args, **kwargs)
+        dist.init_process_group = init_spy
         initialize_megatron(seed=1234, distributed_timeout_minutes=7)
         world = dist.group.WORLD
         print(json.dumps({
             "backend": dist.get_backend(),
             "bound": str(world.bound_device_id),
-            "world_timeout": world._get_backend(torch.device("cuda")).options._timeout
-                .total_seconds(),
+            "world_timeout": init_kwargs["timeout"].total_seconds(),
             "groups_timeout": ps.get_distributed_timeout().total_seconds()}))
     """)
     assert result == {"backend": "nccl", "bound": "cuda:0", "world_timeout": 420.0,

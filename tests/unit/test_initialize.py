@@ -146,6 +146,11 @@ _SLOW_INDEX_BUILD = """
     import numpy as np, torch, torch.distributed as dist
     from megatron.core.datasets import gpt_dataset
     from megatron.training.initialize import initialize_megatron
+    init_kwargs, real_init = {{}}, dist.init_process_group
+    def init_spy(*args, **kwargs):  # the timeout the world group is made with (public API)
+        init_kwargs.update(kwargs)
+        return real_init(*args, **kwargs)
+    dist.init_process_group = init_spy
     initialize_megatron(seed=1, distributed_timeout_minutes={minutes})
     real_build = gpt_dataset._build_and_save
     def slow_build(*args):
@@ -156,9 +161,10 @@ _SLOW_INDEX_BUILD = """
                        num_samples=4, seq_length=4, seed=1)
     arrays = gpt_dataset.load_or_build_indices(np.array([5, 7, 3], dtype=np.int32),
                                                description, {cache!r})
-    world = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    world = init_kwargs["timeout"]
     digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays))
-    print(dist.get_rank(), digest.hexdigest(), world.total_seconds())
+    print(dist.get_rank(), digest.hexdigest(), world.total_seconds(), flush=True)
+    dist.destroy_process_group()  # left to exit, gloo's threads may abort the process
 """
 
 
