@@ -83,16 +83,19 @@ def _compiled_step(torch_compile):
     tokens = tokens.to(device.current_device())
     loss = model(tokens, labels=tokens).float().mean()
     loss.backward()
-    grad_norm = torch.stack([p.main_grad.norm() for p in model.module.parameters()]).norm()
-    return loss.item(), grad_norm.item()
+    return loss.item(), {n: p.main_grad.float().cpu() for n, p in model.module.named_parameters()}
 
 
 def test_torch_compile_runs_a_step(gpu_env):
     """bf16: compiled element-wise regions round differently from eager ones (bf16 results of
-    fp32 math), so the loss and gradient norm agree to bf16 precision."""
-    (eager_loss, eager_norm), = run_on_gpu(_compiled_step, world_size=1, backend="nccl", tp=1,
-                                           torch_compile=False)
-    (loss, norm), = run_on_gpu(_compiled_step, world_size=1, backend="nccl", tp=1,
-                               torch_compile=True)
+    fp32 math, a few 3.9e-3 roundings): the loss within 1e-2 relative, and every weight's
+    gradient (not only their global norm) within 3e-2 of its largest eager value."""
+    (eager_loss, eager_grads), = run_on_gpu(_compiled_step, world_size=1, backend="nccl",
+                                            tp=1, torch_compile=False)
+    (loss, grads), = run_on_gpu(_compiled_step, world_size=1, backend="nccl", tp=1,
+                                torch_compile=True)
     assert loss == pytest.approx(eager_loss, rel=1e-2)
-    assert norm == pytest.approx(eager_norm, rel=2e-2)
+    assert grads.keys() == eager_grads.keys()
+    for name, want in eager_grads.items():
+        bound = 3e-2 * want.abs().max().item()
+        torch.testing.assert_close(grads[name], want, rtol=0, atol=bound, msg=name)
