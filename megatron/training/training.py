@@ -160,13 +160,15 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
             config.finalize_model_grads_func = finalize
     if before_optimizer_step is not None:
         before_optimizer_step(model)
+    report = LossReport(losses)
     timers("optimizer", log_level=1).start()
-    ok, grad_norm, num_zeros = optimizer.step()
+    # With the NaN check the optimizer reads the norm; the losses come in the same copy.
+    ok, grad_norm, num_zeros = optimizer.step(read_with_norm=report)
     timers("optimizer").stop()
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *
                        parallel_state.get_data_parallel_world_size())
-    return LossReport(losses), not ok, grad_norm, num_zeros
+    return report, not ok, grad_norm, num_zeros
 
 
 def _timed(fn: Callable, timer) -> Callable:

@@ -117,9 +117,12 @@ class MegatronOptimizer:
         return grad_norm
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[Union[float, torch.Tensor]], Optional[int]]:
+    def step(self, read_with_norm=None
+             ) -> Tuple[bool, Optional[Union[float, torch.Tensor]], Optional[int]]:
         """The grad norm comes back as a float where the NaN check read it, else as a device
-        tensor (read it when needed: on CUDA each read waits for the GPU)."""
+        tensor (read it when needed: on CUDA each read waits for the GPU). ``read_with_norm``
+        (``pending()`` -> tensor or None, ``resolve(floats)``: the iteration's losses) is read
+        in the same host copy as the norm when the check reads it."""
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_inf()
@@ -129,7 +132,7 @@ class MegatronOptimizer:
                 return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
         if self.config.check_for_nan_in_grad:
-            grad_norm = grad_norm.item()  # the host decides the skip: one read per step
+            grad_norm = _read_norm(grad_norm, read_with_norm)  # the host decides the skip
             if not math.isfinite(grad_norm):
                 return False, grad_norm, None  # the norm is global: every rank skips alike
         num_zeros = count_zeros_fp32(self._grads_for_norm(), self._reduction_group()) \
@@ -199,6 +202,17 @@ class MegatronOptimizer:
         load_torch_state(self.optimizer, per_param, state["param_groups"])
         load_scaler_and_counters(self, state)
         self._copy_main_params_to_model_params()
+
+
+def _read_norm(grad_norm: torch.Tensor, read_with_norm) -> float:
+    """The norm as a float, and ``read_with_norm``'s values with it: one host sync for both
+    (float64 holds each float32 exactly, so the norm is what ``.item()`` gives)."""
+    along = read_with_norm.pending() if read_with_norm is not None else None
+    if along is None:
+        return grad_norm.item()
+    values = torch.cat([grad_norm.reshape(-1).double(), along.reshape(-1).double()]).tolist()
+    read_with_norm.resolve(values[1:])
+    return values[0]
 
 
 def last_step_tensor(optimizer: torch.optim.Optimizer,
