@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.training.logging.deferred import DeviceReport, read_together
 from megatron.training.training import LossReport
 from tests.sync_counter import SyncCounter
@@ -138,3 +139,26 @@ def test_read_together_gives_what_tolist_gives():
                torch.tensor([float("nan")])]
     read = read_together(tensors)
     assert read[0] == tensors[0].tolist() and read[1] == [2.5] and math.isnan(read[2][0])
+
+
+def _clip_on_the_host(grads, max_norm, total_norm: float):
+    """The previous code: the coefficient from the read norm, applied only where < 1."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1.0, 3.0])
+def test_clip_on_the_device_is_bitwise_the_host_code(max_norm):
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((17, 1.0), (5, 1e-3), (64, 30.0))]
+    norms = [torch.linalg.vector_norm(torch.cat(grads)).reshape(1), torch.tensor([0.999999]),
+             torch.tensor([1.0]), torch.tensor([2.9999990463]), torch.tensor([1e-12]),
+             torch.tensor([math.inf]), torch.tensor([math.nan])]
+    for norm in norms:
+        on_host = [t.clone() for t in grads]
+        _clip_on_the_host(on_host, max_norm, norm.item())
+        on_device = [t.clone() for t in grads]
+        clip_grad_by_total_norm_fp32(on_device, max_norm, norm)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip(on_host, on_device)), norm
