@@ -90,8 +90,7 @@ def estimate_memory(config, *, padded_vocab_size: int, seq_length: int, micro_ba
         mode=mode_name(setup))
     for rank in range(config.pipeline_model_parallel_size):
         state = rank_memory(config, padded_vocab_size, setup, rank, element,
-                            data_parallel_rank, share_embeddings_and_output_weights,
-                            num_microbatches)
+                            data_parallel_rank, share_embeddings_and_output_weights)
         activations = stage_activations(config, activation_setup, rank, num_microbatches)
         estimate.stages.append(StageMemory(rank, state.device, activations,
                                            state.transient_bytes, state.host))

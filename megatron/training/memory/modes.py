@@ -17,8 +17,8 @@ Three amounts per rank (``RankMemory``):
   parameters (ZeRO-3: the root unit - embedding, final norm, output layer, which FSDP2 keeps
   unsharded after forward - plus two layers, the running one and the prefetched one; ZeRO-2:
   every unit, kept from its forward to its backward) and the unsharded gradients before their
-  reduce-scatter (with gradient accumulation every unit's, accumulated across microbatches in
-  the reduce dtype; with one microbatch the root's and two layers'). The FSDP2 transient is a
+  reduce-scatter (the root's and two layers': each microbatch's are reduce-scattered into the
+  sharded gradients, not accumulated unsharded). The FSDP2 transient is a
   stated estimate (all-gather and reduce-scatter buffers of the collectives aside), not a
   measurement.
 
@@ -124,8 +124,8 @@ def fsdp2_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup, ran
     return fsdp2_chunk_state(shapes, setup, config.params_dtype.itemsize, rank)
 
 
-def fsdp2_transient_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_bytes: int,
-                          num_microbatches: int) -> int:
+def fsdp2_transient_bytes(shapes: List[ParamShape], setup: OptimizerSetup,
+                          param_bytes: int) -> int:
     """Gathered compute-dtype parameters and unsharded gradients (module docstring)."""
     dp = setup.data_parallel_size
     units = [sum(_padded_shard(s, dp) * dp for s in unit) for unit in _fsdp_units(shapes)]
@@ -133,8 +133,7 @@ def fsdp2_transient_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param
     in_flight = root + sum(layers[:FSDP_PREFETCHED_LAYERS])
     gathered = in_flight if setup.reshard_after_forward else sum(units)
     reduce_bytes = FP32 if setup.grad_reduce_in_fp32 else param_bytes
-    unsharded_grads = sum(units) if num_microbatches > 1 else in_flight
-    return gathered * param_bytes + unsharded_grads * reduce_bytes
+    return gathered * param_bytes + in_flight * reduce_bytes  # grads reduced per microbatch
 
 
 # --- CPU offload -----------------------------------------------------------------------------
@@ -166,16 +165,14 @@ def host_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, data_paral
 
 def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_rank: int,
                 param_bytes: int, data_parallel_rank: int = 0,
-                share_embeddings_and_output_weights: bool = True,
-                num_microbatches: int = 1) -> RankMemory:
+                share_embeddings_and_output_weights: bool = True) -> RankMemory:
     """Device state after the step, host state, and what forward/backward adds (docstring)."""
     share = share_embeddings_and_output_weights
     memory = RankMemory()
     if setup.fsdp2:
         shapes = chunk_param_shapes(config, padded_vocab_size, 0, 0, share)
         memory.device = fsdp2_chunk_state(shapes, setup, param_bytes, data_parallel_rank)
-        memory.transient_bytes = fsdp2_transient_bytes(shapes, setup, param_bytes,
-                                                       num_microbatches)
+        memory.transient_bytes = fsdp2_transient_bytes(shapes, setup, param_bytes)
         return memory
     full_grads = dataclasses.replace(setup, shard_gradients=False)
     for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank, share):
