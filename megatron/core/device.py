@@ -15,7 +15,7 @@ or ``set_device_type(...)`` from Python.
 """
 import os
 import weakref
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -182,6 +182,20 @@ def set_rng_state(state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state)
     else:
         torch.set_rng_state(state)
+
+
+def read_together(tensors: Sequence[torch.Tensor]) -> List[List[float]]:
+    """Each tensor's values as floats, in one device-to-host copy for all of them (each read is
+    a host sync on CUDA). float64 holds every float32, bf16 and fp16 value exactly, so the
+    floats are what ``.tolist()`` gives."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]).tolist()
+    values, start = [], 0
+    for t in tensors:
+        values.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return values
 
 
 def synchronize() -> None:

@@ -205,14 +205,13 @@ class MegatronOptimizer:
 
 
 def _read_norm(grad_norm: torch.Tensor, read_with_norm) -> float:
-    """The norm as a float, and ``read_with_norm``'s values with it: one host sync for both
-    (float64 holds each float32 exactly, so the norm is what ``.item()`` gives)."""
+    """The norm as a float, and ``read_with_norm``'s values with it: one host sync for both."""
     along = read_with_norm.pending() if read_with_norm is not None else None
     if along is None:
         return grad_norm.item()
-    values = torch.cat([grad_norm.reshape(-1).double(), along.reshape(-1).double()]).tolist()
-    read_with_norm.resolve(values[1:])
-    return values[0]
+    (norm,), values = device.read_together([grad_norm, along])
+    read_with_norm.resolve(values)
+    return norm
 
 
 def last_step_tensor(optimizer: torch.optim.Optimizer,

@@ -5,9 +5,11 @@ drain: once per iteration, that stalls every step. The loop keeps its per-iterat
 (the losses, the gradient norm) on the device and the logger reads those of a whole log
 interval with ``read_together``: one device-to-host copy.
 """
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional
 
 import torch
+
+from megatron.core.device import read_together
 
 
 class DeviceReport:
@@ -19,19 +21,6 @@ class DeviceReport:
 
     def resolve(self, numbers: List[float]) -> None:
         raise NotImplementedError
-
-
-def read_together(tensors: Sequence[torch.Tensor]) -> List[List[float]]:
-    """Each tensor's values as floats, in one host copy for all of them (float64 holds every
-    float32, bf16 and fp16 value exactly, so the floats are what ``.tolist()`` gives)."""
-    if not tensors:
-        return []
-    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]).tolist()
-    values, start = [], 0
-    for tensor in tensors:
-        values.append(flat[start:start + tensor.numel()])
-        start += tensor.numel()
-    return values
 
 
 def resolve_reports(reports: Iterable[DeviceReport]) -> None:
