@@ -72,7 +72,7 @@ class HostBuffers:
         the distributed optimizer's parameter buffer (views of one storage) then costs its
         share, not the whole buffer."""
         leaves: List[Tuple[str, torch.Tensor]] = []
-        _collect(tree, name, leaves)
+        _rebuild(tree, name, lambda x, path: leaves.append((path, x.detach())))
         by_storage: Dict[tuple, List[Tuple[str, torch.Tensor]]] = {}
         for path, x in leaves:
             storage = x.untyped_storage()
@@ -137,19 +137,9 @@ def _packed(ranges: List[Tuple[int, int]]) -> Tuple[List[int], int]:
     return placed, end
 
 
-def _collect(value, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
-    if torch.is_tensor(value):
-        out.append((path, value.detach()))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _collect(v, f"{path}/{k}", out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _collect(v, f"{path}/{i}", out)
-
-
 def _rebuild(value, path: str, replace: Callable[[torch.Tensor, str], torch.Tensor]):
-    """``value`` with each tensor replaced, walked as ``_collect`` walks it (the same paths)."""
+    """``value`` with each tensor replaced by ``replace(tensor, path)``; every tensor gets a
+    path of its own (the keys and indices that lead to it)."""
     if torch.is_tensor(value):
         return replace(value, path)
     if isinstance(value, dict):

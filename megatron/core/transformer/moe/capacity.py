@@ -95,6 +95,10 @@ class Choices:
     def kept_per_expert(self):
         return self.key_counts[:-1]
 
+    @property
+    def num_dropped(self):
+        return self.key_counts[-1]
+
     def needs_host_counts(self, pad_to_capacity):
         """Whether the plan's row count is data-dependent (dropping without padding)."""
         return self.capacity is not None and not pad_to_capacity
@@ -142,11 +146,7 @@ def plan_from_choices(choices: Choices, pad_to_capacity=False,
     order = choices.order[:num_kept]
     return RowPlan(choices.flat_token[order], choices.flat_probs[order],
                    choices.sort_key[order], counts, choices.num_tokens, False,
-                   _num_dropped(choices), host_counts)
-
-
-def _num_dropped(choices):
-    return choices.key_counts[-1]
+                   choices.num_dropped, host_counts)
 
 
 def _padded_plan(choices: Choices) -> RowPlan:
@@ -171,7 +171,7 @@ def _padded_plan(choices: Choices) -> RowPlan:
     counts = torch.full_like(choices.kept_per_expert, capacity)
     # Copies of the E*capacity slots: autograd then keeps [E*capacity], not the cut-off tail.
     return RowPlan(padded_token[:slots].clone(), padded_probs[:slots].clone(), row_expert,
-                   counts, choices.num_tokens, True, _num_dropped(choices),
+                   counts, choices.num_tokens, True, choices.num_dropped,
                    [capacity] * num_experts)
 
 
