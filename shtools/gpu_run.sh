@@ -75,7 +75,7 @@ if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
 fi
 
 step machine 90 bash -c "$MACHINE" "$PYTHON"
-step tests 260 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
+step tests 290 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
 # A rank pool left by a stopped tier would hold GPU memory and time under the bench. Not in a
 # dry run: there the caller (a CPU test) has rank pools of its own.
 [ $DRY = 0 ] && pkill -9 -f "from multiprocessing" 2>/dev/null
