@@ -11,7 +11,8 @@ of N workers per world size, each with its process group initialised once. Worke
 from multiprocessing's fork server, which imported torch and megatron once (a fresh process of
 its own, never a fork of pytest: nothing of the test process, CUDA included, is inherited); an
 8-rank pool starts in about 1-2 s instead of 4. Each worker takes the test process's
-environment of the moment, as a spawned one would. Every task starts from the same seed and
+environment of the moment, as a spawned one would; a pool serves only runs of the device and
+backend it was made for (MEGATRON_DEVICE, MEGATRON_DIST_BACKEND), another is replaced. Every task starts from the same seed and
 leaves parallel_state destroyed; a failing or hung task kills its pool, and the next test gets
 a fresh one.
 """
@@ -73,17 +74,34 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: Dict[str
     dist.destroy_process_group()
 
 
+def _rank_env(world_size: int) -> Dict[str, str]:
+    """The environment a new rank of a ``world_size`` pool starts with."""
+    from megatron.core import device
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if "MEGATRON_DEVICE" not in os.environ and device.cuda_device_count() < world_size:
+        env["MEGATRON_DEVICE"] = "cpu"  # nccl needs one GPU per rank
+    return env
+
+
+def _device_and_backend(env: Dict[str, str]) -> tuple:
+    """What a rank's process group was made for: its device and collective backend, as
+    megatron.core.device resolves them from ``env`` (unset means the default)."""
+    import torch
+
+    device = env.get("MEGATRON_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, env.get("MEGATRON_DIST_BACKEND") or ("nccl" if device == "cuda" else "gloo")
+
+
 class _Pool:
     def __init__(self, world_size: int):
         import torch.distributed as dist
-        from megatron.core import device
 
         self.world_size = world_size
         # The parent hosts the rendezvous store, so the port is held, not guessed.
         self.store = dist.TCPStore(_HOST, 0, None, True, wait_for_workers=False)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if "MEGATRON_DEVICE" not in os.environ and device.cuda_device_count() < world_size:
-            env["MEGATRON_DEVICE"] = "cpu"  # nccl needs one GPU per rank
+        env = _rank_env(world_size)
+        self.made_for = _device_and_backend(env)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         self.results = ctx.Queue()
@@ -162,7 +180,10 @@ def run_distributed(fn: Callable, world_size: int, tp: Optional[int] = None,
     if tp is not None or pp is not None or vpp is not None or cp is not None:
         layout = (tp or 1, pp or 1, vpp, 10.0, cp or 1)
     pool = _POOLS.get(world_size)
-    if pool is None or not pool.alive():
+    # A pool serves the device and backend it was made for: a CPU run must not land in the
+    # nccl ranks a GPU test left (its process group has no CPU backend), nor the reverse.
+    if pool is None or not pool.alive() or \
+            pool.made_for != _device_and_backend(_rank_env(world_size)):
         if pool is not None:
             pool.close(kill=True)
         pool = _POOLS[world_size] = _Pool(world_size)

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tests.gpu.harness import GPU_ENV, close_pools
+from tests.distributed import close_pools
+from tests.gpu.harness import GPU_ENV
 
 
 @pytest.fixture(scope="module")

@@ -25,33 +25,13 @@ from tests import distributed
 GPU_ENV = {"MEGATRON_DEVICE": "cuda", "MEGATRON_ALLOW_SHARED_GPU": "1",
            "MEGATRON_ALLOW_TF32": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-_backend_of_pool = {}
-
-
-def close_pools() -> None:
-    """End every rank pool: CPU pools must not serve GPU tests, nor GPU pools CPU tests."""
-    distributed.close_pools()
-    _backend_of_pool.clear()
-
-
-def adopt_pools(backend: str) -> None:
-    """Count the rank pools that exist now as made for ``backend``: on CPU the unit tier's
-    pools are gloo pools already, and the CPU tests of this harness reuse them."""
-    for world_size, pool in distributed._POOLS.items():
-        _backend_of_pool[world_size] = (id(pool), backend)
 
 
 def run_on_gpu(fn, world_size: int, backend: str = "gloo", timeout: float = 300, **kwargs):
     """run_distributed on the GPU: ranks spawned with GPU_ENV (set by the ``gpu_env`` fixture)
-    and ``backend``; a pool made for another backend is replaced."""
-    pool = distributed._POOLS.get(world_size)
-    if pool is not None and _backend_of_pool.get(world_size) != (id(pool), backend):
-        distributed._POOLS.pop(world_size).close()
+    and ``backend`` (tests/distributed.py replaces a pool made for another one)."""
     os.environ["MEGATRON_DIST_BACKEND"] = backend
-    results = distributed.run_distributed(fn, world_size=world_size, timeout=timeout,
-                                           **kwargs)
-    _backend_of_pool[world_size] = (id(distributed._POOLS[world_size]), backend)
-    return results
+    return distributed.run_distributed(fn, world_size=world_size, timeout=timeout, **kwargs)
 
 
 class _StagedRequests:

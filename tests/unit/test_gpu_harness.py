@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from tests.gpu.harness import adopt_pools, close_pools, last_stage_losses, pretrain_losses, run_on_gpu
+from tests.distributed import close_pools
+from tests.gpu.harness import last_stage_losses, pretrain_losses, run_on_gpu
 from tests.gpu.test_parallel_gpu import (
     FP32_TOL,
     GLOBAL_BATCH,
@@ -21,11 +22,12 @@ def _staged(argv):
 
 @pytest.fixture
 def cpu_pools(monkeypatch):
-    # Pools of this harness carry their backend's environment. The tier's own pools are CPU
-    # gloo pools (tests/conftest.py): those serve as they are, and respawning costs seconds.
+    # The tier's own pools are CPU gloo pools (tests/conftest.py): those serve as they are,
+    # and respawning costs seconds; others carry another environment.
     cpu_tier = os.environ.get("MEGATRON_DEVICE") == "cpu" and \
         os.environ.get("MEGATRON_DIST_BACKEND", "gloo") == "gloo"
-    adopt_pools("gloo") if cpu_tier else close_pools()
+    if not cpu_tier:
+        close_pools()
     monkeypatch.setenv("MEGATRON_DEVICE", "cpu")
     monkeypatch.setenv("MEGATRON_DIST_BACKEND", "gloo")
     yield
