@@ -20,8 +20,9 @@ start from the same model (``initial loss`` shows it); weight decay is 0 on both
 decay different parameter sets by default). Same batch, same process; the two step
 alternately (warm-up steps first, untimed) so drift in the machine hits both.
 ``--recompute-granularity full`` also turns on HF's gradient checkpointing (HF has nothing
-like ``selective``); ``--torch-compile`` passes Megatron's flag to ours and wraps HF in
-``torch.compile``.
+like ``selective``); ``--torch-compile`` passes Megatron's flag to ours (the compiled
+element-wise path, CUDA's default in pretrain_llama.py) and wraps HF in ``torch.compile``;
+without it both run eagerly (ours with ``--no-torch-compile``).
 
 ``--num-microbatches N`` makes one step N micro batches (gradient accumulation: ours through
 the schedule with the DDP buffer, HF by N backward passes of loss / N) before one optimizer
@@ -127,8 +128,8 @@ def megatron_flags(args):
         flags += ["--recompute-granularity", args.recompute_granularity]
         if args.recompute_granularity == "full":
             flags += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    if args.torch_compile:
-        flags.append("--torch-compile")
+    # Both explicit: the default follows the device (compiled on CUDA, eager on CPU).
+    flags.append("--torch-compile" if args.torch_compile else "--no-torch-compile")
     return [str(f) for f in flags]
 
 

@@ -38,7 +38,7 @@ sys.path.insert(1, os.path.join(_HERE, os.pardir))
 from megatron_args import DEFAULT_MAX_SEQ_LENGTH  # noqa: E402
 
 from megatron.training.planner import Cluster, plan, workload_from_flags  # noqa: E402
-from megatron.training.planner.step_time import COMPILED_EFFICIENCY  # noqa: E402
+from megatron.training.planner.step_time import EAGER_EFFICIENCY  # noqa: E402
 from megatron.training.planner.report import format_table, plan_dict  # noqa: E402
 from megatron.training.training_config import ConfigError  # noqa: E402
 
@@ -79,8 +79,9 @@ def get_parser() -> argparse.ArgumentParser:
                     help="dense bf16 peak per GPU (default %(default)s: A100; H100 SXM 989)")
     hw.add_argument("--compute-efficiency", type=float, default=None,
                     help=f"fraction of the peak the model's FLOPs run at (default: as measured "
-                         f"on one GPU, {A100.compute_efficiency} eager, {COMPILED_EFFICIENCY} "
-                         f"when the model flags hold --torch-compile)")
+                         f"on one GPU, {A100.compute_efficiency} with the compiled element-wise path "
+                         f"that CUDA runs by default, {EAGER_EFFICIENCY} when the model "
+                         f"flags hold --no-torch-compile)")
     hw.add_argument("--intra-node-bandwidth-gbs", type=float,
                     default=A100.intra_node_bandwidth_gbs, help="per GPU, GB/s (NVLink)")
     hw.add_argument("--inter-node-bandwidth-gbs", type=float,
@@ -160,7 +161,9 @@ def run(argv: List[str]) -> str:
                                    vocab_size=a.vocab_size)
     efficiency = a.compute_efficiency
     if efficiency is None:
-        efficiency = COMPILED_EFFICIENCY if "--torch-compile" in flags else A100.compute_efficiency
+        # The GPUs planned for run the compiled path unless the flags turn it off.
+        efficiency = EAGER_EFFICIENCY if "--no-torch-compile" in flags else \
+            A100.compute_efficiency
     cluster = Cluster(a.num_gpus, a.gpus_per_node, a.gpu_memory_gib, a.memory_reserve_gib,
                       a.peak_tflops, efficiency, a.intra_node_bandwidth_gbs,
                       a.inter_node_bandwidth_gbs)

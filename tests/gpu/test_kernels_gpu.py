@@ -1,5 +1,6 @@
 """Kernels and fusion on CUDA: gradient-accumulation fusion in bf16 (one GEMM with an fp32
-output into DDP's fp32 main_grad), the vectorized cross entropy, --torch-compile."""
+output into DDP's fp32 main_grad), the vectorized cross entropy, the fused (compiled) cross
+entropy's memory, --torch-compile."""
 import pytest
 import torch
 
@@ -64,6 +65,45 @@ def _cross_entropy_paths():
         loss.sum().backward()
         out.append((loss.detach().cpu(), x.grad.cpu()))
     return out
+
+
+def _fused_cross_entropy():
+    """bf16 logits [1024 x 4, 32000] (a 1.1B LLaMA's microbatch of 4 x 1024 tokens): loss and
+    gradient of the fused path against the unfused one (its fp32 copy), and the bytes each
+    allocates beyond its input during forward and backward."""
+    from megatron.core import device
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(6)
+    dev = device.current_device()
+    logits = (torch.randn(1024, 4, 32000, generator=g) * 2).to(dev, torch.bfloat16)
+    target = torch.randint(0, 32000, (1024, 4), generator=g).to(dev)
+    out = {}
+    for fused in (False, True, True):  # the second fused run: compiled already
+        x = logits.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = vocab_parallel_cross_entropy(x, target, inplace=True, fused=fused)
+        loss.float().mean().backward()
+        torch.cuda.synchronize()
+        out[fused] = (loss.detach().cpu(), x.grad.float().cpu(),
+                      torch.cuda.max_memory_allocated() - base)
+    return out, logits.numel()
+
+
+def test_fused_cross_entropy_needs_no_fp32_logits(gpu_env):
+    """The fused path never holds the logits in fp32: beyond its bf16 input it allocates less
+    than one fp32 copy (the unfused path allocates that copy and more). Both do fp32
+    arithmetic on the same bf16 values: the loss within 1e-5 relative (other summation order),
+    the bf16 gradient within one bf16 step (2^-8) of its largest value."""
+    (out, numel), = run_on_gpu(_fused_cross_entropy, world_size=1, backend="nccl", tp=1)
+    (loss_u, grad_u, bytes_u), (loss_f, grad_f, bytes_f) = out[False], out[True]
+    fp32_logits = numel * 4
+    assert bytes_u >= fp32_logits, bytes_u
+    assert bytes_f < fp32_logits, (bytes_f, fp32_logits)
+    torch.testing.assert_close(loss_f, loss_u, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad_f, grad_u, rtol=0, atol=2.0 ** -8 * grad_u.abs().max().item())
 
 
 def test_vectorized_cross_entropy_equals_chunked(gpu_env):

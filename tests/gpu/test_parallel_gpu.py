@@ -99,12 +99,15 @@ def test_single_process_runs_on_nccl_and_cuda(references):
 
 
 def test_one_process_on_gpu_equals_the_cpu_run(references, monkeypatch):
-    """The GPU reference itself against the CPU run of the same flags (no dropout in TINY:
+    """The GPU reference itself (CUDA's default: compiled element-wise regions, the fused
+    cross entropy) against the CPU run of the same flags (no dropout in TINY:
     the two devices draw other random streams), so a CUDA-only model bug cannot hide in a
     reference every layout is compared with."""
     with monkeypatch.context() as m:
         m.setenv("MEGATRON_DIST_BACKEND", "gloo")  # run_script's process is a CPU run
-        cpu, _ = parse_losses(run_script("pretrain_llama.py", _flags("fp32")))
+        # The compiled element-wise path on both devices (CUDA's default; CPU's by the flag).
+        cpu, _ = parse_losses(run_script("pretrain_llama.py",
+                                         _flags("fp32") + ["--torch-compile"]))
     gpu = references["fp32"]["losses"]
     assert len(cpu) == len(gpu) == 6
     for a, b in zip(gpu, cpu):

@@ -55,8 +55,10 @@ def test_cpu_checkpoint_resumes_on_gpu(gpu_env, tmp_path, monkeypatch):
     flags = _flags(dropout="0")
     with monkeypatch.context() as m:
         m.setenv("MEGATRON_DIST_BACKEND", "gloo")  # the runner's process is a CPU run
+        # The compiled element-wise path on both devices (CUDA's default; CPU's by the flag).
         cpu_losses, _ = parse_losses(run_script(
-            "pretrain_llama.py", flags + ["--save", str(saved), "--save-interval", "2"]))
+            "pretrain_llama.py", flags + ["--save", str(saved), "--save-interval", "2",
+                                          "--torch-compile"]))
     assert len(cpu_losses) == 4
     gpu_losses = _on_gpu(flags + ["--load", str(saved), "--ckpt-step", "2"], bitwise=False)
     assert len(gpu_losses) == 2, gpu_losses  # iterations 3 and 4: it resumed

@@ -454,3 +454,25 @@ def test_core_configs_reject_bad_sizes_themselves():
         with pytest.raises(ValueError) as info:
             OptimizerConfig(**kwargs)
         assert message in str(info.value)
+
+
+def test_compiled_element_wise_path_is_cuda_s_default(monkeypatch):
+    """--torch-compile / --no-torch-compile win; without either, the compiled path runs where
+    the device is CUDA and Triton imports (inductor's GPU backend), the eager one on CPU."""
+    from megatron.training.arguments import configs
+
+    def compiled(*flags):
+        return configs.torch_compile_of(parse_args(small(*flags)))
+
+    triton = {"present": True}  # this CPU machine's torch comes without it
+    monkeypatch.setattr(configs.importlib.util, "find_spec",
+                        lambda name: (triton["present"] or None) if name == "triton" else True)
+    assert compiled("--device", "cuda") is True
+    assert compiled("--device", "cuda", "--no-torch-compile") is False
+    assert compiled("--device", "cpu") is False
+    assert compiled("--device", "cpu", "--torch-compile") is True
+    monkeypatch.setenv("MEGATRON_DEVICE", "cpu")
+    assert compiled() is False  # --device auto: this machine's device
+    assert build_configs(parse_args(small())).transformer.torch_compile is False
+    triton["present"] = False
+    assert compiled("--device", "cuda") is False  # no Triton: eager, not a failed compile

@@ -146,7 +146,7 @@ def _embedding_case(vocab, reduce_scatter_embeddings):
     return {"output": _err(y, want), "weight_grad": _err(layer.weight.grad, _shard(ref_grad, 0))}
 
 
-def _cross_entropy_case(vocab, label_smoothing):
+def _cross_entropy_case(vocab, label_smoothing, fused):
     tp_size, _ = _tp()
     padded = vocab_size_with_padding(vocab, 1, tp_size)
     g = torch.Generator().manual_seed(10)
@@ -165,8 +165,11 @@ def _cross_entropy_case(vocab, label_smoothing):
     ref_grad[..., :vocab] = ref_logits.grad
 
     local = _shard(logits, -1).clone().requires_grad_()
+    # fused: the compiled path's functions, run eagerly here (test_fused_cross_entropy.py
+    # compiles them).
     loss = vocab_parallel_cross_entropy(local, target, label_smoothing,
-                                        vocab_size=vocab if padded != vocab else None)
+                                        vocab_size=vocab if padded != vocab else None,
+                                        fused=fused, compile=False)
     loss.backward(dloss)
     return {"loss": _err(loss, loss_ref), "logits_grad": _err(local.grad, _shard(ref_grad, -1))}
 
@@ -207,9 +210,10 @@ def test_vocab_parallel_embedding(tp, vocab, reduce_scatter_embeddings):
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("vocab", [16, 13])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_vocab_parallel_cross_entropy(tp, vocab, label_smoothing):
+@pytest.mark.parametrize("fused", [False, True])
+def test_vocab_parallel_cross_entropy(tp, vocab, label_smoothing, fused):
     _assert_close(run_distributed(_cross_entropy_case, world_size=tp, tp=tp, vocab=vocab,
-                                  label_smoothing=label_smoothing))
+                                  label_smoothing=label_smoothing, fused=fused))
 
 
 def _inplace_matches_copy():

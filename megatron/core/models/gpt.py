@@ -121,5 +121,6 @@ class GPTModel(torch.nn.Module):
         loss = vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1),
             vocab_size=self.vocab_size if self.padded_vocab_size != self.vocab_size else None,
-            inplace=True)  # the logits are ours and read by nothing else
+            inplace=True,  # the logits are ours and read by nothing else
+            fused=self.config.torch_compile)  # no fp32 copy of the logits
         return loss.transpose(0, 1).contiguous()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.compiled import compiled
+from megatron.core.compiled import compiled
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 

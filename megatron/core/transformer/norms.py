@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device
-from megatron.core.transformer.compiled import compiled
+from megatron.core.compiled import compiled
 
 
 def _rms_norm(x, weight, eps):

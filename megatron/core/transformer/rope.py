@@ -5,7 +5,7 @@ import math
 import torch
 
 from megatron.core import device
-from megatron.core.transformer.compiled import compiled
+from megatron.core.compiled import compiled
 
 
 def rotary_inv_freq(dim: int, base: float, scaling_factor=None, low_freq_factor=1.0,

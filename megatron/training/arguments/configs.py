@@ -3,6 +3,7 @@ checks that need the world size or the file system: batch vs data-parallel size,
 data and tokenizer files. Every problem raises ``ConfigError`` naming the flag and the fix."""
 import argparse
 import dataclasses
+import importlib.util
 import os
 import types
 
@@ -217,6 +218,17 @@ def params_dtype_of(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def torch_compile_of(args) -> bool:
+    """--torch-compile / --no-torch-compile, else the default: the compiled element-wise path
+    where the run's device is CUDA and Triton (inductor's GPU code generator) imports, the
+    eager one on CPU (bitwise as before; compiling there costs more than it saves)."""
+    chosen = getattr(args, "torch_compile", None)  # saved args may predate the flag
+    if chosen is not None:
+        return chosen
+    target = device.device_type() if getattr(args, "device", "auto") == "auto" else args.device
+    return target == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """The model and its parallel layout (TP/PP/VPP/SP, recomputation, dtype) of parsed flags;
     no world-size or file checks (``build_configs`` does those). Shared with
@@ -232,7 +244,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         moe=moe_config_from_args(args),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        torch_compile=args.torch_compile,
+        torch_compile=torch_compile_of(args),
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,

@@ -259,9 +259,12 @@ def _add_training_args(parser):
                    action="store_false",
                    help="Compute each weight gradient separately and add it to the DDP buffer "
                         "(default: the weight-gradient GEMM accumulates into it directly).")
-    g.add_argument("--torch-compile", action="store_true",
+    g.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each layer's element-wise regions (norms, residual adds, "
-                        "activation, RoPE); GEMMs, attention and TP collectives stay eager.")
+                        "activation, RoPE, the cross entropy); GEMMs, attention and TP "
+                        "collectives stay eager. Default: on where the device is CUDA and "
+                        "Triton imports (the fused path), off on CPU; --no-torch-compile runs "
+                        "every op eagerly.")
 
 
 def _add_checkpoint_args(parser):

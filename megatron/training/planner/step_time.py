@@ -79,7 +79,7 @@ class Cluster:
     # as the logits' gradient: what the memory estimate leaves out.
     memory_reserve_gib: float = 6.0
     peak_tflops: float = 312.0
-    compute_efficiency: float = EAGER_EFFICIENCY
+    compute_efficiency: float = COMPILED_EFFICIENCY  # CUDA's default path
     intra_node_bandwidth_gbs: float = 300.0
     inter_node_bandwidth_gbs: float = 25.0
 

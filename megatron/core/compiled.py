@@ -1,4 +1,5 @@
-"""--torch-compile's one compilation rule, shared by the norms, the activation and RoPE."""
+"""--torch-compile's one compilation rule, shared by the norms, the activation, RoPE and the
+cross entropy."""
 import functools
 
 import torch
