@@ -162,8 +162,8 @@ def run(argv: List[str]) -> str:
     efficiency = a.compute_efficiency
     if efficiency is None:
         # The GPUs planned for run the compiled path unless the flags turn it off.
-        efficiency = EAGER_EFFICIENCY if "--no-torch-compile" in flags else \
-            A100.compute_efficiency
+        efficiency = A100.compute_efficiency if workload.args.torch_compile else \
+            EAGER_EFFICIENCY
     cluster = Cluster(a.num_gpus, a.gpus_per_node, a.gpu_memory_gib, a.memory_reserve_gib,
                       a.peak_tflops, efficiency, a.intra_node_bandwidth_gbs,
                       a.inter_node_bandwidth_gbs)

@@ -402,13 +402,13 @@ def test_a_memory_mode_is_proposed_when_nothing_fits_otherwise():
 
 
 @pytest.mark.parametrize("extra,efficiency", [([], 0.50), (["--torch-compile"], 0.50),
-                                              (["--no-torch-compile"], 0.345),
+                                              (["--no-torch-compile"], 0.32),
                                               (["--compute-efficiency", "0.6"], 0.6)])
 def test_default_efficiency_is_the_measured_one(extra, efficiency):
     """One GPU, no communication: the estimate is FLOPs / (peak x efficiency), and the default
-    efficiency is what bench/gpu_step.py measured on an H200 (50 % with the compiled
-    element-wise path CUDA runs by default, 34.5 % with --no-torch-compile; BENCHMARKS.md),
-    not the assumed 60 % that put the 1.1B's 0.70 s step at 0.40 s. An explicit
+    efficiency is what bench/gpu_step.py measured on an H100 (50 % with the compiled
+    element-wise path CUDA runs by default, 32 % with --no-torch-compile; BENCHMARKS.md),
+    not the assumed 60 % that put the 1.1B's 0.76 s eager step at 0.40 s. An explicit
     --compute-efficiency wins."""
     cli = extra if extra[:1] == ["--compute-efficiency"] else []
     model = [f for f in extra if f not in cli]

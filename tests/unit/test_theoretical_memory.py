@@ -217,6 +217,22 @@ def test_activation_estimate_matches_saved_tensors(world, arch, recompute, seque
         assert abs(estimate - measured) <= ACTIVATION_TOL * measured, (estimate, measured)
 
 
+def _compiled_activation_case(dtype):
+    config = _llama_config(torch_compile=True, params_dtype=dtype)
+    measured = _saved_bytes(config, LlamaModel, MBS)
+    setup = ActivationSetup(SEQ, MBS, dtype.itemsize, VOCAB, device="cpu")
+    return measured, chunk_bytes(config, setup, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_path_estimate_matches_saved_tensors(dtype):
+    """CUDA's default path (compiled regions, the fused cross entropy that keeps the logits in
+    their own dtype, not an fp32 copy): the estimate is what autograd keeps, to the byte."""
+    (result,) = run_distributed(_compiled_activation_case, world_size=1, tp=1, dtype=dtype)
+    measured, estimate = result
+    assert estimate == measured, (estimate, measured)
+
+
 def test_sequence_parallel_divides_every_term_by_tp():
     """Korthikanti et al.: with TP t and SP a layer keeps exactly 1/t of the unsharded one."""
     setup = ActivationSetup(seq_length=4096, micro_batch_size=1, activation_bytes=2,

@@ -273,15 +273,19 @@ def embedding_bytes(config, setup: ActivationSetup) -> int:
 
 def output_bytes(config, setup: ActivationSetup) -> int:
     """The last stage: final norm, output-layer input and the cross entropy's fp32 logits
-    with its per-token sums, mask and targets."""
+    with its per-token sums, mask and targets; on the compiled path (``torch_compile``) its
+    fused cross entropy keeps the logits in their own dtype and the row maximum too."""
     tp = config.tensor_model_parallel_size
     tokens = setup.local_seq_length(config) * setup.micro_batch_size
     sharded = tokens // tp if config.sequence_parallel and tp > 1 else tokens
     e, h = setup.activation_bytes, config.hidden_size
     norm = sum(_norm_terms(config, sharded, h, e).values())
     # sum_exp is a view of the stacked [predicted logit; sum_exp] buffer: 2 floats a token
-    loss = FP32 * tokens * setup.padded_vocab_size // tp + 2 * FP32 * tokens + tokens + \
-        INT64 * tokens
+    logits = tokens * setup.padded_vocab_size // tp
+    if config.torch_compile:
+        loss = e * logits + 3 * FP32 * tokens + tokens + INT64 * tokens
+    else:
+        loss = FP32 * logits + 2 * FP32 * tokens + tokens + INT64 * tokens
     return norm + e * sharded * h + loss
 
 

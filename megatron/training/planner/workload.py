@@ -88,6 +88,8 @@ def workload_from_flags(flags: Sequence[str], *, seq_length: Optional[int] = Non
         kept += ["--seq-length", str(seq_length)]
     if vocab_size is not None:
         kept += ["--vocab-size", str(vocab_size)]
+    if not any(t in ("--torch-compile", "--no-torch-compile") for t in kept):
+        kept.append("--torch-compile")  # what the GPUs planned for run by default
     parser = get_parser()
     # Required by parse_args, unused by the plan: defaults that any flag in the input replaces.
     parser.set_defaults(micro_batch_size=1, lr=1e-4)
