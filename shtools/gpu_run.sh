@@ -7,9 +7,9 @@
 # exit code and time, then the figures), machine.log, tests.log, tests.xml,
 # bench_eager.log, bench_compile.log, pretrain.log (the same model through torchrun
 # pretrain_llama.py on CUDA's default compiled path: the training log's own throughput and
-# memory). A dry run skips
-# the compiled bench (tests/unit/test_torch_compile.py compiles on CPU). GPU_RUN_BUDGET_S (default 530) caps the whole run;
-# a step that would start with under 20 s left is skipped and says so.
+# memory). A dry run skips the compiled bench (tests/unit/test_torch_compile.py compiles on
+# CPU). GPU_RUN_BUDGET_S (default 530) caps the whole run; a step that would start with under
+# 20 s left is skipped and says so.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}

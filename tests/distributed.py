@@ -12,8 +12,8 @@ from multiprocessing's fork server, which imported torch and megatron once (a fr
 its own, never a fork of pytest: nothing of the test process, CUDA included, is inherited); an
 8-rank pool starts in about 1-2 s instead of 4. Each worker takes the test process's
 environment of the moment, as a spawned one would; a pool serves only runs of the device and
-backend it was made for (MEGATRON_DEVICE, MEGATRON_DIST_BACKEND), another is replaced. Every task starts from the same seed and
-leaves parallel_state destroyed; a failing or hung task kills its pool, and the next test gets
+backend it was made for (MEGATRON_DEVICE, MEGATRON_DIST_BACKEND), another is replaced. Every
+task starts from the same seed and leaves parallel_state destroyed; a failing or hung task kills its pool, and the next test gets
 a fresh one.
 """
 import atexit

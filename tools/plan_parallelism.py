@@ -79,8 +79,8 @@ def get_parser() -> argparse.ArgumentParser:
                     help="dense bf16 peak per GPU (default %(default)s: A100; H100 SXM 989)")
     hw.add_argument("--compute-efficiency", type=float, default=None,
                     help=f"fraction of the peak the model's FLOPs run at (default: as measured "
-                         f"on one GPU, {A100.compute_efficiency} with the compiled element-wise path "
-                         f"that CUDA runs by default, {EAGER_EFFICIENCY} when the model "
+                         f"on one GPU, {A100.compute_efficiency} on the compiled element-wise "
+                         f"path that CUDA runs by default, {EAGER_EFFICIENCY} when the model "
                          f"flags hold --no-torch-compile)")
     hw.add_argument("--intra-node-bandwidth-gbs", type=float,
                     default=A100.intra_node_bandwidth_gbs, help="per GPU, GB/s (NVLink)")

@@ -15,6 +15,7 @@ import torch
 
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script
 from tests.gpu.harness import last_stage_losses, pretrain_losses, run_on_gpu
+from tests.unit.test_torch_compile import COMPILE_RTOL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,18 +101,18 @@ def test_single_process_runs_on_nccl_and_cuda(references):
 
 def test_one_process_on_gpu_equals_the_cpu_run(references, monkeypatch):
     """The GPU reference itself (CUDA's default: compiled element-wise regions, the fused
-    cross entropy) against the CPU run of the same flags (no dropout in TINY:
+    cross entropy) against the CPU run of the same flags, eager (CPU's default; compiling
+    there costs a minute on a cold machine): fp32's tolerance plus compiled-vs-eager rounding
+    (COMPILE_RTOL of the loss, tests/unit/test_torch_compile.py) (no dropout in TINY:
     the two devices draw other random streams), so a CUDA-only model bug cannot hide in a
     reference every layout is compared with."""
     with monkeypatch.context() as m:
         m.setenv("MEGATRON_DIST_BACKEND", "gloo")  # run_script's process is a CPU run
-        # The compiled element-wise path on both devices (CUDA's default; CPU's by the flag).
-        cpu, _ = parse_losses(run_script("pretrain_llama.py",
-                                         _flags("fp32") + ["--torch-compile"]))
+        cpu, _ = parse_losses(run_script("pretrain_llama.py", _flags("fp32")))
     gpu = references["fp32"]["losses"]
     assert len(cpu) == len(gpu) == 6
-    for a, b in zip(gpu, cpu):
-        assert abs(a - b) <= FP32_TOL, (gpu, cpu)  # CPU and CUDA sum in other orders
+    for a, b in zip(gpu, cpu):  # CPU and CUDA sum in other orders; compiled regions too
+        assert abs(a - b) <= FP32_TOL + COMPILE_RTOL * abs(b), (gpu, cpu)
 
 
 def _fp32_reference(references, layout):

@@ -13,6 +13,7 @@ import torch
 
 from tests.e2e.runner import LLAMA, TINY, checkpoint_tensors, parse_losses, run_script, without
 from tests.gpu.harness import pretrain_losses, run_on_gpu
+from tests.unit.test_torch_compile import COMPILE_RTOL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,12 +56,10 @@ def test_cpu_checkpoint_resumes_on_gpu(gpu_env, tmp_path, monkeypatch):
     flags = _flags(dropout="0")
     with monkeypatch.context() as m:
         m.setenv("MEGATRON_DIST_BACKEND", "gloo")  # the runner's process is a CPU run
-        # The compiled element-wise path on both devices (CUDA's default; CPU's by the flag).
         cpu_losses, _ = parse_losses(run_script(
-            "pretrain_llama.py", flags + ["--save", str(saved), "--save-interval", "2",
-                                          "--torch-compile"]))
+            "pretrain_llama.py", flags + ["--save", str(saved), "--save-interval", "2"]))
     assert len(cpu_losses) == 4
     gpu_losses = _on_gpu(flags + ["--load", str(saved), "--ckpt-step", "2"], bitwise=False)
     assert len(gpu_losses) == 2, gpu_losses  # iterations 3 and 4: it resumed
-    for a, b in zip(gpu_losses, cpu_losses[2:]):
-        assert abs(a - b) <= CPU_TO_GPU_TOL, (gpu_losses, cpu_losses)
+    for a, b in zip(gpu_losses, cpu_losses[2:]):  # CPU eager, CUDA compiled (its default)
+        assert abs(a - b) <= CPU_TO_GPU_TOL + COMPILE_RTOL * abs(b), (gpu_losses, cpu_losses)

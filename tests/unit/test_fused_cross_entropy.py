@@ -31,7 +31,8 @@ def _case(dtype, label_smoothing):
     return out
 
 
-@pytest.mark.parametrize("dtype,label_smoothing", [(torch.float32, 0.1), (torch.bfloat16, 0.0)])
+@pytest.mark.parametrize("dtype,label_smoothing", [
+    pytest.param(torch.float32, 0.1, marks=pytest.mark.slow), (torch.bfloat16, 0.0)])
 def test_compiled_cross_entropy_equals_its_eager_functions(dtype, label_smoothing):
     (out,) = run_distributed(_case, world_size=1, tp=1, dtype=dtype,
                              label_smoothing=label_smoothing)

@@ -224,7 +224,8 @@ def _compiled_activation_case(dtype):
     return measured, chunk_bytes(config, setup, 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32,
+                                                                  marks=pytest.mark.slow)])
 def test_compiled_path_estimate_matches_saved_tensors(dtype):
     """CUDA's default path (compiled regions, the fused cross entropy that keeps the logits in
     their own dtype, not an fp32 copy): the estimate is what autograd keeps, to the byte."""
