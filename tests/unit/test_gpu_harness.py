@@ -13,6 +13,7 @@ from tests.gpu.test_parallel_gpu import (
     LAYOUTS,
     _flags,
     assert_bf16_close,
+    fp32_of_bf16_training,
 )
 
 
@@ -85,14 +86,22 @@ def _pretrain_with_fault(fault, **kwargs):
     return pretrain_losses(**kwargs)
 
 
-@pytest.mark.slow  # five bf16 runs
+@pytest.mark.slow  # six bf16 runs and one fp32
 def test_bf16_tolerance_of_the_gpu_tier_catches_a_broken_step(cpu_pools):
     """The GPU tier's bf16 check (a share of how far the reference's loss falls on a repeated
-    batch) passes the DP=2 distributed-optimizer layout and fails each planted bug. The pools
-    are closed after: the patches live in their ranks."""
+    batch) passes the DP=2 distributed-optimizer layout and fails each planted bug; the bf16
+    reference passes against the fp32 run of the same training and fails with a no-op step.
+    The pools are closed after: the patches live in their ranks."""
     try:
         argv = _flags("bf16")
         (ref,) = run_on_gpu(pretrain_losses, world_size=1, argv=argv, repeat_batch=GLOBAL_BATCH)
+        (fp32,) = run_on_gpu(pretrain_losses, world_size=1, argv=fp32_of_bf16_training(),
+                             repeat_batch=GLOBAL_BATCH)
+        assert_bf16_close(ref["losses"], fp32["losses"], "bf16 vs fp32")
+        (noop,) = run_on_gpu(_pretrain_with_fault, world_size=1, fault="no-op step", argv=argv,
+                             repeat_batch=GLOBAL_BATCH)
+        with pytest.raises(AssertionError):
+            assert_bf16_close(noop["losses"], fp32["losses"], "no-op step vs fp32")
         layout = argv + LAYOUTS["dp2_distributed_optimizer"]
         for fault in (None, "no-op step", "no DP average", "stale all-gather"):
             got = last_stage_losses(run_on_gpu(_pretrain_with_fault, world_size=2, fault=fault,
