@@ -7,6 +7,7 @@ kernels (differences of an ulp or so per element); training steps carry them on.
 this tiny LLaMA (lr 1e-2): at most 1.2e-6 relative difference in the loss over 6 steps; the
 bound COMPILE_RTOL keeps ~8x margin.
 """
+import pytest
 import torch
 
 from megatron.core.models import LlamaModel, llama_config
@@ -18,11 +19,16 @@ VOCAB, SEQ, MBS, STEPS = 128, 32, 2, 4
 
 def _losses(torch_compile):
     import torch._dynamo
+
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     config = llama_config(num_layers=2, hidden_size=64, num_attention_heads=4,
                           num_query_groups=2, ffn_hidden_size=96, max_position_embeddings=SEQ,
-                          torch_compile=torch_compile)
+                          torch_compile=torch_compile, tensor_model_parallel_size=tp,
+                          sequence_parallel=tp > 1)
     torch.manual_seed(0)
     model = LlamaModel(config, VOCAB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -43,7 +49,20 @@ def test_compiled_layers_train_like_eager():
     eager, eager_graphs = run_distributed(_losses, world_size=1, tp=1, torch_compile=False)[0]
     compiled, graphs = run_distributed(_losses, world_size=1, tp=1, torch_compile=True)[0]
     assert eager_graphs == 0
-    # The compiled path ran: norm, residual + norm, SwiGLU, RoPE on Q and on K (another shape),
-    # 5 graphs on torch 2.13; each a whole graph (fullgraph=True raises on a break).
-    assert graphs >= 4
+    # The compiled path ran: norm, residual + norm, SwiGLU, the QKV layout with RoPE, the
+    # cross entropy's three passes; each a whole graph (fullgraph=True raises on a break).
+    assert graphs >= 6
     torch.testing.assert_close(compiled, eager, rtol=COMPILE_RTOL, atol=0)
+
+
+@pytest.mark.slow  # two ranks compiling
+def test_compiled_layers_at_tp2_with_sequence_parallel_train_like_eager():
+    """The compiled regions on a TP rank's share (local heads and query groups, the
+    sequence-sharded norms, the vocab-parallel fused cross entropy with its all-reduces)
+    against the same TP=2 loop eager (a bare loop: the norms' sequence-parallel gradients are
+    not all-reduced, in both)."""
+    eager = run_distributed(_losses, world_size=2, tp=2, torch_compile=False)
+    compiled = run_distributed(_losses, world_size=2, tp=2, torch_compile=True)
+    for (want, _), (got, graphs) in zip(eager, compiled):
+        assert graphs >= 6
+        torch.testing.assert_close(got, want, rtol=COMPILE_RTOL, atol=0)

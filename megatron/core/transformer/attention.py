@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.compiled import compiled
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -28,7 +29,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.context_parallel.blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.rope import rotary_function
+from megatron.core.transformer.rope import apply_rotary, rotary_function
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
 try:  # torch's variable-length flash attention (CUDA only)
@@ -37,6 +38,32 @@ try:  # torch's variable-length flash attention (CUDA only)
 except ImportError:
     _varlen_attn, _VARLEN_PARAMS = None, {}
 
+
+
+def _heads_for_sdpa(qkv, cos, sin, heads_per_group: int):
+    """QKV [s, b, groups, heads_per_group + 2, d] -> Q [b, s, heads, d] and K, V [b, s, groups,
+    d], each contiguous, RoPE applied to Q and K (``cos``/``sin`` [b|1, s, 1, rot], or None).
+    Compiled (the compiled path), this is one pass that reads the QKV buffer once and writes
+    the three, and its backward one pass that writes the QKV gradient: in place of the eager
+    path's Q reshape copy, two RoPE passes, the split's concatenation and the copy of the
+    transposed gradient before the QKV GEMM. [b, s, heads, d] rather than SDPA's [b, heads, s,
+    d]: the kernels write their output in Q's layout, and from [b, s, heads, d] the output
+    projection's [s, b, heads * d] input is a view, not a copy."""
+    s, b, groups, _, d = qkv.shape
+    query, key, value = torch.split(qkv.transpose(0, 1), [heads_per_group, 1, 1], dim=3)
+    query = query.reshape(b, s, groups * heads_per_group, d)
+    key, value = key.squeeze(3), value.squeeze(3)
+    if cos is not None:
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+    return query.contiguous(), key.contiguous(), value.contiguous()
+
+
+def compiled_head_layout(config) -> bool:
+    """Whether attention lays out Q, K, V with ``_heads_for_sdpa`` compiled: the compiled path,
+    without QK norms between the split and RoPE, outside context parallelism (and, per call,
+    without packed documents)."""
+    return config.torch_compile and not config.qk_layernorm and \
+        config.context_parallel_size == 1
 
 
 def sdpa_kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool,
@@ -127,6 +154,8 @@ class SelfAttention(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.apply_rotary = rotary_function(config)  # compiled under --torch-compile
+        self.heads_for_sdpa = compiled(_heads_for_sdpa) if compiled_head_layout(config) \
+            else None
         self.head_dim = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_groups = divide(config.num_query_groups, tp_size)
@@ -151,6 +180,11 @@ class SelfAttention(torch.nn.Module):
         qkv, _ = self.linear_qkv(hidden)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        if self.heads_for_sdpa is not None and packed_seq_params is None:
+            # The compiled path: Q, K, V laid out for SDPA with RoPE in one pass (and back).
+            query, key, value = self.heads_for_sdpa(qkv, rotary_cos, rotary_sin,
+                                                    self.heads_per_group)
+            return self._attend(query, key, value, attention_mask, packed_seq_params)
         qkv = qkv.transpose(0, 1)  # [b, s, groups, per-group, d]
         # split, not slicing: its backward is one concatenation, where each slice's backward
         # would zero-fill a qkv-sized buffer.
@@ -162,6 +196,10 @@ class SelfAttention(torch.nn.Module):
         if rotary_cos is not None:
             query = self.apply_rotary(query, rotary_cos, rotary_sin)
             key = self.apply_rotary(key, rotary_cos, rotary_sin)
+        return self._attend(query, key, value, attention_mask, packed_seq_params)
+
+    def _attend(self, query, key, value, attention_mask, packed_seq_params):
+        """[b, s, heads|groups, d] Q, K, V (RoPE applied) -> (output [s, b, h], bias)."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.config.context_parallel_size > 1:
             return self.linear_proj(self._context_parallel_attention(

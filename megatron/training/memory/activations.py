@@ -17,7 +17,8 @@ stays alive:
   dropout runs the unfused math path, which keeps Korthikanti's softmax, mask and dropout
   output (as^2b each);
 - V is a view of the fused QKV output, so the whole QKV output stays alive; RoPE makes Q and
-  K new tensors; grouped-query attention shrinks K and V;
+  K new tensors; grouped-query attention shrinks K and V; on the compiled path (outside CP,
+  without QK norms) one compiled pass writes Q, K and V anew and the QKV output is freed;
 - SwiGLU keeps the fc1 output (gate and up) and the product (3 f per token; SiLU's output is
   recomputed in backward); GeLU its input and output (2 f);
 - dropout masks are 1 byte on CUDA (fused kernel) and a full-width tensor on CPU.
@@ -39,7 +40,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
-from megatron.core.transformer.attention import sdpa_kernel_for
+from megatron.core.transformer.attention import compiled_head_layout, sdpa_kernel_for
 from megatron.training.memory.moe import dispatch_buffer_bytes, is_moe_layer, moe_layer_terms
 from megatron.training.memory.params import chunk_span
 from megatron.training.memory.schedules import (
@@ -114,12 +115,15 @@ def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, 
     # all_gather keeps the gathered K/V, not the local ones: the QKV output (V's storage) and
     # RoPE's K are then freed, unless Q is a view of the QKV output.
     gathered = config.context_parallel_size > 1 and config.cp_comm_type == "all_gather"
-    if not (gathered and new_query):
-        add("QKV output (V is a view of it)", e * tokens * (heads + 2 * groups) * d)
-    if new_query:
-        add("Q", e * tokens * heads * d)
-    if rope and not gathered:
-        add("K", e * tokens * groups * d)
+    if compiled_head_layout(config):  # Q, K, V written anew from the QKV output, then freed
+        add("Q, K, V (the compiled head layout)", e * tokens * (heads + 2 * groups) * d)
+    else:
+        if not (gathered and new_query):
+            add("QKV output (V is a view of it)", e * tokens * (heads + 2 * groups) * d)
+        if new_query:
+            add("Q", e * tokens * heads * d)
+        if rope and not gathered:
+            add("K", e * tokens * groups * d)
     for name, value in _attention_core_terms(config, setup, heads, groups).items():
         add(name, value)
     add("attention output projection input", e * tokens * heads * d)
