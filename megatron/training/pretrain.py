@@ -52,9 +52,11 @@ from megatron.training.logging.flops import num_floating_point_operations
 from megatron.training.logging.moe_metrics import gather_moe_metrics
 from megatron.training.logging.pipeline_tracing import finish_trace, start_trace
 from megatron.training.logging.timers import Timers, set_timers
-from megatron.training.logging.training_log import TrainingLogger
+from megatron.training.logging.run_summary import closing_line, parameter_counts, start_block
+from megatron.training.logging.training_log import TrainingLogger, is_last_rank
 from megatron.training.logging.wandb_log import resolve_save_dir
-from megatron.training.memory.estimate import report_theoretical_memory
+from megatron.training.memory.estimate import optimizer_setup_from, report_theoretical_memory
+from megatron.training.memory.modes import mode_name
 from megatron.training.planner.moe_cost import effective_ffn_hidden_size
 from megatron.training.tokenizer.build import build_tokenizer_from_args
 from megatron.training.training import build_model, evaluate, train_step
@@ -231,10 +233,18 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                   f"training stops at {train_iters}.", flush=True)
         return []
     evals = train_iters // t.eval_interval + 1 if t.eval_interval else 0
-    datasets = _with_configs(train_valid_test_datasets_provider, configs)(
-        [train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs])
+    samples_needed = [train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs]
+    datasets = _with_configs(train_valid_test_datasets_provider, configs)(samples_needed)
     vocab_size = configs.model_kwargs["vocab_size"]
     check_datasets_at_start(datasets, vocab_size)  # a bounded read of each .bin
+    counts = parameter_counts(model)  # collective
+    if dist.get_rank() == 0:
+        memory_mode = mode_name(optimizer_setup_from(
+            configs.ddp, configs.optimizer, t.data_parallel_size,
+            configs.transformer.context_parallel_size))
+        print("\n".join(start_block(args, configs, counts, datasets, samples_needed,
+                                    train_iters, memory_mode, dist.get_world_size())),
+              flush=True)
     token_guard = TokenGuard(vocab_size, datasets)
     set_token_guard(token_guard)
     # Before the loaders fork their workers: a Ctrl-C reaches them too (the terminal signals
@@ -263,12 +273,13 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                             wandb_project=t.wandb_project, wandb_exp_name=t.wandb_exp_name,
                             wandb_save_dir=resolve_save_dir(t.wandb_save_dir, t.save),
                             wandb_config=vars(args))
-    logger.start()
+    logger.start(first_iteration=resumed.iteration + 1)
+    loop_start = time.time()
     checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args), token_guard,
                                progress)
     consumed_train, consumed_valid = resumed.consumed_train_samples, \
         resumed.consumed_valid_samples
-    history, iteration = [], resumed.iteration
+    history, iteration, validation = [], resumed.iteration, None
     token_guard.checked_at = iteration
     nan_guard = NanGuard(t.check_for_nan_in_loss_and_grad, t.max_consecutive_nan_iterations)
     resumed.restore_rng(t.seed)
@@ -303,9 +314,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
             # join the schedule's collectives), so ask about the dataset, not the iterator.
             if t.eval_interval and datasets[1] is not None and \
                     iteration % t.eval_interval == 0:
-                logger.log_validation(iteration, evaluate(
-                    forward_step, valid_iter, model, t.eval_iters, num_micro, args.seq_length,
-                    t.micro_batch_size))
+                validation = _validate(logger, iteration, forward_step, valid_iter, model, t,
+                                       num_micro, args.seq_length)
                 consumed_valid += t.eval_iters * gbs
             if t.save_interval and iteration % t.save_interval == 0:
                 checkpoints.save(iteration, consumed_train, consumed_valid)
@@ -322,6 +332,14 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
         token_guard.check(iteration)  # a run never ends "successfully" on bad data
         checkpoints.save(iteration, consumed_train, consumed_valid)  # unless just saved
         checkpoints.wait()
+        if t.eval_iters and datasets[1] is not None and iteration == train_iters and \
+                iteration > resumed.iteration and \
+                (validation is None or validation[0] != iteration):
+            # Megatron's validation after training, after the last save (so a resumed run's
+            # validation data is the uninterrupted run's), and not on an early exit: a short
+            # run (fewer iterations than --eval-interval) still reports one.
+            validation = _validate(logger, iteration, forward_step, valid_iter, model, t,
+                                   num_micro, args.seq_length)
     except TokenIdError as exc:  # every rank agreed (TokenGuard.check's all-reduce)
         checkpoints.wait()  # a save in flight holds a state checked clean
         _exit_with(exc, code=1)
@@ -331,7 +349,22 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
         logger.close()
     set_timers(None)
     resolve_reports(history)  # those the logger has not read, at once
-    return [report.value() for report in history]
+    values = [report.value() for report in history]
+    if is_last_rank():  # it holds the losses
+        print(closing_line(resumed.iteration, iteration, gbs * args.seq_length,
+                           time.time() - loop_start, values[-1] if values else None,
+                           validation,
+                           progress.saved, progress.save_dir), flush=True)
+    return values
+
+
+def _validate(logger, iteration: int, forward_step, valid_iter, model, t, num_micro: int,
+              seq_length: int):
+    """Evaluate, print Megatron's validation block; (iteration, {name: loss}) for the end."""
+    losses = evaluate(forward_step, valid_iter, model, t.eval_iters, num_micro, seq_length,
+                      t.micro_batch_size)
+    logger.log_validation(iteration, losses)
+    return iteration, {name: float(value) for name, value in losses.items()}
 
 
 def _known_peak_tflops(peak_tflops: Optional[float]) -> Optional[float]:

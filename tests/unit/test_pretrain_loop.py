@@ -99,7 +99,8 @@ TIMER_LINE = re.compile(r"^    (\S+) \.*: \((\d+\.\d\d), (\d+\.\d\d)\)$")
 def test_timing_log_level_prints_megatrons_timers_and_syncs_only_to_read_them(world_of_one):
     history, out, _, syncs = _pretrain(["--timing-log-level", "2", "--num-workers", "0"],
                                        patch=_counting_synchronize)
-    assert out.count("(min, max) time across ranks (ms):") == 2  # iterations 2 and 4
+    # iteration 1 (the run's first, always logged), then 2 and 4
+    assert out.count("(min, max) time across ranks (ms):") == 3
     timed = {}
     for match in filter(None, map(TIMER_LINE.match, out.splitlines())):
         timed.setdefault(match.group(1), []).append(
@@ -111,9 +112,9 @@ def test_timing_log_level_prints_megatrons_timers_and_syncs_only_to_read_them(wo
     for name, values in timed.items():
         # One rank: the (min, max) pair is one reading twice; the cross-rank min/max itself
         # is checked exactly in test_timers.py.
-        assert len(values) == 2 and all(low > 0 for low, _ in values), name
-    # The device is waited for once per read of the timers, i.e. once per log interval.
-    assert len(syncs) == 2
+        assert len(values) == 3 and all(low > 0 for low, _ in values), name
+    # The device is waited for once per read of the timers, i.e. once per logged iteration.
+    assert len(syncs) == 3
     # Level 0 (the default): no timer lines and no synchronize at all.
     history0, out0, _, syncs0 = _pretrain(["--num-workers", "0"], patch=_counting_synchronize)
     assert "time across ranks" not in out0 and syncs0 == []

@@ -210,10 +210,18 @@ class TrainingLogger:
         self._interval_start = None
         self._total_seconds = 0.0  # over logged intervals, for the ETA
         self._total_iterations = 0
+        self._first_iteration = None
 
-    def start(self) -> None:
-        """Mark the start of the first interval (Megatron's 'interval-time' timer)."""
+    def start(self, first_iteration: Optional[int] = None) -> None:
+        """Mark the start of the first interval (Megatron's 'interval-time' timer).
+        ``first_iteration``: the run's first step, logged whatever the interval (a new run
+        shows its first loss and speed at once; the next line covers the rest of the first
+        interval)."""
         self._interval_start = self.clock()
+        self._first_iteration = first_iteration
+
+    def _is_log_point(self, iteration: int) -> bool:
+        return iteration % self.log_interval == 0 or iteration == self._first_iteration
 
     def _print(self, line: str) -> None:
         if self.should_log():
@@ -267,7 +275,7 @@ class TrainingLogger:
         self._waiting.append(_Step(iteration, losses, learning_rate, loss_scale, skipped_iter,
                                    grad_norm, num_zeros, params_norm, consumed_samples))
         on_device = isinstance(losses, DeviceReport) or isinstance(grad_norm, DeviceReport)
-        if on_device and iteration % self.log_interval != 0:
+        if on_device and not self._is_log_point(iteration):
             return None
         return self._log_waiting(interval_seconds)
 
@@ -290,12 +298,12 @@ class TrainingLogger:
         # per-iteration read (Megatron writes them every --tensorboard-log-interval) would
         # stall the GPU every step.
         if self.timers is not None and self.log_timers_to_tensorboard and \
-                iteration % self.log_interval == 0:
+                self._is_log_point(iteration):
             self.timers.write(TIMERS_TO_LOG, self.writer, iteration, normalizer=interval_iters)
         if self.writer is not None and iteration % self.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, learning_rate, loss_scale,
                                           grad_norm, num_zeros, params_norm, consumed_samples)
-        if iteration % self.log_interval != 0:
+        if not self._is_log_point(iteration):
             return None
         seconds = self._interval_seconds(interval_seconds) / interval_iters
         self._total_seconds += seconds * interval_iters
@@ -319,7 +327,7 @@ class TrainingLogger:
         self._reset_interval()
         self._print(line)
         if self.timers is not None:
-            self.timers.log(TIMERS_TO_LOG, normalizer=self.log_interval, print_fn=self._print)
+            self.timers.log(TIMERS_TO_LOG, normalizer=interval_iters, print_fn=self._print)
         return line
 
     def _interval_seconds(self, given: Optional[float]) -> float:
