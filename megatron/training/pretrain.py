@@ -128,7 +128,8 @@ def _log_moe(logger, model, configs, iteration: int) -> None:
     if transformer.moe is not None:
         logger.log_moe(iteration, gather_moe_metrics(
             model, transformer.num_layers, transformer.moe.num_moe_experts,
-            transformer.tensor_model_parallel_size))
+            transformer.tensor_model_parallel_size,
+            transformer.moe.moe_expert_capacity_factor))
 
 
 def _flops(configs, args) -> int:

@@ -7,7 +7,7 @@ sequence parallelism) and counts them. At the log interval every rank reads its 
 stages (each layer lives on one) and the DP replicas; dividing by the forwards (counted once
 per TP group) gives the mean per micro batch, what one process reports for the same batches.
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,21 +23,24 @@ def moe_layers(model_chunks: List[torch.nn.Module]) -> List[MoELayer]:
 
 
 def gather_moe_metrics(model_chunks, num_layers: int, num_experts: int,
-                       tensor_parallel_size: int) -> Dict[str, float]:
+                       tensor_parallel_size: int,
+                       capacity_factor: Optional[float] = None) -> Dict[str, float]:
     """Collective over every rank. Returns {"load balancing loss", "z loss": means over the
     MoE layers (present only if enabled), "max/mean tokens per expert": the worst layer's,
-    plus per-layer "moe/<name> layer <n>" entries for TensorBoard}."""
-    table = device.zeros(num_layers, 3 + num_experts, dtype=torch.float32)
+    plus per-layer "moe/<name> layer <n>" entries for TensorBoard; with a capacity factor
+    "dropped token fraction": the routing choices the capacity dropped over all choices}."""
+    columns = ("aux_loss", "z_loss", "forwards", "num_dropped")
+    table = device.zeros(num_layers, len(columns) + num_experts, dtype=torch.float32)
     for layer in moe_layers(model_chunks):
         row, metrics = table[layer.layer_number - 1], layer.take_metrics()
-        for column, name in enumerate(("aux_loss", "z_loss", "forwards")):
+        for column, name in enumerate(columns):
             if name in metrics:
                 row[column] += metrics[name]
         if "routed_per_expert" in metrics:
-            row[3:] += metrics["routed_per_expert"]
+            row[len(columns):] += metrics["routed_per_expert"]
     dist.all_reduce(table)
     table = table.cpu()
-    routed = table[:, 3:]
+    routed = table[:, len(columns):]
     is_moe = routed.sum(dim=1) > 0
     micro_batches = (table[:, 2:3] / tensor_parallel_size).clamp(min=1)
     losses = table[:, :2] / micro_batches
@@ -47,6 +50,8 @@ def gather_moe_metrics(model_chunks, num_layers: int, num_experts: int,
             out[label] = losses[is_moe, column].mean().item()
             for n in is_moe.nonzero().flatten().tolist():
                 out[f"moe/{label} layer {n + 1}"] = losses[n, column].item()
+    if capacity_factor is not None and is_moe.any():  # choices dropped / choices made
+        out["dropped token fraction"] = (table[is_moe, 3].sum() / routed[is_moe].sum()).item()
     if is_moe.any():
         imbalance = routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-9)
         out["max/mean tokens per expert"] = imbalance[is_moe].max().item()

@@ -147,7 +147,7 @@ class MoELayer(torch.nn.Module):
 
     @torch.no_grad()
     def _record(self, aux):
-        for name in LOSS_NAMES + ("routed_per_expert",):
+        for name in LOSS_NAMES + ("routed_per_expert", "num_dropped"):
             if name in aux:
                 value = aux[name].detach().float()
                 self.metrics[name] = self.metrics.get(name, 0) + value
