@@ -107,3 +107,27 @@ def test_tool_prints_the_ep_column_and_flags():
     data = json.loads(plan_parallelism.run(["--json"] + argv + MOE))
     for row in data["rows"]:
         assert f"--expert-model-parallel-size {row['expert_parallel']}" in row["flags"]
+
+
+def test_tool_names_the_experts_says_why_and_prints_a_whole_command():
+    """The summary names the experts and top-k; each MoE choice (EP, PP) is explained by the
+    best layout on its other side, or that none fits there (here no EP 1 layout fits: the
+    first test); the whole command of #1 parses back to #1's configs."""
+    argv = ["--num-gpus", "8", "--gpus-per-node", "1", "--gpu-memory-gib", "1",
+            "--memory-reserve-gib", "0.1", "--global-batch-size", "32", "--top", "2", "--"]
+    out = plan_parallelism.run(argv + MOE).splitlines()
+    assert f"{EXPERTS} experts (top-{TOPK}, expert FFN 1024)" in out[0]
+    workload, result = _plan()
+    best = result.rows[0]
+    ep = next(line for line in out if line.startswith("why EP "))
+    assert ep.startswith(f"why EP {best.layout.expert_parallel}: no layout with EP 1 fits")
+    pp = next(line for line in out if line.startswith("why PP "))
+    other = result.best_by_choice.get("PP > 1" if best.layout.pipeline_parallel == 1
+                                      else "PP 1")
+    assert (f"{other.step.mfu:.1%} MFU" in pp) if other else "fits" in pp
+    command = shlex.split(next(line for line in out if line.startswith(
+        "the whole command of #1: ")).split(": ", 1)[1])
+    assert command[:4] == ["torchrun", "--nproc-per-node", "1", "--nnodes"]
+    script = command.index("pretrain_llama.py")
+    configs = configs_of(command[script + 1:], CLUSTER.num_gpus, 1000)
+    assert configs.transformer == best.config

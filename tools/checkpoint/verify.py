@@ -290,6 +290,8 @@ def main(argv=None) -> int:
             if configs.transformer.moe is not None:
                 layout += (f" x EP={configs.transformer.expert_model_parallel_size} x expert "
                            f"TP={configs.transformer.expert_tensor_parallel_size}")
+            world = dist.get_world_size()
+            layout += f", {world} process{'es' if world > 1 else ''}"
             ok = report(compare(hf, logits), args.tolerance, layout, vocab)
     ok = _share(ok)
     dist.barrier()

@@ -1,6 +1,6 @@
 """Enumerate layouts, keep those whose memory estimate fits, rank them by estimated MFU."""
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,6 +41,9 @@ class Plan:
     enumerated: int = 0
     fitting: int = 0
     memory_mode: Optional[str] = None  # the mode every row uses when none fits without one
+    # The best fitting row of each side of the MoE choices (EP 1 or > 1, PP 1 or > 1), against
+    # which the report explains the pick; a side without a fitting row is absent.
+    best_by_choice: Dict[str, "PlanRow"] = field(default_factory=dict)
 
 
 def padded_vocab(workload: Workload, tensor_parallel: int) -> int:
@@ -107,6 +110,10 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
         raise ConfigError(_nothing_fits(cluster, *smallest))
     result.fitting = len(result.rows)
     result.rows.sort(key=rank_key)
+    for row in result.rows:  # ranked: the first of each side is its best
+        for side in (f"EP {'1' if row.layout.expert_parallel == 1 else '> 1'}",
+                     f"PP {'1' if row.layout.pipeline_parallel == 1 else '> 1'}"):
+            result.best_by_choice.setdefault(side, row)
     result.rows = result.rows[:top] if top else result.rows
     for row in result.rows:
         if row.layout.distributed_optimizer and row.layout.memory_mode is None:

@@ -44,6 +44,43 @@ def cluster_line(cluster: Cluster) -> str:
             f"{cluster.inter_node_bandwidth_gbs:g} GB/s per GPU between nodes")
 
 
+def launch_command(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
+    """torchrun over the cluster, the script the model flags suggest, the model's flags and
+    the row's: a command to run as it is (add the data and tokenizer flags)."""
+    per_node = min(cluster.gpus_per_node, cluster.num_gpus)
+    nodes = max(1, cluster.num_gpus // per_node)
+    launcher = ["torchrun", "--nproc-per-node", str(per_node)]
+    if nodes > 1:
+        launcher += ["--nnodes", str(nodes)]
+    rope = workload.args.position_embedding_type == "rope"
+    script = "pretrain_llama.py" if rope else "pretrain_gpt.py"
+    return shlex.join(launcher + [script] + workload.flags + row.flags)
+
+
+def _brief(row: PlanRow) -> str:
+    lay = row.layout
+    return (f"EP {lay.expert_parallel}, TP {lay.tensor_parallel}, PP {lay.pipeline_parallel}: "
+            f"{row.step.mfu:.1%} MFU, {row.memory.max_total / GIB:.1f} GiB")
+
+
+def moe_choice_lines(result: Plan) -> List[str]:
+    """Why #1 splits the experts (EP) and the layers (PP) as it does: the best layout on the
+    other side of each choice, in the same estimate, or that none fits there."""
+    best, lines = result.rows[0], []
+    for name, size, why in (
+            ("EP", best.layout.expert_parallel,
+             "each GPU holds 1/EP of the experts' weights and optimizer state, and the "
+             "tokens travel by all-to-all"),
+            ("PP", best.layout.pipeline_parallel,
+             "each GPU holds 1/PP of the layers, and the schedule has a bubble")):
+        other_side = f"{name} 1" if size > 1 else f"{name} > 1"
+        other = result.best_by_choice.get(other_side)
+        verdict = f"the best with {other_side} ({_brief(other)}) ranks lower" if other \
+            else f"no layout with {other_side} fits"
+        lines.append(f"why {name} {size}: {verdict} ({name} > 1: {why})")
+    return lines
+
+
 def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
     rows = [list(COLUMNS)] + [_cells(i + 1, row) for i, row in enumerate(result.rows)]
     if is_moe(workload.args):
@@ -63,6 +100,9 @@ def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
         lines[-1] += (" CP: the sequence split over CP ranks (ring attention); mem GiB "
                       "includes its K/V block in flight")
     lines += [f"  #{i + 1}: {shlex.join(row.flags)}" for i, row in enumerate(result.rows)]
+    lines.append(f"the whole command of #1: {launch_command(result.rows[0], cluster, workload)}")
+    if is_moe(workload.args):
+        lines += moe_choice_lines(result)
     if result.memory_mode:
         lines.append(f"no layout fits without a memory mode: every row uses "
                      f"{shlex.join(MODE_FLAGS[result.memory_mode])} (the cheapest mode that "

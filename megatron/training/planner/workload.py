@@ -69,9 +69,13 @@ class Workload:
     def describe(self) -> str:
         a = self.args
         groups = a.num_query_groups if a.group_query_attention else a.num_attention_heads
+        experts = ""
+        if getattr(a, "num_experts", None):
+            experts = (f", {a.num_experts} experts (top-{a.moe_router_topk}, expert FFN "
+                       f"{a.moe_ffn_hidden_size or a.ffn_hidden_size})")
         return (f"{a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads "
                 f"({groups} query groups), FFN {a.ffn_hidden_size}"
-                f"{' SwiGLU' if a.swiglu else ''}, vocabulary {a.vocab_size}, sequence "
+                f"{' SwiGLU' if a.swiglu else ''}{experts}, vocabulary {a.vocab_size}, sequence "
                 f"{a.seq_length}, global batch {self.global_batch_size} "
                 f"({self.global_batch_size * a.seq_length:,} tokens)")
 
