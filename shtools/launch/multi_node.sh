@@ -56,6 +56,36 @@ if [[ $DRY_RUN == 1 ]]; then
     printf '%q ' "${CMD[@]}"; echo
     exit 0
 fi
+
+# On the rendezvous host, a port another program listens on makes every torchrun wait for a
+# store that never answers (silently, for the whole join timeout). The first node of this job
+# to start here finds it free; the others of the same job (all "nodes" on one machine) find
+# its store, so a mark per port and job id tells them apart.
+is_this_host() {
+    case $1 in localhost|127.*|::1) return 0 ;; esac
+    [[ $1 == "$(hostname)" || $1 == "$(hostname -f 2>/dev/null)" ]] && return 0
+    hostname -I 2>/dev/null | tr ' ' '\n' | grep -qxF -- "$1"
+}
+port_taken() {
+    python3 -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError:
+    sys.exit(0)
+sys.exit(1)' "$1"
+}
+if is_this_host "$MASTER_ADDR"; then
+    MARK=${TMPDIR:-/tmp}/megatron-rendezvous-$MASTER_PORT-$JOB_ID
+    if [[ ! -e $MARK ]] && port_taken "$MASTER_PORT"; then
+        echo "error: MASTER_PORT $MASTER_PORT on $MASTER_ADDR is already in use by another" \
+             "program (an earlier job?): the rendezvous would wait for it forever; set" \
+             "MASTER_PORT to a free port on every node" >&2
+        exit 2
+    fi
+    touch "$MARK"
+fi
 echo "multi node: $NNODES nodes x $GPUS_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT" \
      "(id $JOB_ID), config $CONFIG" >&2
 exec "${CMD[@]}"
