@@ -8,6 +8,11 @@
 Megatron's merge_datasets does) or a list of dataset prefixes (merged in the order given). The
 `.bin` bytes are copied and the indices offset, so merging is I/O-bound. All inputs must share
 one dtype. The output appears under its real name only when complete.
+
+Each input's tokenizer sidecar (`<prefix>.tokenizer.json`, written by tools/preprocess_data.py)
+must name the same tokenizer: corpora made with different tokenizers are refused before
+anything is written. The merged sidecar records that tokenizer and the largest of the inputs'
+largest token ids. Inputs without a sidecar (made by Megatron) give an output without one.
 """
 import argparse
 import errno
@@ -25,6 +30,12 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     data_file_path,
     index_file_path,
 )
+from megatron.core.datasets.tokenizer_sidecar import (  # noqa: E402
+    read_sidecar,
+    remove_sidecar,
+    write_sidecar,
+)
+from megatron.training.tokenizer.fingerprint import describe  # noqa: E402
 
 
 def prefixes_in_directory(directory):
@@ -56,17 +67,46 @@ def resolve_inputs(inputs):
     return list(inputs)
 
 
-def merge(prefixes, output_prefix):
-    """Merge datasets at `prefixes` into `output_prefix`; returns the merged dataset."""
+def merged_sidecar(prefixes):
+    """(tokenizer fingerprint, largest token id) for the merged output, or None when an input
+    has no sidecar; IndexedDatasetError when two inputs were made with different tokenizers."""
+    sidecars = {prefix: read_sidecar(prefix) for prefix in prefixes}
+    known = [(prefix, s) for prefix, s in sidecars.items() if s is not None]
+    for prefix, sidecar in known[1:]:
+        first, first_sidecar = known[0]
+        if sidecar["tokenizer"]["sha256"] != first_sidecar["tokenizer"]["sha256"]:
+            raise IndexedDatasetError(
+                f"refusing to merge corpora made with different tokenizers: {first} was "
+                f"tokenized with {describe(first_sidecar['tokenizer'])}, {prefix} with "
+                f"{describe(sidecar['tokenizer'])}; re-tokenize one of them with the other's "
+                f"tokenizer (tools/preprocess_data.py) and merge again")
+    if len(known) < len(prefixes):
+        return None
+    ids = [s["max_token_id"] for _, s in known]
+    return known[0][1]["tokenizer"], (None if None in ids else max(ids))
+
+
+def merge(prefixes, output_prefix, sidecar=None):
+    """Merge datasets at `prefixes` into `output_prefix`, with `sidecar` ((tokenizer, largest
+    id) from merged_sidecar, or None: no sidecar); returns the merged dataset."""
     dtype = IndexedDataset(prefixes[0]).dtype
     builder = IndexedDatasetBuilder(data_file_path(output_prefix), dtype=dtype)
     try:
         for prefix in prefixes:
             builder.add_index(prefix)
+        remove_sidecar(output_prefix)  # a previous output's: it would describe other tokens
         builder.finalize(index_file_path(output_prefix))
     except BaseException:
         builder.abort()
         raise
+    if sidecar is not None:
+        try:
+            write_sidecar(output_prefix, *sidecar)
+        except BaseException:  # e.g. a full disk: no pair left without the sidecar it needs
+            for path in (data_file_path(output_prefix), index_file_path(output_prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
+            raise
     return IndexedDataset(output_prefix)
 
 
@@ -96,7 +136,8 @@ def main(argv=None):
         out = os.path.abspath(args.output_prefix)
         if any(os.path.abspath(p) == out for p in prefixes):
             raise IndexedDatasetError(f"--output-prefix {args.output_prefix} is also an input")
-        merged = merge(prefixes, args.output_prefix)
+        sidecar = merged_sidecar(prefixes)
+        merged = merge(prefixes, args.output_prefix, sidecar)
     except IndexedDatasetError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
@@ -109,6 +150,11 @@ def main(argv=None):
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: {len(merged)} "
           f"sequences, {len(merged.document_indices) - 1} documents, {merged.dtype}",
           file=sys.stderr)
+    if sidecar is None:
+        lacking = sum(read_sidecar(p) is None for p in prefixes)
+        print(f"note: {lacking} of the {len(prefixes)} inputs have no tokenizer sidecar "
+              f"(.tokenizer.json, written by tools/preprocess_data.py), so the merged dataset "
+              f"has none: training cannot check it against its tokenizer", file=sys.stderr)
     return 0
 
 

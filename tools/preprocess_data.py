@@ -36,6 +36,10 @@ space left on device"): every file the run wrote is removed.
 processed in N groups one after another and merged at the end (parallelism comes from
 --workers); the result is identical to one partition. Outputs are written under temporary
 names and renamed into place when complete.
+
+Beside each pair goes `{prefix}.tokenizer.json` (after it, atomically): the tokenizer's
+fingerprint and the largest token id written, so that training can refuse a corpus made with
+another tokenizer; the `.idx` stays byte-identical to Megatron's.
 """
 import argparse
 import collections
@@ -53,6 +57,11 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     data_file_path,
     index_file_path,
 )
+from megatron.core.datasets.tokenizer_sidecar import (  # noqa: E402
+    remove_sidecar,
+    sidecar_path,
+    write_sidecar,
+)
 from megatron.training.corpus.encoder import Encoder, encode_in_worker, init_worker  # noqa: E402
 from megatron.training.corpus.inputs import (  # noqa: E402
     CorruptInput,
@@ -68,6 +77,7 @@ from megatron.training.corpus.readers import (  # noqa: E402, F401 (partition_bo
     plan_partitions,
 )
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer_from_args  # noqa: E402
+from megatron.training.tokenizer.fingerprint import fingerprint_from_args  # noqa: E402
 
 
 def get_args(argv=None):
@@ -175,10 +185,20 @@ def disk_full_message(args, progress):
             f"(the partial output was removed)")
 
 
-def process(args, encoder, pool, prefixes, progress, tasks, written, final=True):
+def finish_output(builder, prefix, largest, tokenizer_fingerprint, written):
+    """Put one output in place: the .bin/.idx pair, then its tokenizer sidecar (a stale one
+    goes first, so the new pair never sits beside it)."""
+    remove_sidecar(prefix)
+    builder.finalize(index_file_path(prefix))
+    written.append(prefix)
+    write_sidecar(prefix, tokenizer_fingerprint, largest)
+
+
+def process(args, encoder, pool, prefixes, progress, tasks, written, largest, final=True):
     """Tokenize the tasks' documents into datasets at `prefixes` (key -> prefix), appending
-    each finalized prefix to `written`. `final`: these are the outputs (not parts to merge),
-    which must hold documents."""
+    each finalized prefix to `written` and keeping each key's largest token id in `largest`
+    (seen as the tokens are written: no second pass). `final`: these are the outputs (not
+    parts to merge), which must hold documents, and get their tokenizer sidecar."""
     builders = {key: IndexedDatasetBuilder(data_file_path(prefix), dtype=encoder.dtype)
                 for key, prefix in prefixes.items()}
     try:
@@ -191,12 +211,18 @@ def process(args, encoder, pool, prefixes, progress, tasks, written, final=True)
             for key, (tokens, lengths) in encoded.arrays.items():
                 progress.tokens_bytes += tokens.nbytes
                 builders[key].add_documents(tokens, lengths)
+                if len(tokens):
+                    largest[key] = max(largest.get(key, 0), int(tokens.max()))
         if final:
             progress.check_documents(args.input, args.json_keys)
         for key, prefix in prefixes.items():
-            builders[key].finalize(index_file_path(prefix))
+            if final:
+                finish_output(builders[key], prefix, largest.get(key),
+                              args.tokenizer_fingerprint, written)
+            else:
+                builders[key].finalize(index_file_path(prefix))
+                written.append(prefix)
             del builders[key]
-            written.append(prefix)
     finally:
         for builder in builders.values():  # only those not finalized: an error stopped us
             builder.abort()
@@ -204,6 +230,7 @@ def process(args, encoder, pool, prefixes, progress, tasks, written, final=True)
 
 def main(argv=None):
     args, tokenizer = get_args(argv)
+    args.tokenizer_fingerprint = fingerprint_from_args(args, tokenizer)
     encoder = Encoder(args, tokenizer)
     outputs = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     progress = Progress(args.log_interval)
@@ -212,7 +239,7 @@ def main(argv=None):
         run(args, encoder, outputs, progress, written)
     except (BadLine, NoDocuments, CorruptInput, OSError) as e:
         for prefix in written:
-            for path in (data_file_path(prefix), index_file_path(prefix)):
+            for path in (data_file_path(prefix), index_file_path(prefix), sidecar_path(prefix)):
                 if os.path.exists(path):
                     os.remove(path)
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -227,7 +254,8 @@ def main(argv=None):
         return 1
     print(progress.summary(), file=sys.stderr)
     for key, prefix in outputs.items():
-        print(f"wrote {prefix}.bin/.idx (dtype {encoder.dtype.name})", file=sys.stderr)
+        print(f"wrote {prefix}.bin/.idx (dtype {encoder.dtype.name}) and "
+              f"{os.path.basename(sidecar_path(prefix))}", file=sys.stderr)
     return 0
 
 
@@ -235,13 +263,15 @@ def run(args, encoder, outputs, progress, written):
     """Tokenize the input into `outputs` (key -> prefix), via partitions if asked."""
     pool = None
     part_dir = None
+    largest = {}  # key -> the largest token id written under it
     try:
         if args.workers > 1:
             import multiprocessing
             pool = multiprocessing.Pool(args.workers, initializer=init_worker, initargs=(args,))
         groups, reader = plan_partitions(args.files, args.partitions), TaskReader()
         if len(groups) == 1:
-            process(args, encoder, pool, outputs, progress, reader.tasks(groups[0]), written)
+            process(args, encoder, pool, outputs, progress, reader.tasks(groups[0]), written,
+                    largest)
             return
         part_dir = tempfile.mkdtemp(prefix=".preprocess_data-",
                                     dir=os.path.dirname(os.path.abspath(args.output_prefix)))
@@ -249,15 +279,15 @@ def run(args, encoder, outputs, progress, written):
                  for i in range(len(groups))]
         for group, prefixes in zip(groups, parts):
             process(args, encoder, pool, prefixes, progress, reader.tasks(group), [],
-                    final=False)
+                    largest, final=False)
         progress.check_documents(args.input, args.json_keys)
         for key, prefix in outputs.items():
             merged = IndexedDatasetBuilder(data_file_path(prefix), dtype=encoder.dtype)
             try:
                 for part in parts:
                     merged.add_index(part[key])
-                merged.finalize(index_file_path(prefix))
-                written.append(prefix)
+                finish_output(merged, prefix, largest.get(key), args.tokenizer_fingerprint,
+                              written)
             except BaseException:
                 merged.abort()
                 raise

@@ -26,6 +26,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.checkpointing.preflight import check_checkpoint_start
 from megatron.training.data.batch import stage_needs_data
+from megatron.training.data.corpus_tokenizer import check_corpus_tokenizers
 from megatron.training.data.samplers import (
     DataLoaderStalled,
     build_pretraining_data_loader,
@@ -59,6 +60,7 @@ from megatron.training.memory.estimate import optimizer_setup_from, report_theor
 from megatron.training.memory.modes import mode_name
 from megatron.training.planner.moe_cost import effective_ffn_hidden_size
 from megatron.training.tokenizer.build import build_tokenizer_from_args
+from megatron.training.tokenizer.fingerprint import fingerprint_from_args
 from megatron.training.training import build_model, evaluate, train_step
 from megatron.training.training_config import H100_BF16_PEAK_TFLOPS
 
@@ -211,6 +213,10 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device,
                         t.distributed_timeout_minutes, args.context_parallel_size,
                         *expert_sizes(configs.transformer))
+    vocab_size = configs.model_kwargs["vocab_size"]
+    # Each corpus's tokenizer sidecar against this run's tokenizer, before any model is built.
+    sidecar_checked = check_corpus_tokenizers(
+        args, fingerprint_from_args(args, tokenizer), vocab_size)
     model = build_model(_with_configs(model_provider, configs), configs.transformer,
                         configs.ddp, t.seed)
     optimizer = get_megatron_optimizer(configs.optimizer, model)
@@ -236,8 +242,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     evals = train_iters // t.eval_interval + 1 if t.eval_interval else 0
     samples_needed = [train_iters * gbs, evals * t.eval_iters * gbs, t.eval_iters * gbs]
     datasets = _with_configs(train_valid_test_datasets_provider, configs)(samples_needed)
-    vocab_size = configs.model_kwargs["vocab_size"]
-    check_datasets_at_start(datasets, vocab_size)  # a bounded read of each .bin
+    # A bounded read of each .bin that no sidecar vouched for.
+    check_datasets_at_start(datasets, vocab_size, checked=sidecar_checked)
     counts = parameter_counts(model)  # collective
     if dist.get_rank() == 0:
         memory_mode = mode_name(optimizer_setup_from(

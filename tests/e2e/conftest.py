@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.core.datasets.tokenizer_sidecar import SIDECAR_SUFFIX
 from tests.e2e.runner import ROOT
 
 
@@ -42,7 +43,7 @@ def quickstart_data(tmp_path_factory):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for name in names:  # Megatron launch lines name datasets without the suffix
-        for ext in (".bin", ".idx"):
+        for ext in (".bin", ".idx", SIDECAR_SUFFIX):
             os.replace(data / f"corpus_{name}_document{ext}", data / f"{name}{ext}")
     return SimpleNamespace(root=root, data=str(data), tokenizer=stats["tokenizer"],
                            vocab_size=stats["vocab_size"])

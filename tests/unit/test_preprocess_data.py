@@ -120,7 +120,8 @@ def warnings(stderr):
 def test_tokens_equal_the_tokenizer_per_good_document(runs):
     rc, err, out = runs["results"]["w1"]
     assert rc == 0, err
-    assert sorted(os.listdir(out)) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(os.listdir(out)) == ["out_text_document.bin", "out_text_document.idx",
+                                      "out_text_document.tokenizer.json"]
     ds = IndexedDataset(str(out / "out_text_document"))
     bpe = runs["bpe"]
     eod = bpe.token_to_id("<|endoftext|>")
@@ -157,7 +158,8 @@ def test_three_partitions_equal_one(runs):
     _, _, w1 = runs["results"]["w1"]
     rc, err, p3 = runs["results"]["p3"]
     assert rc == 0, err
-    assert sorted(os.listdir(p3)) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(os.listdir(p3)) == ["out_text_document.bin", "out_text_document.idx",
+                                     "out_text_document.tokenizer.json"]
     assert same_output(p3, w1)
     assert warnings(err) == warnings(runs["results"]["w1"][1])  # line numbers continue
 

@@ -138,7 +138,7 @@ def test_partitions_of_a_mixed_directory_equal_one(tool, corpus, reference, tmp_
                       "--workers", 2, "--partitions", 3) == 0
     assert output_bytes(tmp_path / "out") == reference
     assert sorted(os.listdir(tmp_path)) == [f"out_{k}_document{e}" for k in KEYS
-                                            for e in (".bin", ".idx")]
+                                            for e in (".bin", ".idx", ".tokenizer.json")]
     assert f"Done: {N_DOCS} documents from 500 lines and 200 rows" in capsys.readouterr().err
 
 

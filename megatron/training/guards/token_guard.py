@@ -6,6 +6,8 @@ ids no rank owns; the labels overflow the loss).
 Two checks, both of bounded cost:
 - at start, ``check_datasets_at_start`` reads the first ``SAMPLE_BYTES`` of each ``.bin``
   the training datasets use (a bounded read, whatever the file's size) and names the dataset;
+  a corpus whose tokenizer sidecar vouched for its largest id (data/corpus_tokenizer.py) is
+  complete already and is skipped;
 - during training, ``TokenGuard.sanitize`` ORs a device-side flag per micro batch (no host
   sync) and replaces bad ids by 0 so the step runs; ``TokenGuard.check`` reads the flag at the
   log interval and before a save (all ranks agree with one all-reduce) and, when set, scans
@@ -95,10 +97,14 @@ def _where(dataset: IndexedDataset, found: Tuple[int, int], vocab_size: int) -> 
 
 
 def check_datasets_at_start(datasets: Iterable, vocab_size: int,
-                            sample_bytes: int = SAMPLE_BYTES) -> None:
+                            sample_bytes: int = SAMPLE_BYTES, checked: Iterable[str] = ()) -> None:
     """Raise TokenIdError naming the first dataset whose sampled ids leave the vocabulary.
+    ``checked``: prefixes (absolute) already known to be inside it (their sidecar), not read.
     Every rank sees the same files, so every rank raises alike (no collective needed)."""
+    checked = set(checked)
     for dataset in indexed_datasets(datasets):
+        if os.path.abspath(dataset.path_prefix) in checked:
+            continue
         found = sample_bad_id(dataset, vocab_size, sample_bytes)
         if found is not None:
             raise TokenIdError(f"{_where(dataset, found, vocab_size)}: the data was made "
