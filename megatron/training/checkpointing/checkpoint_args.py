@@ -5,7 +5,6 @@ The args are read as ``load_checkpoint`` reads them (the same iteration: --ckpt-
 the tracker's; the sharded format's JSON index, or the torch format's first rank file through
 ``safe_load``, which unpickles tensors and plain containers only)."""
 import os
-import sys
 from typing import Dict, Optional, Tuple
 
 from megatron.training.checkpointing.architecture import take_architecture
