@@ -24,7 +24,11 @@ from megatron.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron.training.checkpointing.preflight import check_checkpoint_start
+from megatron.training.checkpointing.checkpoint_args import use_checkpoint_args
+from megatron.training.checkpointing.preflight import (
+    check_checkpoint_start,
+    record_tokenizer_fingerprint,
+)
 from megatron.training.data.batch import stage_needs_data
 from megatron.training.data.corpus_tokenizer import check_corpus_tokenizers
 from megatron.training.data.samplers import (
@@ -70,14 +74,14 @@ _SILENT_RANK_GRACE_S = 1.0
 def _configs_or_exit(argv: Optional[Sequence[str]]):
     """Parse and validate everything; on a problem print one message and exit non-zero."""
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, before_checks=use_checkpoint_args)  # before configs exist
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         build_configs(args, world_size)  # flags and files, before the tokenizer is loaded
         check_training_microbatches(args)
         tokenizer = build_tokenizer_from_args(args)
         return args, build_configs(args, world_size, tokenizer), tokenizer
-    except (ConfigError, ValueError, FileNotFoundError, PermissionError, NotADirectoryError,
-            IsADirectoryError) as exc:
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, PermissionError,
+            NotADirectoryError, IsADirectoryError) as exc:
         report_error(exc)  # rank 0 says it; every rank exits alike
         if not is_reporting_rank():
             # The first worker to exit makes torchrun SIGTERM the others: leave rank 0 the
@@ -225,7 +229,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
               flush=True)
     configs.transformer.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **configs.scheduler_kwargs)
-    resumed = _load_or_exit(model, optimizer, scheduler, configs)
+    record_tokenizer_fingerprint(args, tokenizer)  # the load compares its vocabulary size
+    resumed = _load_or_exit(model, optimizer, scheduler, configs, vars(args))
     check_checkpoint_start(args, configs, model, resumed, tokenizer)  # --save, tokenizer
     progress.iteration = resumed.iteration
     if resumed.path:
@@ -388,9 +393,9 @@ def _exit_with(exc: Exception, code: int) -> None:
     exit_with_error(exc, code)
 
 
-def _load_or_exit(model, optimizer, scheduler, configs) -> LoadedCheckpoint:
+def _load_or_exit(model, optimizer, scheduler, configs, run_args: dict) -> LoadedCheckpoint:
     try:
-        resumed = load_checkpoint(model, optimizer, scheduler, configs)
+        resumed = load_checkpoint(model, optimizer, scheduler, configs, run_args)
     except CheckpointError as exc:
         _exit_with(exc, code=1)
     if dist.get_rank() == 0 and configs.training.load is not None:

@@ -278,6 +278,11 @@ def _add_checkpoint_args(parser):
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the model's architecture (layers, sizes, heads, positions and "
+                        "RoPE, norms, activation, biases, experts) from the args recorded in "
+                        "the checkpoint at --load, over the command line's; the tokenizer "
+                        "flags stay this run's.")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
                    help="torch_dist (default): every rank writes its own shard (safetensors "

@@ -12,7 +12,7 @@ non-zero before any process group or file is touched.
 import argparse
 import difflib
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from megatron.training.arguments.definitions import get_parser
 from megatron.training.arguments.ranges import check_flag_ranges
@@ -232,14 +232,20 @@ def _check_positions(args):
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
-               parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+               parser: Optional[argparse.ArgumentParser] = None,
+               before_checks: Optional[Callable[[argparse.Namespace], None]] = None
+               ) -> argparse.Namespace:
     """Parse Megatron flags (``sys.argv[1:]`` when ``argv`` is None); ConfigError on any problem.
 
-    Scripts add their own flags by passing a parser from ``get_parser()`` they extended."""
+    Scripts add their own flags by passing a parser from ``get_parser()`` they extended.
+    ``before_checks`` may fill in flags first (--use-checkpoint-args: the checkpoint's
+    architecture, so those flags need not be on the command line)."""
     parser = parser or get_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:
         raise _unknown_flags_error(parser, extras)
+    if before_checks is not None:
+        before_checks(args)
     return validate_args(args)
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.architecture import architecture_mismatch
 from megatron.training.checkpointing.expert_files import has_experts, load_experts
 from megatron.training.checkpointing.layout import current_layout, model_key, same_model_cut
 from megatron.training.checkpointing.paths import (
@@ -67,8 +68,9 @@ class _Read:
     scheduler: Optional[Dict] = None
 
 
-def _choose_iteration(t):
-    """(iteration, release) to load, or None for a fresh start."""
+def choose_iteration(t):
+    """(iteration, release) to load, or None for a fresh start (``t``: anything with the
+    ``load``, ``ckpt_step`` and ``save`` settings: a TrainingConfig, parsed args)."""
     if t.ckpt_step is not None:
         if not os.path.isdir(os.path.join(t.load, iteration_dir_name(t.ckpt_step))):
             raise CheckpointError(
@@ -135,9 +137,20 @@ def _check_architecture(chunks, states: List[Dict[str, torch.Tensor]]) -> None:
                                   f"{extra[0]}, which this model does not.")
 
 
-def _read(model_chunks, configs) -> Optional[_Read]:
+def _check_flags_match(record, run_args: Optional[Dict], iteration_dir: str) -> None:
+    """The architecture the checkpoint's saved args record is this run's (``run_args``:
+    its flags as a dict; None skips the check, e.g. for a model built from those args)."""
+    saved = record.get("args") if isinstance(record, dict) else None
+    if run_args is None or not isinstance(saved, dict):
+        return
+    problem = architecture_mismatch(saved, run_args, iteration_dir)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _read(model_chunks, configs, run_args: Optional[Dict] = None) -> Optional[_Read]:
     t = configs.training
-    chosen = _choose_iteration(t)
+    chosen = choose_iteration(t)
     if chosen is None:
         return None
     iteration, release = chosen
@@ -147,7 +160,8 @@ def _read(model_chunks, configs) -> Optional[_Read]:
                               f"{iteration_dir}, which does not exist; load another iteration "
                               f"with --ckpt-step.")
     if is_sharded_checkpoint(iteration_dir):
-        return _read_sharded(model_chunks, configs, iteration_dir, iteration, release)
+        return _read_sharded(model_chunks, configs, iteration_dir, iteration, release,
+                             run_args)
     if is_fsdp2(model_chunks):
         raise CheckpointError(f"{iteration_dir} is in the torch format; --use-torch-fsdp2 loads "
                               f"the sharded format only: resume it once without "
@@ -164,6 +178,7 @@ def _read(model_chunks, configs) -> Optional[_Read]:
     if saved_layout is None:
         raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "
                               f"(no layout record); convert it with tools/checkpoint.")
+    _check_flags_match(probe, run_args, iteration_dir)
     check_rank_dirs_complete(iteration_dir, rank_dirs, saved_layout)
     load_optim = not (t.finetune or t.no_load_optim or release)
     notes = []
@@ -209,10 +224,11 @@ def _read(model_chunks, configs) -> Optional[_Read]:
 
 
 def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
-                  release: bool) -> _Read:
+                  release: bool, run_args: Optional[Dict] = None) -> _Read:
     """The sharded format: this rank's ranges of every tensor, whatever the saved layout."""
     t = configs.training
     meta = read_metadata(iteration_dir)
+    _check_flags_match(meta, run_args, iteration_dir)
     reader = ShardedReader(iteration_dir, meta)
     layout = current_layout(model_chunks, configs)
     saved_layout = meta.get("layout") or {}
@@ -270,13 +286,16 @@ def _agree_on_errors(error: Optional[str]) -> None:
         raise CheckpointError(failed[0])
 
 
-def load_checkpoint(model_chunks, optimizer, scheduler, configs) -> LoadedCheckpoint:
-    """Collective: every rank calls it after building its model, optimizer and scheduler."""
+def load_checkpoint(model_chunks, optimizer, scheduler, configs,
+                    run_args: Optional[Dict] = None) -> LoadedCheckpoint:
+    """Collective: every rank calls it after building its model, optimizer and scheduler.
+    ``run_args`` (this run's flags, ``vars(args)``): the checkpoint's recorded architecture
+    must match them (architecture.py), --finetune or not."""
     if configs.training.load is None:
         return LoadedCheckpoint()
     read, error = None, None
     try:
-        read = _read(model_chunks, configs)
+        read = _read(model_chunks, configs, run_args)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # e.g. shards that do not fit together: still stop every rank

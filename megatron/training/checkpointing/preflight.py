@@ -126,14 +126,26 @@ def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
               f"disk.", file=sys.stderr, flush=True)
 
 
-def check_tokenizer(args, resumed, tokenizer=None) -> None:
-    """Record this run's tokenizer fingerprint in ``args`` (saved with every checkpoint) and
-    warn, on rank 0, when the loaded checkpoint was trained with another tokenizer."""
+def record_tokenizer_fingerprint(args, tokenizer=None) -> Optional[dict]:
+    """Record this run's tokenizer fingerprint in ``args`` (saved with every checkpoint; the
+    load compares its vocabulary size with the checkpoint's); None without tokenizer flags."""
+    current = getattr(args, tokenizer_fingerprint.FINGERPRINT_ARG, None)
+    if current is not None:
+        return current
     try:
         current = tokenizer_fingerprint.fingerprint_from_args(args, tokenizer)
     except (ValueError, FileNotFoundError):  # no tokenizer flags (a test's bare args)
-        return
+        return None
     setattr(args, tokenizer_fingerprint.FINGERPRINT_ARG, current)
+    return current
+
+
+def check_tokenizer(args, resumed, tokenizer=None) -> None:
+    """Record this run's tokenizer fingerprint in ``args`` and warn, on rank 0, when the
+    loaded checkpoint was trained with another tokenizer."""
+    current = record_tokenizer_fingerprint(args, tokenizer)
+    if current is None:
+        return
     saved = getattr(resumed, "tokenizer", None)
     if is_reporting_rank() and tokenizer_fingerprint.differ(saved, current):
         print(tokenizer_fingerprint.mismatch_warning(saved, current, resumed.path,
