@@ -281,6 +281,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                             log_timers_to_tensorboard=t.log_timers_to_tensorboard,
                             log_batch_size_to_tensorboard=t.log_batch_size_to_tensorboard,
                             log_validation_ppl_to_tensorboard=t.log_validation_ppl_to_tensorboard,
+                            log_learning_rate_to_tensorboard=t.log_learning_rate_to_tensorboard,
+                            log_loss_scale_to_tensorboard=t.log_loss_scale_to_tensorboard,
                             log_throughput=t.log_throughput, timers=timers,
                             wandb_project=t.wandb_project, wandb_exp_name=t.wandb_exp_name,
                             wandb_save_dir=resolve_save_dir(t.wandb_save_dir, t.save),

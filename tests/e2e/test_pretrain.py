@@ -101,3 +101,17 @@ def test_tensorboard_holds_the_logged_values(tmp_path):
         assert abs(got - printed) <= 1e-6 * abs(printed)  # printed with 7 digits
     assert [e.step for e in events.Scalars("lm loss validation")] == [3, 6]
     assert abs(events.Scalars("lm loss validation")[-1].value - valid[-1]) <= 1e-6 * valid[-1]
+
+
+def test_tensorboard_leaves_out_what_the_no_log_flags_say(tmp_path):
+    """--no-log-learning-rate/loss-scale-to-tensorboard reach the logger (they were dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = TINY + LLAMA + ["--tensorboard-dir", str(tmp_path), "--train-iters", "2",
+                            "--no-log-learning-rate-to-tensorboard",
+                            "--no-log-loss-scale-to-tensorboard"]
+    parse_losses(run_script("pretrain_llama.py", flags))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert "lm loss" in tags and not tags & {"learning-rate", "loss-scale"}, tags

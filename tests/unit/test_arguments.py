@@ -120,7 +120,8 @@ def test_modern_spellings():
                  "--end-weight-decay", "0.1", "--lr-decay-style", "WSD",
                  "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", "4",
                  "--use-checkpoint-opt_param-scheduler", "--no-load-rng", "--ckpt-step", "20",
-                 "--async-save", "--exit-interval", "5", "--exit-duration-in-mins", "1.5",
+                 "--async-save", "--save", "ck", "--load", "ck", "--exit-interval", "5",
+                 "--exit-duration-in-mins", "1.5",
                  "--eval-iters", "3", "--device", "cpu", "--recompute-granularity", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1",
                  "--distribute-saved-activations")
@@ -247,7 +248,8 @@ def test_world_and_model_errors(extra, world, message):
      "--num-layers-per-virtual-pipeline-stage 3"),
     (["--max-position-embeddings", "16"], "--seq-length 32 is longer than "
      "--max-position-embeddings 16, the size of the learned position table"),
-    (["--use-rope-scaling", "--rope-high-freq-factor", "1"],
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-high-freq-factor",
+      "1"],
      "--rope-high-freq-factor 1.0 must be greater than --rope-low-freq-factor 1.0"),
     (["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu both choose the MLP activation"),
     (["--max-consecutive-nan-iterations", "0"], "--max-consecutive-nan-iterations must be >= 1"),
@@ -291,7 +293,7 @@ def test_neither_train_length_and_required_flags():
     (["--lr-warmup-fraction", "1.0"], "learning-rate flags: OptimizerParamScheduler: "
                                       "--lr-warmup-iters/--lr-warmup-samples (20.0) must be"),
     (["--min-lr", "1"], "--min-lr (1.0) must be <= --lr"),
-    (["--initial-loss-scale", "0.5"],
+    (["--fp16", "--initial-loss-scale", "0.5"],
      "optimizer flags: need 0 < --min-loss-scale <= --initial-loss-scale"),
     (["--recompute-granularity", "full"], "full recomputation needs recompute_method"),
 ])
@@ -424,7 +426,11 @@ def test_rope_seq_length_past_max_positions_warns_once_from_rank_0(capsys, monke
     assert warning == ("warning: --seq-length 32 is longer than --max-position-embeddings 16: "
                        "RoPE computes every position, so training uses all 32, but the model "
                        "records a context of 16 (an HF export's max_position_embeddings); pass "
-                       "--max-position-embeddings 32 to record the length trained on.\n")
+                       "--max-position-embeddings 32 to record the length trained on, or, to "
+                       "extend a model trained at 16 positions, --use-rope-scaling "
+                       "--rope-scaling-factor 2 --rope-original-max-position-embeddings 16.\n")
+    parse_args(argv + ["--use-rope-scaling"])  # scaling on already: only the recorded length
+    assert capsys.readouterr().err.endswith("to record the length trained on.\n")
     monkeypatch.setenv("RANK", "1")
     parse_args(argv)
     assert capsys.readouterr().err == ""

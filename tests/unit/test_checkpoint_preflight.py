@@ -13,18 +13,18 @@ from megatron.training.checkpointing.disk_space import (
 )
 from megatron.training.checkpointing.load import check_rank_dirs_complete
 from megatron.training.checkpointing.paths import CheckpointError
-from megatron.training.checkpointing.preflight import create_save_directory, probe_writable
+from megatron.training.checkpointing.preflight import create_output_directory, probe_writable
 from megatron.training.checkpointing.safe_io import atomic_save
 from megatron.training.tokenizer import fingerprint as fp
 from megatron.training.tokenizer.null import NullTokenizer
 
 
-def test_create_save_directory_says_what_blocks_it(tmp_path):
+def test_create_output_directory_says_what_blocks_it(tmp_path):
     (tmp_path / "f").write_text("x")
-    assert "is a file, not a directory" in create_save_directory(str(tmp_path / "f"))
-    problem = create_save_directory(str(tmp_path / "f" / "a" / "b"))
+    assert "is a file, not a directory" in create_output_directory(str(tmp_path / "f"))
+    problem = create_output_directory(str(tmp_path / "f" / "a" / "b"))
     assert f"{tmp_path / 'f'} is a file, not a directory" in problem
-    assert create_save_directory(str(tmp_path / "new" / "dir")) is None
+    assert create_output_directory(str(tmp_path / "new" / "dir")) is None
     assert (tmp_path / "new" / "dir").is_dir()
 
 

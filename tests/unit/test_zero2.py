@@ -313,7 +313,7 @@ def test_a_backward_without_zero_grad_buffer_after_the_step_fails_clearly():
 def test_the_flag_needs_a_distributed_optimizer():
     with pytest.raises(ValueError, match="--shard-gradients needs"):
         DistributedDataParallelConfig(shard_gradients=True)
-    assert "--shard-gradients needs --use-distributed-optimizer" in error_of(
+    assert "--shard-gradients has no effect without --use-distributed-optimizer" in error_of(
         small("--shard-gradients"))
 
 

@@ -3,6 +3,8 @@
     definitions.py  the argparse parser, group by group (``get_parser``), and ``NOOP_FLAGS``
     moe.py          the mixture-of-experts flags and their mapping onto MoEConfig
     ranges.py       every numeric flag's valid range
+    dependencies.py the flags that mean something only with another (``DEPENDENCIES``, one
+                    table), refused when typed without it
     parse.py        ``parse_args`` / ``validate_args``: old spellings folded, checks that need
                     no world size
     configs.py      ``build_configs(args, world_size)``: the checks that need the world size or

@@ -15,6 +15,7 @@ import sys
 from typing import Callable, List, Optional, Sequence
 
 from megatron.training.arguments.definitions import get_parser
+from megatron.training.arguments.dependencies import check_flag_dependencies, given_dests
 from megatron.training.arguments.ranges import check_flag_ranges
 from megatron.training.guards.errors import is_reporting_rank
 from megatron.training.training_config import ConfigError
@@ -216,7 +217,8 @@ def _check_context_parallel(args):
 
 def _check_positions(args):
     """--seq-length against --max-position-embeddings: learned positions have a table of that
-    size (an error past it); RoPE computes positions (the value is only recorded: a warning)."""
+    size (an error past it); RoPE computes positions (the value is only recorded: a warning
+    naming the rope scaling flags); no position embedding: nothing to check."""
     seq, table = args.seq_length, args.max_position_embeddings
     if seq <= table:
         return
@@ -225,28 +227,40 @@ def _check_positions(args):
           f"the learned position table (positions past it have no embedding); raise "
           f"--max-position-embeddings to {seq} or shorten --seq-length.")
     if args.position_embedding_type == "rope":
+        # Past the trained context, unscaled RoPE meets rotation angles it never saw: name
+        # the scaling flags unless they are on already.
+        scaling = "" if getattr(args, "use_rope_scaling", False) else (
+            f", or, to extend a model trained at {table} positions, --use-rope-scaling "
+            f"--rope-scaling-factor {seq / table:g} --rope-original-max-position-embeddings "
+            f"{table}")
         _warn(f"--seq-length {seq} is longer than --max-position-embeddings {table}: RoPE "
               f"computes every position, so training uses all {seq}, but the model records "
               f"a context of {table} (an HF export's max_position_embeddings); pass "
-              f"--max-position-embeddings {seq} to record the length trained on.")
+              f"--max-position-embeddings {seq} to record the length trained on{scaling}.")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
                parser: Optional[argparse.ArgumentParser] = None,
                before_checks: Optional[Callable[[argparse.Namespace], None]] = None
                ) -> argparse.Namespace:
-    """Parse Megatron flags (``sys.argv[1:]`` when ``argv`` is None); ConfigError on any problem.
+    """Parse Megatron flags (``sys.argv[1:]`` when ``argv`` is None); ConfigError on any problem,
+    a flag typed without the flag it needs included (dependencies.py).
 
     Scripts add their own flags by passing a parser from ``get_parser()`` they extended.
     ``before_checks`` may fill in flags first (--use-checkpoint-args: the checkpoint's
     architecture, so those flags need not be on the command line)."""
     parser = parser or get_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
         raise _unknown_flags_error(parser, extras)
+    given = given_dests(parser, argv, args)  # before validate_args folds and derives values
     if before_checks is not None:
         before_checks(args)
-    return validate_args(args)
+    validate_args(args)
+    # Only here: a Namespace from a checkpoint (validate_args alone) has no command line.
+    check_flag_dependencies(parser, args, given)
+    return args
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """Checks made once the model is built and any checkpoint loaded, before data and iteration 1:
-the --save directory can be written (and roughly holds a checkpoint), and the tokenizer is the
-one the loaded checkpoint was trained with. A run must not train for hours to find out."""
+the --save directory can be written (and roughly holds a checkpoint), so can --tensorboard-dir,
+and the tokenizer is the one the loaded checkpoint was trained with. A run must not train for
+hours to find out."""
 import errno
 import os
 import shutil
@@ -27,20 +28,25 @@ def _missing_ancestors(path: str) -> List[str]:
     return missing[::-1]
 
 
-def create_save_directory(path: str) -> Optional[str]:
-    """Create ``path`` as a save would; the problem as one line (what and the fix), or None."""
+_SAVE_CONTENTS = "the checkpoints (a new one, or one holding earlier checkpoints)"
+
+
+def create_output_directory(path: str, flag: str = "--save",
+                          contents: str = _SAVE_CONTENTS) -> Optional[str]:
+    """Create ``path`` as the writer would; the problem as one line (what and the fix), or
+    None. ``flag`` names the flag, ``contents`` what the directory will hold."""
     if os.path.isfile(path):
-        return (f"--save {path} is a file, not a directory; give a directory path for the "
-                f"checkpoints (a new one, or one holding earlier checkpoints).")
+        return (f"{flag} {path} is a file, not a directory; give a directory path for "
+                f"{contents}.")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         blocker = next((p for p in _parents(path) if os.path.exists(p) and not
                         os.path.isdir(p)), None)
         if blocker is not None:
-            return (f"--save {path} cannot be created: {blocker} is a file, not a directory; "
-                    f"choose a --save path whose parents are directories.")
-        return (f"--save {path} cannot be created ({_reason(exc)}); choose a --save directory "
+            return (f"{flag} {path} cannot be created: {blocker} is a file, not a directory; "
+                    f"choose a {flag} path whose parents are directories.")
+        return (f"{flag} {path} cannot be created ({_reason(exc)}); choose a {flag} directory "
                 f"you can write to, or create it first.")
     return None
 
@@ -57,7 +63,7 @@ def _reason(exc: OSError) -> str:
     return "read-only file system" if exc.errno == errno.EROFS else str(exc.strerror).lower()
 
 
-def probe_writable(path: str) -> Optional[str]:
+def probe_writable(path: str, flag: str = "--save") -> Optional[str]:
     """Create and remove a file in ``path`` (permission bits do not stop root, a read-only
     mount does: only a real write tells); the problem as one line, or None."""
     probe = os.path.join(path, f"{_PROBE}.{os.getpid()}")
@@ -65,8 +71,8 @@ def probe_writable(path: str) -> Optional[str]:
         with open(probe, "wb") as f:
             f.write(b"x")
     except OSError as exc:
-        return (f"--save {path} is not writable ({_reason(exc)}); make it writable or choose "
-                f"another --save directory.")
+        return (f"{flag} {path} is not writable ({_reason(exc)}); make it writable or choose "
+                f"another {flag} directory.")
     finally:
         if os.path.exists(probe):
             os.remove(probe)
@@ -107,7 +113,7 @@ def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
     problem = None
     if dist.get_rank() == 0:
         created = _missing_ancestors(save)
-        problem = create_save_directory(save)
+        problem = create_output_directory(save)
     problem = _agree(problem)
     if problem is None and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         problem = probe_writable(save)  # the ranks that will write
@@ -124,6 +130,25 @@ def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
         print(f"warning: --save {save} has {free} bytes free but one checkpoint needs about "
               f"{sum(needed)} bytes: the save will fail; free some space or choose a larger "
               f"disk.", file=sys.stderr, flush=True)
+
+
+def check_tensorboard_directory(tensorboard_dir: Optional[str]) -> None:
+    """Collective. Exit 2 (one line) if --tensorboard-dir cannot be written, probed on the rank
+    that writes the event files (the last), as --save is; a directory created only for the
+    probe is removed again (TensorBoard's writer creates it)."""
+    if tensorboard_dir is None:
+        return
+    path = os.path.abspath(tensorboard_dir)
+    problem = None
+    if dist.get_rank() == dist.get_world_size() - 1:
+        created = _missing_ancestors(path)
+        problem = (create_output_directory(path, "--tensorboard-dir", "the TensorBoard event "
+                                         "files") or probe_writable(path, "--tensorboard-dir"))
+        if created and os.path.isdir(created[0]):
+            shutil.rmtree(created[0], ignore_errors=True)
+    problem = _agree(problem)
+    if problem is not None:
+        exit_with_error(problem, code=2)
 
 
 def record_tokenizer_fingerprint(args, tokenizer=None) -> Optional[dict]:
@@ -158,3 +183,4 @@ def check_checkpoint_start(args, configs, model_chunks, resumed, tokenizer=None)
     if built already)."""
     check_tokenizer(args, resumed, tokenizer)
     check_save_directory(configs.training.save, model_chunks, configs)
+    check_tensorboard_directory(configs.training.tensorboard_dir)

@@ -152,6 +152,24 @@ CASES = [
      ["--use-torch-fsdp2 with --num-experts (mixture of experts) is not supported yet."]),
     ("moe-zero-experts", "pretrain_llama.py", ["--num-experts", "0"], None,
      ["--num-experts must be >= 1, got 0"]),
+    # A flag that means something only with another, given without it (dependencies.py).
+    ("moe-flag-without-experts", "pretrain_llama.py", ["--moe-router-topk", "4"], None,
+     ["--moe-router-topk has no effect without --num-experts N: add --num-experts N or drop "
+      "--moe-router-topk."]),
+    ("expert-parallel-without-experts", "pretrain_llama.py",
+     ["--expert-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     ["--expert-model-parallel-size has no effect without --num-experts N"]),
+    ("pipeline-schedule-without-pipeline", "pretrain_llama.py", ["--pipeline-schedule", "1f1b"],
+     None, ["--pipeline-schedule has no effect without --pipeline-model-parallel-size N (N >= 2)"
+            ": add --pipeline-model-parallel-size N (N >= 2) or drop --pipeline-schedule."]),
+    ("loss-scale-without-fp16", "pretrain_llama.py", ["--loss-scale", "1024"], None,
+     ["--loss-scale has no effect without --fp16: add --fp16 or drop --loss-scale."]),
+    ("fsdp2-flag-without-fsdp2", "pretrain_llama.py", ["--no-reshard-after-forward"], None,
+     ["--no-reshard-after-forward has no effect without --use-torch-fsdp2"]),
+    ("rotary-base-with-learned-positions", "pretrain_gpt.py", ["--rotary-base", "500000"], None,
+     ["--rotary-base has no effect without --position-embedding-type rope"]),
+    ("recompute-method-without-full", "pretrain_llama.py", ["--recompute-method=uniform"], None,
+     ["--recompute-method has no effect without --recompute-granularity full"]),
     ("moe-bad-layer-freq", "pretrain_llama.py",
      ["--num-experts", "4", "--moe-layer-freq", "[1,0]"], None,
      ["moe_layer_freq lists 2 layers, the model has 4"]),
@@ -184,7 +202,8 @@ def test_rope_past_max_positions_trains_with_one_warning():
         "warning: --seq-length 16 is longer than --max-position-embeddings 8: RoPE computes "
         "every position, so training uses all 16, but the model records a context of 8 (an HF "
         "export's max_position_embeddings); pass --max-position-embeddings 16 to record the "
-        "length trained on."]
+        "length trained on, or, to extend a model trained at 8 positions, --use-rope-scaling "
+        "--rope-scaling-factor 2 --rope-original-max-position-embeddings 8."]
     assert " iteration        1/       1 |" in proc.stdout
     assert not error_lines(proc.stderr) and "Traceback" not in proc.stderr
 

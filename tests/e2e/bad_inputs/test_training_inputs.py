@@ -16,7 +16,7 @@ from megatron.core.datasets.indexed_dataset import (
     index_file_path,
 )
 from megatron.training.guards.token_guard import SAMPLE_BYTES
-from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, run_torchrun
+from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, run_torchrun, tmpfs
 from tests.e2e.runner import LLAMA, TINY, finish, start_script, without
 
 SCRIPT = "pretrain_llama.py"
@@ -200,3 +200,44 @@ def test_sigterm_to_the_process_group_with_loader_workers_still_saves(tmp_path):
     assert stopped >= 2
     assert f"received SIGTERM: saving at iteration {stopped} and exiting" in proc.stdout
     assert "Traceback" not in proc.stderr and "error:" not in proc.stderr
+
+
+# --tensorboard-dir that cannot be written: found before iteration 1 (it failed inside it, with
+# a traceback naming no flag), exit 2, nothing created.
+def _tensorboard_is_file(tmp_path):
+    (tmp_path / "tb").write_text("not a directory")
+    return tmp_path / "tb", ("is a file, not a directory",
+                             "give a directory path for the TensorBoard event files")
+
+
+def _tensorboard_under_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return tmp_path / "afile" / "run" / "tb", (f"{tmp_path / 'afile'} is a file",
+                                               "choose a --tensorboard-dir path whose parents "
+                                               "are directories")
+
+
+def _tree(root):
+    """Every directory and file under ``root`` (an empty directory left behind shows too)."""
+    return sorted(os.path.relpath(os.path.join(base, name), root)
+                  for base, dirs, files in os.walk(root) for name in dirs + files)
+
+
+@pytest.mark.parametrize("make", [_tensorboard_is_file, _tensorboard_under_file],
+                         ids=["tensorboard-dir-is-a-file", "tensorboard-dir-under-a-file"])
+def test_unusable_tensorboard_dir_is_an_error_before_training(tmp_path, make):
+    tensorboard_dir, fragments = make(tmp_path)
+    before = _tree(tmp_path)
+    proc = run(SCRIPT, TINY + LLAMA + ["--tensorboard-dir", tensorboard_dir],
+               cwd=str(tmp_path))
+    assert_clean_error(proc, 2, f"--tensorboard-dir {tensorboard_dir}", *fragments)
+    assert _tree(tmp_path) == before
+
+
+def test_read_only_tensorboard_dir_is_an_error_before_training(tmp_path):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mount:
+        proc = run(SCRIPT, TINY + LLAMA + ["--tensorboard-dir", mount / "run" / "tb"])
+        assert_clean_error(proc, 2, f"--tensorboard-dir {mount / 'run' / 'tb'} cannot be "
+                           "created (read-only file system)", "choose a --tensorboard-dir "
+                           "directory you can write to")
+        assert _tree(mount) == []
