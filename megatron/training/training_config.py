@@ -100,3 +100,6 @@ class MegatronConfigs:
     training: TrainingConfig
     # GPTModel keyword arguments that are not part of TransformerConfig.
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # The vocabulary rows a checkpoint keeps: --padded-vocab-size when given (the model's own
+    # rows), else the tokenizer's tokens (TP padding depends on the layout); None: the model's.
+    checkpoint_vocab_size: Optional[int] = None

@@ -37,6 +37,7 @@ from megatron.training.checkpointing.sharded_load import (
     read_optimizer,
     read_rng_state,
 )
+from megatron.training.checkpointing.vocab_check import check_vocabulary
 from megatron.training.tokenizer.fingerprint import FINGERPRINT_ARG
 
 
@@ -165,6 +166,8 @@ def _read(model_chunks, configs) -> Optional[_Read]:
         raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "
                               f"(no layout record); convert it with tools/checkpoint.")
     check_rank_dirs_complete(iteration_dir, rank_dirs, saved_layout)
+    check_vocabulary(saved_layout, layout, configs.model_kwargs.get("vocab_size", 0),
+                     iteration_dir)
     load_optim = not (t.finetune or t.no_load_optim or release)
     notes = []
 
@@ -220,6 +223,8 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
         raise CheckpointError(
             f"the checkpoint is for another architecture: it has {saved_layout.get('num_layers')} "
             f"layers and this model {layout['num_layers']}.")
+    check_vocabulary(saved_layout, layout, configs.model_kwargs.get("vocab_size", 0),
+                     iteration_dir)
     models = ModelReads(reader, model_chunks, layout)
     models.check()
     load_optim = not (t.finetune or t.no_load_optim or release)
