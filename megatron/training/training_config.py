@@ -59,6 +59,7 @@ class TrainingConfig:
     ckpt_step: Optional[int] = None  # load this iteration instead of the tracker's
     async_save: bool = False
     ckpt_format: str = "torch_dist"  # torch_dist (sharded, every rank writes) | torch
+    skip_disk_space_check: bool = False  # a warning, not an error, when a save cannot fit
 
     # --- logging ---
     log_interval: int = 100
