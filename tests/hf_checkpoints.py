@@ -54,12 +54,13 @@ def build_model(name: str, num_layers: int = 4, seed: int = 0):
     return model.eval()
 
 
-def save_tokenizer(path: str) -> None:
-    """A word-level tokenizer of exactly VOCAB tokens (the model's vocabulary)."""
+def save_tokenizer(path: str, tokens: int = VOCAB) -> None:
+    """A word-level tokenizer of exactly ``tokens`` tokens (by default the model's
+    vocabulary)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, tokens)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",

@@ -59,6 +59,7 @@ class TrainingConfig:
     ckpt_step: Optional[int] = None  # load this iteration instead of the tracker's
     async_save: bool = False
     ckpt_format: str = "torch_dist"  # torch_dist (sharded, every rank writes) | torch
+    skip_disk_space_check: bool = False  # a warning, not an error, when a save cannot fit
 
     # --- logging ---
     log_interval: int = 100
@@ -100,3 +101,6 @@ class MegatronConfigs:
     training: TrainingConfig
     # GPTModel keyword arguments that are not part of TransformerConfig.
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # The vocabulary rows a checkpoint keeps: --padded-vocab-size when given (the model's own
+    # rows), else the tokenizer's tokens (TP padding depends on the layout); None: the model's.
+    checkpoint_vocab_size: Optional[int] = None

@@ -325,7 +325,8 @@ def test_tokenizer_supplies_vocab():
     tokenizer = build_tokenizer_from_args(args)
     cfg = build_configs(args, world_size=2, tokenizer=tokenizer)
     assert cfg.model_kwargs["vocab_size"] == tokenizer.vocab_size == 101  # ids + eod
-    assert cfg.model_kwargs["padded_vocab_size"] == args.padded_vocab_size == 112
+    assert cfg.model_kwargs["padded_vocab_size"] == 112
+    assert args.padded_vocab_size is None  # the flag stays the user's: saved args say so
     assert cfg.dataset.eod_token == tokenizer.eod == 100
 
 

@@ -82,7 +82,9 @@ def check_flags_rebuild_model(checkpoint_dir, hf_config, saved_args, world_size)
         assert getattr(configs.transformer, field) == getattr(expected, field), field
     assert configs.model_kwargs["share_embeddings_and_output_weights"] == \
         model_kwargs["share_embeddings_and_output_weights"]
-    assert configs.model_kwargs["padded_vocab_size"] == saved_args["padded_vocab_size"]
+    assert configs.model_kwargs["padded_vocab_size"] == vocab_size_with_padding(
+        VOCAB, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    assert saved_args["padded_vocab_size"] is None  # the tokenizer fills every row: no flag
     # The checkpoint's args (what tools read) say what the flags (what training reads) say;
     # vocab_size, a NullTokenizer flag, records the model's vocabulary for tools.
     assert saved_args["vocab_size"] == VOCAB
@@ -111,7 +113,7 @@ def test_round_trip_is_bitwise(hf_dirs, tmp_path, name, tp, pp, per_stage, fmt):
     full, layout, args = read_model(find_iteration_dir(meg))
     vpp = 2 if per_stage else None
     padded = vocab_size_with_padding(VOCAB, 128, tp)
-    assert args["padded_vocab_size"] == padded and layout["vocab_size"] == VOCAB
+    assert args["padded_vocab_size"] is None and layout["vocab_size"] == VOCAB
     if fmt == "torch":  # a release checkpoint in the asked layout, vocabulary padded
         assert (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
                 layout["virtual_pipeline_model_parallel_size"]) == (tp, pp, vpp)
@@ -325,7 +327,7 @@ def _damaged(tmp_path, hf_dirs, kind):
                  "['BertForMaskedLM'] in"),
     ("bert", [], "supported: LlamaForCausalLM (model_type llama), MistralForCausalLM "
                  "(model_type mistral), GPT2LMHeadModel (model_type gpt2), "
-                 "MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
+                 "Qwen2ForCausalLM (model_type qwen2), MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
                  "qwen2_moe), Qwen3MoeForCausalLM (model_type qwen3_moe)."),
     ("linear_rope", [], "rope scaling type 'linear' is not supported"),
     ("gelu_llama", [], "hidden_act 'gelu' is not supported"),

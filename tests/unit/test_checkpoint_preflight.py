@@ -52,9 +52,12 @@ def test_looks_like_disk_full(exc, free, full):
 
 
 def test_disk_full_message_names_directory_and_bytes():
-    assert disk_full_message("/ckpt/iter_0000002.partial", 1234, 56) == (
-        "no space left on device: writing /ckpt/iter_0000002.partial needs about 1234 bytes, "
-        "56 free; free some space or choose a directory on a larger disk")
+    assert disk_full_message("/ckpt/iter_0000002.partial", 1234, 56, ranks=2) == (
+        "no space left on device: writing /ckpt/iter_0000002.partial needs about 1234 bytes "
+        "on its file system (the 2 ranks writing there), 56 were free when it began; free "
+        "some space or choose a directory on a larger disk")
+    # Free space at least the estimate: said, not left as a contradiction.
+    assert "something else filled the disk meanwhile" in disk_full_message("/c", 10, 20)
 
 
 def test_tree_nbytes_counts_each_storage_once():

@@ -6,6 +6,7 @@ import shutil
 import sys
 
 from megatron.training.checkpointing.disk_space import (
+    DiskFullError,
     disk_full_message,
     free_bytes,
     looks_like_disk_full,
@@ -34,14 +35,18 @@ def staged_output_dir(path: str, needed: int = 0):
     staging = path + ".partial"
     shutil.rmtree(staging, ignore_errors=True)  # a previous run's leftover
     os.makedirs(staging)
+    free_at_start = free_bytes(staging)  # after a failure the removed files count as free
     try:
         yield staging
     except BaseException as exc:
-        full = not isinstance(exc, ConversionError) and \
-            looks_like_disk_full(exc, free_bytes(staging), needed)
+        # DiskFullError: the checkpoint writers' own report, which knows one file's bytes
+        # only; the whole output's estimate is said instead.
+        full = isinstance(exc, DiskFullError) or (not isinstance(exc, ConversionError) and
+                                                  looks_like_disk_full(exc, free_bytes(staging),
+                                                                       needed))
         shutil.rmtree(staging, ignore_errors=True)
         if full:
-            raise ConversionError(disk_full_message(path, needed, free_bytes(path))) from None
+            raise ConversionError(disk_full_message(path, needed, free_at_start)) from None
         raise
     if os.path.isdir(path):
         os.rmdir(path)  # empty, checked above

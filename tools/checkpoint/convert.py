@@ -10,13 +10,15 @@
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
 scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
-window), GPT2LMHeadModel, and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM
+window), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), GPT2LMHeadModel, and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM
 (shared expert with its gate) and Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
 (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``). Megatron checkpoints
 are read in either format (``torch_dist``, the sharded default of training, or ``torch``:
 mp_rank_* files, experts in mp_rank_{etp}_{pp}_{ep}/experts.pt) and written in the one
 ``--ckpt-format`` names (default torch_dist). HF -> Megatron writes a ``release`` checkpoint
-(tracker file included), the vocabulary padded as training pads it, the tokenizer files under
+(tracker file included), the vocabulary padded as training pads it (a model with more
+embedding rows than its tokenizer has tokens, as Qwen's, keeps its rows: the flags say
+``--padded-vocab-size``), the tokenizer files under
 ``CKPT_DIR/tokenizer`` and the launch flags in ``CKPT_DIR/megatron_flags.txt``. Megatron -> HF
 rebuilds config.json from the checkpoint's args and writes sharded safetensors that
 ``AutoModelForCausalLM.from_pretrained`` loads. Megatron -> Megatron at the checkpoint's own
@@ -153,20 +155,27 @@ def hf_to_megatron_cmd(a) -> str:
         if fingerprint is not None:  # what training checks its tokenizer against
             args[FINGERPRINT_ARG] = {**fingerprint, "source": os.path.join(save, TOKENIZER_DIR)}
         size = hf_io.tokenizer_size(tokenizer_src)
-        if size is not None and size != vocab:
+        if size is not None and size > vocab:
             say(f"warning: the tokenizer has {size} tokens but the model's vocabulary "
                 f"{vocab}; training with this tokenizer builds a {size}-token embedding, "
                 f"which does not load this checkpoint.")
     else:
+        size = None
         say(f"note: no tokenizer files in {tokenizer_src}; add your own tokenizer flags when "
             f"training.")
+    explicit = megatron_args.explicit_padding(vocab, size, tp)
+    if explicit is not None:
+        say(f"note: the model has {vocab} embedding rows for the tokenizer's {size} tokens; "
+            f"the checkpoint keeps all of them and its flags say --padded-vocab-size {vocab} "
+            f"(rows {size}.. stay out of the softmax).")
     args = megatron_moe_args.expert_layout_args(megatron_args.layout_args(
-        args, tp, pp, per_stage, vpp, vocab, a.make_vocab_size_divisible_by), ep, etp)
+        args, tp, pp, per_stage, vpp, a.make_vocab_size_divisible_by, explicit), ep, etp)
     dtype = full[_EMBEDDING].dtype
     with staged_output_dir(save, tree_nbytes(full)) as stage:
         hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, gated_mlp=args["swiglu"], tied_output=tied,
-                    target=_target(args, tp, pp, vpp, a.make_vocab_size_divisible_by),
+                    target=_target(args, tp, pp, vpp, _divisor(a.make_vocab_size_divisible_by,
+                                                               explicit)),
                     args=args, iteration=None, ckpt_format=a.ckpt_format,
                     progress=Progress("writing Megatron checkpoint files", _files(a, tp, pp)))
         _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
@@ -178,6 +187,11 @@ def hf_to_megatron_cmd(a) -> str:
 
 def _files(a, tp: int, pp: int) -> int:
     return 1 if a.ckpt_format == "torch_dist" else tp * pp
+
+
+def _divisor(divisible: int, explicit) -> int:
+    """Explicit rows are padded no further (TP divides them: checked)."""
+    return divisible if explicit is None else 1
 
 
 def _target(args, tp: int, pp: int, vpp, divisible: int) -> TargetLayout:
@@ -311,13 +325,17 @@ def megatron_to_megatron_cmd(a) -> str:
     etp = a.expert_tensor_parallel_size
     megatron_moe_args.check_expert_target(args, tp, ep, etp)
     divisible = a.make_vocab_size_divisible_by or args["make_vocab_size_divisible_by"]
+    explicit = megatron_args.saved_explicit_padding(args, vocab)
+    if explicit is not None:
+        megatron_args.explicit_padding(vocab, 0, tp)  # TP must split the model's rows
     args = megatron_moe_args.expert_layout_args(megatron_args.layout_args(
-        args, tp, pp, per_stage, vpp, vocab, divisible), ep, etp)
+        args, tp, pp, per_stage, vpp, divisible, explicit), ep, etp)
     with staged_output_dir(save, tree_nbytes(full)) as stage:
         if os.path.isdir(tokenizer_src):
             hf_io.copy_tokenizer_files(tokenizer_src, os.path.join(stage, TOKENIZER_DIR))
         write_model(stage, full, num_layers, vocab, layout["gated_mlp"], layout["tied_output"],
-                    _target(args, tp, pp, vpp, divisible), args, iteration=iteration,
+                    _target(args, tp, pp, vpp, _divisor(divisible, explicit)), args,
+                    iteration=iteration,
                     ckpt_format=a.ckpt_format,
                     progress=Progress("writing Megatron checkpoint files", _files(a, tp, pp)))
         _write_flags(stage, args, save, LLAMA if args["swiglu"] else GPT2,
@@ -344,7 +362,9 @@ def _convert_format(a, save: str, iteration_dir: str, args, tokenizer_src: str) 
         except CheckpointError as exc:
             raise ConversionError(str(exc)) from None
         resumable = checkpoint.optimizer is not None
-        _write_flags(stage, checkpoint.args, save, LLAMA if args["swiglu"] else GPT2,
+        flag_args = {**checkpoint.args, "padded_vocab_size": megatron_args.saved_explicit_padding(
+            checkpoint.args, checkpoint.layout["vocab_size"])}
+        _write_flags(stage, flag_args, save, LLAMA if args["swiglu"] else GPT2,
                      os.path.abspath(iteration_dir), checkpoint.iteration is None,
                      checkpoint.model[_EMBEDDING].dtype, resumable)
     kept = "model, optimizer, LR schedule" if resumable else "model weights"

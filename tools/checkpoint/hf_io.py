@@ -15,9 +15,11 @@ from conversion_utils import ConversionError, Progress
 
 # architectures entry -> model_type
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "GPT2LMHeadModel": "gpt2", "MixtralForCausalLM": "mixtral",
+             "GPT2LMHeadModel": "gpt2", "Qwen2ForCausalLM": "qwen2",
+             "MixtralForCausalLM": "mixtral",
              "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gpt2": "GPT2Config",
+                   "qwen2": "Qwen2Config",
                    "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
                    "qwen3_moe": "Qwen3MoeConfig"}
 SUPPORTED_TEXT = ", ".join(f"{a} (model_type {t})" for a, t in SUPPORTED.items())
@@ -71,10 +73,13 @@ def check_sliding_window(config, allowed: bool) -> Optional[str]:
     """Mistral's sliding-window attention is LLaMA's attention only while sequences fit in
     the window. Returns a warning when ``allowed``, raises otherwise."""
     window = getattr(config, "sliding_window", None)
-    if config.model_type != "mistral" or window is None or \
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None  # Qwen2 records a window it does not use unless told to
+    if config.model_type not in ("mistral", "qwen2") or window is None or \
             window >= config.max_position_embeddings:
         return None
-    message = (f"this Mistral model uses sliding-window attention (window {window} < "
+    name = "Mistral" if config.model_type == "mistral" else "Qwen2"
+    message = (f"this {name} model uses sliding-window attention (window {window} < "
                f"max_position_embeddings {config.max_position_embeddings}), which this "
                f"framework does not implement: attention is identical for sequences up to "
                f"{window} tokens only")
@@ -170,7 +175,8 @@ def expected_names(model_type: str, num_layers: int, tied: bool, config=None) ->
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"] + \
             [f"self_attn.{x}_proj.weight" for x in "qkvo"] + \
-            [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")] + \
+            ([f"self_attn.{x}_proj.bias" for x in "qkv"] if model_type == "qwen2" else [])
         prefix = "model.layers.{}."
     names += [prefix.format(i) + n for i in range(num_layers) for n in per_layer]
     return names + ([] if tied else ["lm_head.weight"])

@@ -7,8 +7,8 @@ from typing import Dict, List, Optional
 import megatron_moe_args
 from conversion_utils import ConversionError
 from megatron.core.models.hf_conversion import GPT2, LLAMA, config_from_hf
-from megatron.core.utils import vocab_size_with_padding
 from megatron.training.arguments import get_parser
+from megatron.training.tokenizer.vocab_padding import check_splits_over_tensor_parallel
 
 DEFAULT_MAX_SEQ_LENGTH = 4096  # --seq-length recorded when HF allows longer (LLaMA-3.1: 128K)
 
@@ -51,8 +51,10 @@ def check_target(num_layers: int, heads: int, groups: int, ffn_hidden_size: int,
 
 
 def layout_args(args: Dict, tp: int, pp: int, layers_per_virtual_stage: Optional[int],
-                vpp: Optional[int], vocab_size: int, divisible_by: int) -> Dict:
-    """``args`` with the parallel layout (and the vocab padding it implies) replaced."""
+                vpp: Optional[int], divisible_by: int,
+                padded_vocab_size: Optional[int] = None) -> Dict:
+    """``args`` with the parallel layout replaced; ``padded_vocab_size`` is the
+    --padded-vocab-size flag (None: padded as training pads for the layout)."""
     return {**args, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
             "num_layers_per_virtual_pipeline_stage": layers_per_virtual_stage if vpp else None,
             "num_virtual_stages_per_pipeline_rank": None,
@@ -61,7 +63,30 @@ def layout_args(args: Dict, tp: int, pp: int, layers_per_virtual_stage: Optional
             "account_for_embedding_in_pipeline_split": False,
             "account_for_loss_in_pipeline_split": False,
             "make_vocab_size_divisible_by": divisible_by,
-            "padded_vocab_size": vocab_size_with_padding(vocab_size, divisible_by, tp)}
+            "padded_vocab_size": padded_vocab_size}
+
+
+def explicit_padding(rows: int, tokens: Optional[int], tp: int) -> Optional[int]:
+    """--padded-vocab-size for a model of ``rows`` embedding rows and a ``tokens``-token
+    tokenizer: ``rows`` when its authors padded it (Qwen), so training keeps every row; None
+    when the tokenizer fills it (or is unknown). ConversionError when TP cannot split it."""
+    if tokens is None or tokens >= rows:
+        return None
+    try:
+        check_splits_over_tensor_parallel(rows, tp)
+    except ValueError:
+        raise ConversionError(f"the model's {rows} embedding rows (for {tokens} tokens) do not "
+                              f"split evenly over --tensor-model-parallel-size {tp}; choose a "
+                              f"tensor-parallel size that divides {rows}.") from None
+    return rows
+
+
+def saved_explicit_padding(args: Dict, rows: int) -> Optional[int]:
+    """A checkpoint's --padded-vocab-size: its args' value when it is the rows the checkpoint
+    keeps (older checkpoints record the derived padding there, never equal to those rows
+    unless no padding was needed)."""
+    value = args.get("padded_vocab_size")
+    return rows if value == rows else None
 
 
 def args_from_hf(hf_config, tokenizer_dir: Optional[str],
@@ -85,7 +110,7 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
         rotary_base=config.rotary_base, rotary_percent=1.0, use_rope_scaling=scaling,
         normalization=config.normalization, norm_epsilon=config.layernorm_epsilon,
         swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
-        disable_bias_linear=not config.add_bias_linear, add_qkv_bias=False,
+        disable_bias_linear=not config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=not model_kwargs[
             "share_embeddings_and_output_weights"],
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
@@ -109,8 +134,7 @@ def architecture_of_args(args: Dict) -> str:
     if arch == LLAMA:
         wanted = {"normalization": "RMSNorm", "position_embedding_type": "rope",
                   "disable_bias_linear": True, "add_qkv_bias": False, "rotary_percent": 1.0}
-        if megatron_moe_args.hf_model_type_of_args(args):  # Qwen2-MoE has qkv biases
-            del wanted["add_qkv_bias"]
+        del wanted["add_qkv_bias"]  # Qwen2 and Qwen2-MoE have them
     else:
         wanted = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
                   "disable_bias_linear": False, "untie_embeddings_and_output_weights": False}
@@ -155,6 +179,8 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
             tie_word_embeddings=not args["untie_embeddings_and_output_weights"], **common)
         if megatron_moe_args.hf_model_type_of_args(args):
             config = megatron_moe_args.hf_moe_config(args, llama)
+        elif args["add_qkv_bias"]:
+            config = _qwen2_config(llama)
         else:
             config = transformers.LlamaConfig(**llama)
             config.architectures = ["LlamaForCausalLM"]
@@ -169,6 +195,23 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
             tie_word_embeddings=True, **common)
         config.architectures = ["GPT2LMHeadModel"]
     config.dtype = dtype
+    return config
+
+
+def _qwen2_config(llama: Dict):
+    """LLaMA with q/k/v biases is Qwen2 (head_dim hidden/heads, rope without scaling)."""
+    import transformers
+
+    heads = llama["num_attention_heads"]
+    if llama["head_dim"] != llama["hidden_size"] // heads or llama["rope_scaling"]:
+        raise ConversionError("this checkpoint's model has q/k/v biases (Qwen2) but "
+                              f"kv_channels {llama['head_dim']} or rope scaling, which "
+                              f"Qwen2ForCausalLM does not have.")
+    drop = ("head_dim", "rope_scaling", "rope_theta", "attention_bias", "mlp_bias")
+    config = transformers.Qwen2Config(**{k: v for k, v in llama.items() if k not in drop},
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": llama["rope_theta"]})
+    config.architectures = ["Qwen2ForCausalLM"]
     return config
 
 
@@ -219,7 +262,10 @@ def architecture_flags(args: Dict) -> List[str]:
             a.get("tokenizer_name_or_path"):
         flags.append(f"--tokenizer-type {a['tokenizer_type']} --tokenizer-name-or-path "
                      f"{a['tokenizer_name_or_path']}")
-    flags.append(f"--make-vocab-size-divisible-by {a['make_vocab_size_divisible_by']}")
+    if a.get("padded_vocab_size"):  # rows its authors padded: keep them all
+        flags.append(f"--padded-vocab-size {a['padded_vocab_size']}")
+    else:
+        flags.append(f"--make-vocab-size-divisible-by {a['make_vocab_size_divisible_by']}")
     return flags + megatron_moe_args.moe_flags(a)
 
 

@@ -21,9 +21,13 @@ from megatron.core.pipeline_parallel.schedule_order import check_schedule_settin
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.context_parallel import reference_kernel_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import vocab_size_with_padding
 from megatron.training.arguments.moe import moe_config_from_args
 from megatron.training.logging.wandb_log import wandb_missing_reason
+from megatron.training.tokenizer.vocab_padding import (
+    check_splits_over_tensor_parallel,
+    padded_vocab_size,
+    rows_kept_in_checkpoints,
+)
 from megatron.training.training_config import (
     ConfigError,
     MegatronConfigs,
@@ -214,6 +218,14 @@ def _built(what: str, make):
         raise ConfigError(f"{what}: {exc}") from exc
 
 
+def _vocab_checked(make):
+    """vocab_padding's ValueErrors name their flag already."""
+    try:
+        return make()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def params_dtype_of(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
@@ -337,11 +349,18 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
                                  "device": None if args.device == "auto" else args.device})
     model_kwargs = {"share_embeddings_and_output_weights":
                     not args.untie_embeddings_and_output_weights}
+    explicit = getattr(args, "padded_vocab_size", None)  # saved args may lack it
+    _vocab_checked(lambda: check_splits_over_tensor_parallel(
+        explicit, args.tensor_model_parallel_size))
+    checkpoint_vocab_size = None
     if tokenizer is not None:
         model_kwargs["vocab_size"] = tokenizer.vocab_size
-        model_kwargs["padded_vocab_size"] = args.padded_vocab_size = vocab_size_with_padding(
-            tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-            args.tensor_model_parallel_size)
+        # args.padded_vocab_size stays the user's flag (None: derived), so saved args say which.
+        model_kwargs["padded_vocab_size"] = _vocab_checked(lambda: padded_vocab_size(
+            tokenizer.vocab_size, explicit, args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size))
+        checkpoint_vocab_size = rows_kept_in_checkpoints(tokenizer.vocab_size, explicit)
     return MegatronConfigs(transformer=transformer, optimizer=optimizer, ddp=ddp,
                            scheduler_kwargs=scheduler_kwargs, dataset=dataset,
-                           training=training, model_kwargs=model_kwargs)
+                           training=training, model_kwargs=model_kwargs,
+                           checkpoint_vocab_size=checkpoint_vocab_size)

@@ -288,6 +288,10 @@ def _add_checkpoint_args(parser):
                    help="torch_dist (default): every rank writes its own shard (safetensors "
                         "files and a JSON index), loadable at any TP/PP/VPP/DP; torch: "
                         "Megatron's mp_rank_* files. Both load whatever the flag says.")
+    g.add_argument("--skip-disk-space-check", action="store_true",
+                   help="Train even when --save's file system has less free space than one "
+                        "checkpoint needs (a warning instead of the error before iteration "
+                        "1; the save then fails unless space is freed meanwhile).")
 
 
 def _add_logging_args(parser):

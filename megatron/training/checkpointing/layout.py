@@ -25,7 +25,7 @@ def current_layout(model_chunks, configs) -> Dict:
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "num_layers": tc.num_layers,
         "layer_ranges": [chunk_layer_range(c) for c in model_chunks],
-        "vocab_size": first.vocab_size,
+        "vocab_size": getattr(configs, "checkpoint_vocab_size", None) or first.vocab_size,
         "padded_vocab_size": first.padded_vocab_size,
         "gated_mlp": tc.activation == "swiglu",
         "tied_output": bool(first.share_embeddings_and_output_weights),

@@ -38,6 +38,7 @@ from megatron.training.checkpointing.sharded_load import (
     read_optimizer,
     read_rng_state,
 )
+from megatron.training.checkpointing.vocab_check import check_vocabulary
 from megatron.training.tokenizer.fingerprint import FINGERPRINT_ARG
 
 
@@ -180,6 +181,8 @@ def _read(model_chunks, configs, run_args: Optional[Dict] = None) -> Optional[_R
                               f"(no layout record); convert it with tools/checkpoint.")
     _check_flags_match(probe, run_args, iteration_dir)
     check_rank_dirs_complete(iteration_dir, rank_dirs, saved_layout)
+    check_vocabulary(saved_layout, layout, configs.model_kwargs.get("vocab_size", 0),
+                     iteration_dir)
     load_optim = not (t.finetune or t.no_load_optim or release)
     notes = []
 
@@ -236,6 +239,8 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
         raise CheckpointError(
             f"the checkpoint is for another architecture: it has {saved_layout.get('num_layers')} "
             f"layers and this model {layout['num_layers']}.")
+    check_vocabulary(saved_layout, layout, configs.model_kwargs.get("vocab_size", 0),
+                     iteration_dir)
     models = ModelReads(reader, model_chunks, layout)
     models.check()
     load_optim = not (t.finetune or t.no_load_optim or release)

@@ -169,7 +169,7 @@ def write_checkpoint(root: str, model: Dict[str, torch.Tensor], layout: Dict, ar
         rank = coords_rank(coords, layout)
         writers.setdefault(rank, _ShardWriter(rank)).add_rng(state)
     for writer in writers.values():
-        write_atomic(os.path.join(staging, writer.file), staging, 0,
+        write_atomic(os.path.join(staging, writer.file), staging, None,
                      lambda path, w=writer: write_shard_file(path, w.tensors, w.header))
     metadata = {"format": FORMAT, "version": VERSION, "iteration": iteration or 0,
                 "args": plain_data(args), "layout": layout,
@@ -178,7 +178,7 @@ def write_checkpoint(root: str, model: Dict[str, torch.Tensor], layout: Dict, ar
                 "opt_param_scheduler": plain_data(scheduler) if optimizer else None,
                 "optimizer": plain_data(optimizer_meta) if optimizer else None,
                 "tensors": index}
-    write_atomic(os.path.join(staging, METADATA_FILE), staging, 0,
+    write_atomic(os.path.join(staging, METADATA_FILE), staging, None,
                  lambda path: write_json(path, metadata))
     publish(root, staging, name, RELEASE if iteration is None else iteration)
     return os.path.join(root, name)

@@ -63,6 +63,19 @@ def read_tracker(root: str) -> Optional[Tuple[int, bool]]:
     return int(text), False
 
 
+def previous_checkpoint_note(root: str) -> str:
+    """What a failed save leaves as the latest checkpoint of ``root``, for its error line."""
+    try:
+        latest = read_tracker(root)
+    except CheckpointError:
+        latest = None
+    if latest is None:
+        return f"no earlier checkpoint exists in {root}"
+    iteration, release = latest
+    return ("the previous checkpoint (release) remains the latest" if release else
+            f"the previous checkpoint (iteration {iteration}) remains the latest")
+
+
 def write_tracker(root: str, iteration) -> None:
     """Replace the tracker file atomically (write, fsync, rename); ``iteration`` is a number
     or "release"."""

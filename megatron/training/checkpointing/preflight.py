@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
-from megatron.training.checkpointing.disk_space import free_bytes
+from megatron.training.checkpointing.disk_space import space_for_save
 from megatron.training.guards.errors import exit_with_error, is_reporting_rank
 from megatron.training.tokenizer import fingerprint as tokenizer_fingerprint
 
@@ -80,20 +80,36 @@ def probe_writable(path: str, flag: str = "--save") -> Optional[str]:
 
 
 def estimated_checkpoint_bytes(model_chunks, configs) -> int:
-    """This rank's share of one checkpoint (weights + optimizer state); 0 where it writes none
-    (data-parallel ranks > 0)."""
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return 0
+    """This rank's share of one checkpoint (weights + optimizer state): in the sharded format
+    every data-parallel rank writes 1/DP of its (TP, PP) position's bytes; in the torch
+    format DP rank 0 writes them all and the others nothing."""
     weights, numel = 0, 0
     for chunk in model_chunks:
         for tensor in unwrap_model(chunk).state_dict().values():
             weights += tensor.numel() * tensor.element_size()
             numel += tensor.numel()
-    if configs.training.no_save_optim:
-        return weights
-    o = configs.optimizer
-    per_param = (8 if o.optimizer == "adam" else 4) + (4 if (o.fp16 or o.bf16) else 0)
-    return weights + numel * per_param
+    total = weights
+    if not configs.training.no_save_optim:
+        o = configs.optimizer
+        total += numel * ((8 if o.optimizer == "adam" else 4) + (4 if (o.fp16 or o.bf16) else 0))
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    if configs.training.ckpt_format == "torch_dist":
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return -(-total // dp)
+    return total if dp_rank == 0 else 0
+
+
+def _space_problem(save: str, space, skip: bool) -> Optional[str]:
+    """The line for a checkpoint that cannot fit (None when it fits or is unknown)."""
+    if space.free is None or space.free >= space.needed:
+        return None
+    who = f" ({space.ranks} ranks write there)" if space.ranks > 1 else ""
+    what = (f"--save {save} has {space.free} bytes free on its file system but one checkpoint "
+            f"needs about {space.needed} bytes there{who}")
+    if skip:
+        return f"warning: {what}: the save will fail unless space is freed meanwhile."
+    return (f"{what}; free some space, choose a --save directory on a larger disk, or pass "
+            f"--skip-disk-space-check to train anyway.")
 
 
 def _agree(problem: Optional[str]) -> Optional[str]:
@@ -103,9 +119,10 @@ def _agree(problem: Optional[str]) -> Optional[str]:
 
 
 def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
-    """Collective. Exit 2 (every rank, one line from rank 0) if --save cannot be written;
-    warn when the disk has less free space than one checkpoint needs. A directory created
-    only for the probe is removed again (the save creates it)."""
+    """Collective. Exit 2 (every rank, one line from rank 0) if --save cannot be written or
+    its file system has less free space than one checkpoint needs (a warning with
+    --skip-disk-space-check). A directory created only for the probe is removed again (the
+    save creates it)."""
     if save is None:
         return
     save = os.path.abspath(save)
@@ -118,18 +135,18 @@ def check_save_directory(save: Optional[str], model_chunks, configs) -> None:
     if problem is None and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         problem = probe_writable(save)  # the ranks that will write
     problem = _agree(problem)
-    needed = [0] * dist.get_world_size()
-    dist.all_gather_object(needed, estimated_checkpoint_bytes(model_chunks, configs))
-    free = free_bytes(save) if dist.get_rank() == 0 else None
+    skip = configs.training.skip_disk_space_check
+    space = space_for_save(save, estimated_checkpoint_bytes(model_chunks, configs))
+    if problem is None:  # the first rank whose file system is too small speaks for all
+        problem = _agree(_space_problem(save, space, skip))
     if created and os.path.isdir(created[0]):
         shutil.rmtree(created[0], ignore_errors=True)
     dist.barrier()
-    if problem is not None:
+    if problem is not None and problem.startswith("warning: "):
+        if dist.get_rank() == 0:
+            print(problem, file=sys.stderr, flush=True)
+    elif problem is not None:
         exit_with_error(problem, code=2)
-    if dist.get_rank() == 0 and free is not None and free < sum(needed):
-        print(f"warning: --save {save} has {free} bytes free but one checkpoint needs about "
-              f"{sum(needed)} bytes: the save will fail; free some space or choose a larger "
-              f"disk.", file=sys.stderr, flush=True)
 
 
 def check_tensorboard_directory(tensorboard_dir: Optional[str]) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from megatron.training.checkpointing.disk_space import (
     DiskFullError,
+    SaveSpace,
     disk_full_message,
     free_bytes,
     looks_like_disk_full,
@@ -30,21 +31,23 @@ def atomic_save(obj: Any, path: str, iteration: int = -1) -> None:
         raise
 
 
-def save_or_report_disk_full(obj: Any, path: str, directory: str, needed: int,
+def save_or_report_disk_full(obj: Any, path: str, directory: str, space: SaveSpace,
                              iteration: int = -1) -> None:
-    """``atomic_save``; a full disk raises DiskFullError naming ``directory`` and the bytes
-    ``needed`` there (the temporary file is already removed)."""
+    """``atomic_save``; a full disk raises DiskFullError naming ``directory`` and what the
+    save needs there (``space``; the temporary file is already removed)."""
     try:
         atomic_save(obj, path, iteration)
     except Exception as exc:
-        raise as_disk_full(exc, directory, needed) from exc
+        raise as_disk_full(exc, directory, space) from exc
 
 
-def as_disk_full(exc: BaseException, directory: str, needed: int) -> BaseException:
+def as_disk_full(exc: BaseException, directory: str, space: SaveSpace) -> BaseException:
     """DiskFullError for a write that failed on a full disk, else ``exc`` itself."""
-    free = free_bytes(directory)
-    if looks_like_disk_full(exc, free, needed):
-        return DiskFullError(disk_full_message(directory, needed, free))
+    if isinstance(exc, DiskFullError):
+        return exc
+    if looks_like_disk_full(exc, free_bytes(directory), space.needed):
+        return DiskFullError(disk_full_message(directory, space.needed, space.free,
+                                               space.ranks))
     return exc
 
 

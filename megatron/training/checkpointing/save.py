@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
-from megatron.training.checkpointing.disk_space import tree_nbytes
+from megatron.training.checkpointing.disk_space import space_for_save, tree_nbytes
 from megatron.training.checkpointing.expert_files import (
     EXPERT_FILE,
     expert_dir_name,
@@ -25,6 +25,7 @@ from megatron.training.checkpointing.expert_files import (
 from megatron.training.checkpointing.experts import expert_data_parallel
 from megatron.training.checkpointing.layout import current_layout, model_key
 from megatron.training.checkpointing.paths import (
+    previous_checkpoint_note,
     MODEL_FILE,
     OPTIMIZER_FILE,
     STAGING_SUFFIX,
@@ -135,12 +136,12 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         if configs.optimizer.sharded and optimizer_state is not None:
             files.append((os.path.join(rank_dir, OPTIMIZER_FILE), optimizer_state))
 
-    needed = sum(tree_nbytes(obj) for _, obj in files)
+    space = space_for_save(root, sum(tree_nbytes(obj) for _, obj in files))
 
     def write():
         for path, obj in files:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            save_or_report_disk_full(obj, path, staging, needed, iteration)
+            save_or_report_disk_full(obj, path, staging, space, iteration)
 
     def finalize():
         if dist.get_rank() == 0:
@@ -150,4 +151,5 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
 
-    writer.submit(write, finalize, ready=device.record_event(), abort=abort)
+    writer.submit(write, finalize, ready=device.record_event(), abort=abort,
+                  previous=lambda: previous_checkpoint_note(root))

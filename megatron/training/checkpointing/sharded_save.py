@@ -13,7 +13,7 @@ Atomic as the torch format: all under ``iter_N.partial``, published once every r
 import json
 import os
 import shutil
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from megatron.core import device, parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing.disk_space import SaveSpace, space_for_save
 from megatron.training.checkpointing.experts import (
     expert_data_parallel,
     expert_shard,
@@ -29,6 +30,7 @@ from megatron.training.checkpointing.experts import (
 )
 from megatron.training.checkpointing.layout import current_layout
 from megatron.training.checkpointing.paths import (
+    previous_checkpoint_note,
     STAGING_SUFFIX,
     iteration_dir_name,
     publish,
@@ -231,16 +233,16 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
         remove_stale_staging(root)
         os.makedirs(staging)
     dist.barrier()
-    needed = sum(t.numel() * t.element_size() for _, t in shard.tensors)
+    space = space_for_save(root, sum(t.numel() * t.element_size() for _, t in shard.tensors))
 
     def write():
         def write_shard(path):
             write_shard_file(path, shard.tensors, header)
             maybe_crash_while_writing(path, iteration)  # tests only: see guards/fault_injection.py
 
-        write_atomic(os.path.join(staging, shard.file), staging, needed, write_shard)
+        write_atomic(os.path.join(staging, shard.file), staging, space, write_shard)
         if metadata is not None:
-            write_atomic(os.path.join(staging, METADATA_FILE), staging, 0,
+            write_atomic(os.path.join(staging, METADATA_FILE), staging, space,
                           lambda path: write_json(path, metadata))
 
     def finalize():
@@ -251,7 +253,8 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
 
-    writer.submit(write, finalize, ready=device.record_event(), abort=abort)
+    writer.submit(write, finalize, ready=device.record_event(), abort=abort,
+                  previous=lambda: previous_checkpoint_note(root))
 
 
 def write_json(path: str, value) -> None:
@@ -262,9 +265,10 @@ def write_json(path: str, value) -> None:
         os.fsync(f.fileno())
 
 
-def write_atomic(path: str, directory: str, needed: int, write) -> None:
+def write_atomic(path: str, directory: str, space: Optional[SaveSpace], write) -> None:
     """``write(tmp)`` then rename to ``path``; on failure the temporary file is removed and
-    a full disk is reported as such (``needed`` bytes in ``directory``)."""
+    a full disk is reported as such (``space``: what the save needs in ``directory``; None:
+    the caller reports it)."""
     tmp = path + ".tmp"
     try:
         write(tmp)
@@ -272,6 +276,6 @@ def write_atomic(path: str, directory: str, needed: int, write) -> None:
     except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(exc, Exception):
-            raise as_disk_full(exc, directory, needed) from exc
+        if isinstance(exc, Exception) and space is not None:
+            raise as_disk_full(exc, directory, space) from exc
         raise

@@ -151,9 +151,11 @@ def _rebuild(value, path: str, replace: Callable[[torch.Tensor, str], torch.Tens
 
 class _Pending:
     def __init__(self, write: Callable[[], None], finalize: Callable[[], None], background,
-                 ready=None, abort: Optional[Callable[[], None]] = None):
+                 ready=None, abort: Optional[Callable[[], None]] = None,
+                 previous: Optional[Callable[[], str]] = None):
         self.finalize = finalize
         self.abort = abort
+        self.previous = previous or (lambda: "the previous checkpoint remains the latest")
         self.error: Optional[str] = None
         self.disk_full = False
         self.thread = None
@@ -188,12 +190,15 @@ class CheckpointWriter:
         return self._pending is not None
 
     def submit(self, write: Callable[[], None], finalize: Callable[[], None],
-               ready=None, abort: Optional[Callable[[], None]] = None) -> None:
+               ready=None, abort: Optional[Callable[[], None]] = None,
+               previous: Optional[Callable[[], str]] = None) -> None:
         """``ready``: an event (``device.record_event()``) the writes must wait for.
-        ``abort``: called on every rank when any rank's writes failed (to remove them)."""
+        ``abort``: called on every rank when any rank's writes failed (to remove them).
+        ``previous()``: what stays the latest checkpoint then, asked only on failure (the
+        pending save this one waits for may publish meanwhile)."""
         self.wait()
         self._pending = _Pending(write, finalize, background=self.async_save, ready=ready,
-                                 abort=abort)
+                                 abort=abort, previous=previous)
         if not self.async_save:
             self._complete()
 
@@ -224,10 +229,11 @@ class CheckpointWriter:
             if pending.abort is not None:
                 pending.abort()
             rank, error, disk_full = failed[0]
+            previous = pending.previous()
             if disk_full:
-                raise DiskFullError(f"{error}; the previous checkpoint remains the latest.")
-            raise CheckpointError(f"saving the checkpoint failed on rank {rank} ({error}); the "
-                                  f"previous checkpoint remains the latest.")
+                raise DiskFullError(f"{error}; {previous}.")
+            raise CheckpointError(f"saving the checkpoint failed on rank {rank} ({error}); "
+                                  f"{previous}.")
         dist.barrier()
         pending.finalize()
         dist.barrier()

@@ -3,7 +3,6 @@ import argparse
 import logging
 from typing import Optional, Sequence
 
-from megatron.core.utils import vocab_size_with_padding  # torch-free: keeps tool start-up fast
 from megatron.training.tokenizer.base import MegatronTokenizer
 from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.training.tokenizer.huggingface import HuggingFaceTokenizer
@@ -17,6 +16,7 @@ from megatron.training.tokenizer.tiktoken_tokenizer import (
     PATTERNS,
     TikTokenizer,
 )
+from megatron.training.tokenizer.vocab_padding import padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--vocab-size", type=int, default=None,
                        help="NullTokenizer: ids 0..N-1; the end-of-document id is N. "
                             "TikTokenizer: optional total vocabulary; the file's ranks are cut "
-                            "to N minus the special tokens.")
+                            "to N minus the special tokens. Other tokenizers have their own "
+                            "vocabulary: give more embedding rows with --padded-vocab-size.")
     group.add_argument("--tiktoken-pattern", type=str, default=None, choices=tuple(PATTERNS),
                        help="TikTokenizer: the pre-tokenizer regex the file was trained with: "
                             "llama3 (LLaMA-3), cl100k (GPT-4), o200k (GPT-4o), v1/v2 "
@@ -65,6 +66,13 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary to a multiple of this times the tensor-parallel "
                             "size, for equal TP shards and efficient GEMMs.")
+    group.add_argument("--padded-vocab-size", type=int, default=None,
+                       help="Exactly this many embedding rows, for any tokenizer (a model "
+                            "padded by its authors: Qwen's 151936 rows for ~151669 tokens). "
+                            "At least the tokenizer's vocabulary and divisible by the "
+                            "tensor-parallel size; replaces --make-vocab-size-divisible-by. "
+                            "Rows past the tokenizer's tokens stay out of the softmax; "
+                            "checkpoints keep them.")
     return parser
 
 
@@ -74,8 +82,8 @@ def build_tokenizer(tokenizer_type: Optional[str], *, vocab_file: Optional[str] 
                     vocab_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                     tensor_model_parallel_size: int = 1, tiktoken_pattern: Optional[str] = None,
                     tiktoken_num_special_tokens: int = DEFAULT_NUM_SPECIAL_TOKENS,
-                    tiktoken_special_tokens: Optional[Sequence[str]] = None
-                    ) -> MegatronTokenizer:
+                    tiktoken_special_tokens: Optional[Sequence[str]] = None,
+                    padded_vocab_size_flag: Optional[int] = None) -> MegatronTokenizer:
     """Build the tokenizer and set its ``padded_vocab_size`` (the embedding's row count)."""
     if tokenizer_type not in TOKENIZER_TYPES:
         problem = ("--tokenizer-type is required" if tokenizer_type is None
@@ -113,8 +121,16 @@ def build_tokenizer(tokenizer_type: Optional[str], *, vocab_file: Optional[str] 
     else:
         tokenizer = NullTokenizer(need(vocab_size, "--vocab-size", "ids 0..N-1, eod N"))
 
-    tokenizer.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size)
+    if vocab_size is not None and vocab_size != tokenizer.vocab_size and \
+            tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
+        # Silently ignoring it would build an embedding of another size than the user asked.
+        raise ValueError(
+            f"--vocab-size {vocab_size} does not apply to --tokenizer-type {tokenizer_type} "
+            f"(its vocabulary is the tokenizer's {tokenizer.vocab_size} tokens); to give the "
+            f"embedding {vocab_size} rows pass --padded-vocab-size {vocab_size} instead.")
+    tokenizer.padded_vocab_size = padded_vocab_size(
+        tokenizer.vocab_size, padded_vocab_size_flag, make_vocab_size_divisible_by,
+        tensor_model_parallel_size)
     logger.info("built %s: padded vocab from %d to %d (divisible by %d x TP %d)",
                 tokenizer_type, tokenizer.vocab_size, tokenizer.padded_vocab_size,
                 make_vocab_size_divisible_by, tensor_model_parallel_size)
@@ -138,4 +154,5 @@ def build_tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
         tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens",
                                             DEFAULT_NUM_SPECIAL_TOKENS),
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
+        padded_vocab_size_flag=getattr(args, "padded_vocab_size", None),
     )

@@ -108,10 +108,13 @@ def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path, mode):
         proc = run("pretrain_llama.py", FLAGS + mode + ["--save", save, "--save-interval", "1",
                                                         "--no-save-optim"])
         line = assert_clean_error(proc, 1, "no space left on device: writing",
-                                  "iter_0000002", "bytes,", "free",
-                                  "previous checkpoint remains the latest", trained=True)
+                                  "iter_0000002", "were free when it began",
+                                  "the previous checkpoint (iteration 1) remains the latest",
+                                  trained=True)
         needed = int(line.split(" needs about ")[1].split()[0])
+        free = int(line.split(" on its file system, ")[1].split()[0])
         assert 150_000 < needed < 300_000, line  # 43k fp32 params and the RNG states
+        assert free < needed, line  # free space before the save began: no contradiction
         assert "checkpoint of iteration 1 " in proc.stdout
         assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
         assert sorted(listing(save)) == ["iter_0000001/metadata.json",
@@ -119,18 +122,29 @@ def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path, mode):
                                          "latest_checkpointed_iteration.txt"]
 
 
-def test_free_space_warning_at_start(tmp_path):
-    """A disk smaller than one checkpoint (weights + Adam state) is said before training
-    (a warning: the estimate is rough), and the save then fails cleanly."""
+def test_free_space_too_small_is_an_error_at_start(tmp_path):
+    """A disk smaller than one checkpoint (weights + Adam state) is an error before training,
+    naming the flag that goes on anyway; nothing is left on it."""
     with tmpfs(tmp_path / "tiny", "64k") as mount:
         proc = run("pretrain_llama.py", FLAGS + ["--save", mount / "ckpt"])
-        assert_clean_error(proc, 1, "no space left on device", trained=True)
+        line = assert_clean_error(proc, 2, f"--save {mount / 'ckpt'} has",
+                                  "bytes free on its file system but one checkpoint needs about",
+                                  "--skip-disk-space-check")
+        needed = int(line.split(" needs about ")[1].split()[0])
+        assert 400_000 < needed < 700_000, line  # 43k params: 4 B weights + 8 B Adam
+        assert listing(mount) == {}
+
+
+def test_skip_disk_space_check_warns_then_the_save_fails_cleanly(tmp_path):
+    with tmpfs(tmp_path / "tiny", "64k") as mount:
+        proc = run("pretrain_llama.py", FLAGS + ["--save", mount / "ckpt",
+                                                 "--skip-disk-space-check"])
+        line = assert_clean_error(proc, 1, "no space left on device",
+                                  f"no earlier checkpoint exists in {mount / 'ckpt'}",
+                                  trained=True)
+        assert "previous checkpoint" not in line
         warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: --save")]
-        assert len(warning) == 1, proc.stderr[-2000:]
-        assert f"{mount / 'ckpt'} has" in warning[0] and \
-            "bytes free but one checkpoint needs about" in warning[0]
-        needed = int(warning[0].split(" needs about ")[1].split()[0])
-        assert 400_000 < needed < 700_000, warning[0]  # 43k params: 4 B weights + 8 B Adam
+        assert len(warning) == 1 and "the save will fail" in warning[0], proc.stderr[-2000:]
         assert listing(mount) == {}
 
 
