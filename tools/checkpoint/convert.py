@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
@@ -151,7 +152,11 @@ def hf_to_megatron_cmd(a) -> str:
     if has_tokenizer:
         args.update(tokenizer_type="PretrainedFromHF",
                     tokenizer_name_or_path=os.path.join(save, TOKENIZER_DIR))
-        fingerprint = fingerprint_of_hf_directory(tokenizer_src)
+        # Of the files copied, as training will load them: beside a model's config.json the
+        # same tokenizer can load with other tokens (a Qwen2 directory: one more).
+        with tempfile.TemporaryDirectory() as copied:
+            hf_io.copy_tokenizer_files(tokenizer_src, copied)
+            fingerprint = fingerprint_of_hf_directory(copied)
         if fingerprint is not None:  # what training checks its tokenizer against
             args[FINGERPRINT_ARG] = {**fingerprint, "source": os.path.join(save, TOKENIZER_DIR)}
         size = hf_io.tokenizer_size(tokenizer_src)
