@@ -14,8 +14,8 @@ from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.optimizer.named_state import SavedTensor
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.boxes import Placement, copy_overlap
-from megatron.training.checkpointing.experts import expert_shard, tensor_parts
 from megatron.training.checkpointing.checksums import warn_unverified
+from megatron.training.checkpointing.experts import expert_shard, tensor_parts
 from megatron.training.checkpointing.paths import CheckpointError
 from megatron.training.checkpointing.shard_file import ShardFile
 from megatron.training.checkpointing.sharded_index import (
