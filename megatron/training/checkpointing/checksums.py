@@ -46,12 +46,12 @@ def from_hex(text: str) -> List[int]:
     return [int(text[i:i + HEX_WIDTH], 16) for i in range(0, len(text), HEX_WIDTH)]
 
 
-def verify_torch_file(path: str) -> bool:
-    """Check every record of a ``torch.save`` zip against the CRC-32 torch stored for it.
-    Returns False for a file that is not a zip (torch's legacy format carries no checksums);
-    raises CheckpointError naming the record whose bytes do not match."""
+def verify_torch_file(path: str) -> None:
+    """Check every record of a ``torch.save`` zip against the CRC-32 torch stored for it;
+    raise CheckpointError naming the record whose bytes do not match. A file that is not a
+    zip (truncated, or torch's legacy format) is left to torch.load, which refuses it."""
     if not zipfile.is_zipfile(path):
-        return False
+        return
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads each record, compares its CRC-32
@@ -61,7 +61,6 @@ def verify_torch_file(path: str) -> bool:
     if bad is not None:
         raise CheckpointError(f"checkpoint file {path}: record {bad} does not match its "
                               f"checksum; {DAMAGED}")
-    return True
 
 
 def warn_unverified(checkpoint: str) -> None:

@@ -11,6 +11,8 @@ import pytest
 from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run
 from tests.e2e.runner import LLAMA, TINY, without
 
+CONVERT = "tools/checkpoint/convert.py"
+
 FLAGS = without(TINY, "--train-iters", "--eval-interval") + LLAMA + [
     "--train-iters", "2", "--eval-interval", "100"]
 SHARD = "shard_00000.safetensors"
@@ -74,6 +76,30 @@ def test_damaged_checkpoint_bytes_are_one_line(tmp_path, saved, damage):
     before = listing(ckpt)
     proc = run("pretrain_llama.py", FLAGS + ["--load", ckpt, "--no-load-optim"])
     assert_clean_error(proc, 1, *fragments)
+    assert listing(ckpt) == before
+
+
+def test_a_flipped_byte_in_a_torch_format_file_is_one_line(tmp_path, saved):
+    """The torch format: torch.save stored each zip record's CRC-32; the load checks them."""
+    import zipfile
+
+    ckpt = tmp_path / "torch"
+    proc = run(CONVERT, ["megatron-to-megatron", "--load", saved, "--save", ckpt,
+                         "--tensor-model-parallel-size", "1",
+                         "--pipeline-model-parallel-size", "1", "--ckpt-format", "torch"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path = ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)  # a tensor's bytes
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26:
+                                                          record.header_offset + 30])
+    data[record.header_offset + 30 + name_length + extra_length + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+    before = listing(ckpt)
+    proc = run("pretrain_llama.py", FLAGS + ["--load", ckpt, "--no-load-optim"])
+    assert_clean_error(proc, 1, str(path), record.filename, "does not match its checksum",
+                       "the checkpoint is damaged", "--ckpt-step")
     assert listing(ckpt) == before
 
 
