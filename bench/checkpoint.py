@@ -2,7 +2,7 @@
 --async-save blocks training against a synchronous save.
 
     python3 bench/checkpoint.py [--size-gb 1.0] [--repeats 5] [--dir /tmp] [--threads 2]
-                               [--parts save,load,async] [--idle 0]
+                               [--parts save,load,async] [--idle 0] [--ckpt-format torch]
     python3 bench/checkpoint.py --parts formats [--size-gb 1.0] [--format-repeats 3]
 
 ``--parts formats`` runs bench/checkpoint_formats.py under torchrun at DP=1 and then DP=2 (the
@@ -99,6 +99,8 @@ def parse_args(argv=None):
                    help="which parts to run (load needs save; formats: DP=1 and DP=2 runs)")
     p.add_argument("--format-repeats", type=int, default=3,
                    help="repeats of bench/checkpoint_formats.py (--parts formats)")
+    p.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                   help="the format ours saves and loads in the save/load/async parts")
     p.add_argument("--idle", type=float, default=0.0,
                    help="seconds to wait before each timed save/load (see settle())")
     return p.parse_args(argv)
@@ -363,9 +365,9 @@ def main():
     root, peer_path = os.path.join(work, "ckpt"), os.path.join(work, "peer", "state.pt")
     os.makedirs(os.path.dirname(peer_path))
     try:
-        # The torch format (one file per TP/PP position), as the parts below describe; the
-        # sharded default is measured by --parts formats.
-        run = Run(args, root, extra="--ckpt-format torch")
+        # The torch format (one file per TP/PP position) by default, as the parts below
+        # describe; --ckpt-format torch_dist: the sharded default (one shard file, world size 1).
+        run = Run(args, root, extra=f"--ckpt-format {args.ckpt_format}")
         start = time.perf_counter()
         run.step()  # Adam state now exists
         first_step = time.perf_counter() - start
@@ -373,7 +375,8 @@ def main():
         state_bytes = sum(t.numel() * t.element_size() for _, t in run.state_tensors())
         hidden, ffn, layers = model_shape(args.size_gb)
         print("=" * 100)
-        print(f"checkpoint bench: torch {torch.__version__}, {args.threads} threads, "
+        print(f"checkpoint bench: --ckpt-format {args.ckpt_format}, torch {torch.__version__}, "
+              f"{args.threads} threads, "
               f"{os.cpu_count()} CPUs, dir {work}")
         print(f"model: LLaMA fp32 layers={layers} hidden={hidden} heads={hidden // 64} "
               f"ffn={ffn} vocab={run.configs.model_kwargs['padded_vocab_size']} (untied), "

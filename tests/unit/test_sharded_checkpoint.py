@@ -17,9 +17,11 @@ import torch
 
 from megatron.core.models.tp_sharding import partition_of, shard_tensor
 from megatron.training.checkpointing.boxes import placement_of
+from megatron.training.checkpointing.checksums import ALGORITHM
 from megatron.training.checkpointing.paths import CheckpointError
 from megatron.training.checkpointing.shard_file import ShardFile, write_shard_file
 from megatron.training.checkpointing.sharded_index import (
+    CHECKSUMS,
     FORMAT,
     METADATA_FILE,
     VERSION,
@@ -87,7 +89,7 @@ def save_as_pieces(directory, tensors, tp, dp):
     for tp_rank in range(tp):
         for dp_rank in range(dp):
             file = shard_file_name(dp_rank * tp + tp_rank)
-            stored = []
+            stored, holds = [], {}
             for n, (name, full) in enumerate(tensors.items()):
                 local = _local(name, full, tp, tp_rank)
                 placement = _placement(name, local, tp, tp_rank)
@@ -101,10 +103,12 @@ def save_as_pieces(directory, tensors, tp, dp):
                 for piece, lo, hi in placement.pieces(begin, end):
                     key = f"{name}@{len(stored)}"
                     stored.append((key, local[lo:hi]))
-                    entry["pieces"].append([file, key, list(piece.box.offset),
-                                            list(piece.box.shape), piece.start, piece.stop])
-            write_shard_file(os.path.join(directory, file), stored)
-    meta = {"format": FORMAT, "version": VERSION, "tensors": index}
+                    where = [list(piece.box.offset), list(piece.box.shape), piece.start,
+                             piece.stop]
+                    entry["pieces"].append([file, key, *where])
+                    holds[key] = [f"model/{name}", *where]
+            write_shard_file(os.path.join(directory, file), stored, holds=holds)
+    meta = {"format": FORMAT, "version": VERSION, CHECKSUMS: ALGORITHM, "tensors": index}
     with open(os.path.join(directory, METADATA_FILE), "w") as f:
         json.dump(meta, f)
     return meta
@@ -273,8 +277,10 @@ def test_a_truncated_or_missing_shard_file_is_a_clear_error(tmp_path, keep, mess
     if keep is None:
         path.unlink()
     else:
+        # ``keep``: the fraction of the data kept (the header is whole, or cut when tiny)
+        start = ShardFile(str(path)).data_start if keep > 0.01 else 0
         with open(path, "r+b") as f:
-            f.truncate(max(4, int(os.path.getsize(path) * keep)))
+            f.truncate(max(4, int(start + (os.path.getsize(path) - start) * keep)))
     with pytest.raises(CheckpointError, match=message) as info:
         _read_everything(tmp_path)
     assert str(path) in str(info.value)

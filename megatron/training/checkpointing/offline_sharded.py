@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.training.checkpointing import checksums
 from megatron.training.checkpointing.boxes import Placement
 from megatron.training.checkpointing.paths import (
     RELEASE,
@@ -24,6 +25,7 @@ from megatron.training.checkpointing.paths import (
 from megatron.training.checkpointing.safe_io import plain_data
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
+    CHECKSUMS,
     DTYPE_NAMES,
     FORMAT,
     METADATA_FILE,
@@ -119,13 +121,16 @@ class _ShardWriter:
         self.file = shard_file_name(rank)
         self.tensors: List[Tuple[str, torch.Tensor]] = []
         self.header: Dict[str, str] = {}
+        self.holds: Dict[str, list] = {}  # key -> [name, *piece] (kept with its checksums)
 
     def add_whole(self, name: str, tensor: torch.Tensor, index: Dict) -> None:
         shape = list(tensor.shape)
         flat = tensor.detach().reshape(-1).contiguous()
         self.tensors.append((name, flat))
+        where = [[0] * len(shape), shape, 0, flat.numel()]
         index[name] = {"shape": shape, "dtype": DTYPE_NAMES[tensor.dtype],
-                       "pieces": [[self.file, name, [0] * len(shape), shape, 0, flat.numel()]]}
+                       "pieces": [[self.file, name, *where]]}
+        self.holds[name] = [name, *where]
 
     def add_rng(self, state: Dict) -> None:
         """As training writes it: tensors into the file, the rest as JSON in the header."""
@@ -170,8 +175,10 @@ def write_checkpoint(root: str, model: Dict[str, torch.Tensor], layout: Dict, ar
         writers.setdefault(rank, _ShardWriter(rank)).add_rng(state)
     for writer in writers.values():
         write_atomic(os.path.join(staging, writer.file), staging, None,
-                     lambda path, w=writer: write_shard_file(path, w.tensors, w.header))
-    metadata = {"format": FORMAT, "version": VERSION, "iteration": iteration or 0,
+                     lambda path, w=writer: write_shard_file(path, w.tensors, w.header,
+                                                             w.holds))
+    metadata = {"format": FORMAT, "version": VERSION, CHECKSUMS: checksums.ALGORITHM,
+                "iteration": iteration or 0,
                 "args": plain_data(args), "layout": layout,
                 "consumed_train_samples": consumed_train_samples,
                 "consumed_valid_samples": consumed_valid_samples,

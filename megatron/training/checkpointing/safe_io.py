@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from megatron.training.checkpointing.checksums import verify_torch_file
 from megatron.training.checkpointing.disk_space import (
     DiskFullError,
     SaveSpace,
@@ -19,6 +20,7 @@ from megatron.training.guards.fault_injection import maybe_crash_while_writing
 def atomic_save(obj: Any, path: str, iteration: int = -1) -> None:
     """torch.save to ``path.tmp``, fsync, then rename: a reader sees all of it or nothing."""
     tmp = path + ".tmp"
+    torch.serialization.set_crc32_options(True)  # its default; safe_load verifies the CRCs
     try:
         torch.save(obj, tmp)
         maybe_crash_while_writing(tmp, iteration)  # tests only: see guards/fault_injection.py
@@ -53,10 +55,13 @@ def as_disk_full(exc: BaseException, directory: str, space: SaveSpace) -> BaseEx
 
 def safe_load(path: str) -> Any:
     """``torch.load(weights_only=True)``, memory-mapped: only tensors and plain data are
-    rebuilt, so a file crafted to run code on unpickling is refused instead."""
+    rebuilt, so a file crafted to run code on unpickling is refused instead. Every record is
+    first checked against the CRC-32 torch.save stored for it (checksums.py); a file that is
+    not a zip is left to torch.load, which refuses it (mmap needs the zip format)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is "
                               f"incomplete (or for another parallel layout).")
+    verify_torch_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:

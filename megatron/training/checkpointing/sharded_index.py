@@ -7,7 +7,9 @@ Global names are layout-free: ``model/<name>`` and ``optim/<key>/<name>`` where 
 has global layer numbers (``decoder.layers.17....``); a tied output layer is the embedding.
 Each entry of ``tensors`` gives the global shape and dtype and the pieces that hold it:
 ``[file, key, box offset, box shape, start, stop]`` (see boxes.py). JSON only: reading an
-index cannot run code, and every field is checked before it is used.
+index cannot run code, and every field is checked before it is used. ``checksums`` (the
+algorithm's name) says every shard file carries its blocks' checksums and the piece each key
+holds (shard_file.py); an index without it is from before checksums and is read unverified.
 """
 import json
 import os
@@ -16,12 +18,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.training.checkpointing import checksums
 from megatron.training.checkpointing.boxes import Box, Piece
 from megatron.training.checkpointing.paths import CheckpointError
 
 FORMAT = "megatron-sharded"
 VERSION = 1
 METADATA_FILE = "metadata.json"
+CHECKSUMS = "checksums"  # the index field: present (= checksums.ALGORITHM) since issue 38
 _SHARD_FILE = re.compile(r"^shard_(\d{5,})\.safetensors$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 # The dtypes an index may name, and the torch dtype of each.
@@ -62,6 +66,8 @@ def read_metadata(iteration_dir: str) -> Dict:
            f"not a {FORMAT} index")
     _check(meta.get("version") == VERSION, path,
            f"index version {meta.get('version')!r}, this code reads {VERSION}")
+    _check(meta.get(CHECKSUMS) in (None, checksums.ALGORITHM), path,
+           f"checksums {meta.get(CHECKSUMS)!r}, this code reads {checksums.ALGORITHM!r}")
     tensors = meta.get("tensors")
     _check(isinstance(tensors, dict), path, "no tensor index")
     for name, entry in tensors.items():

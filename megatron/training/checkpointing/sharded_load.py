@@ -14,10 +14,12 @@ from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.optimizer.named_state import SavedTensor
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.boxes import Placement, copy_overlap
+from megatron.training.checkpointing.checksums import warn_unverified
 from megatron.training.checkpointing.experts import expert_shard, tensor_parts
 from megatron.training.checkpointing.paths import CheckpointError
 from megatron.training.checkpointing.shard_file import ShardFile
 from megatron.training.checkpointing.sharded_index import (
+    CHECKSUMS,
     INDEX_DTYPES,
     pieces_of,
     shard_file_name,
@@ -25,17 +27,31 @@ from megatron.training.checkpointing.sharded_index import (
 
 
 class ShardedReader:
-    """Reads ranges of a rank's local tensors from a sharded checkpoint directory."""
+    """Reads ranges of a rank's local tensors from a sharded checkpoint directory, each
+    saved piece checked to hold what the index says and its bytes against their checksums
+    (shard_file.py). A checkpoint from before checksums is read unverified, with one
+    warning (from rank 0) per reader, i.e. per load."""
 
     def __init__(self, iteration_dir: str, metadata: Dict):
         self.dir, self.meta = iteration_dir, metadata
         self.tensors = metadata["tensors"]
         self._files: Dict[str, ShardFile] = {}
+        self.verified = metadata.get(CHECKSUMS) is not None
+        if not self.verified:
+            warn_unverified(iteration_dir)
 
     def file(self, name: str) -> ShardFile:
         if name not in self._files:
-            self._files[name] = ShardFile(os.path.join(self.dir, name))
+            self._files[name] = ShardFile(os.path.join(self.dir, name),
+                                          require_checksums=self.verified)
         return self._files[name]
+
+    def _piece(self, name: str, file: str, key: str, piece) -> ShardFile:
+        """The shard file of a saved piece of ``name``, once it says it holds that piece."""
+        shard = self.file(file)
+        shard.check_holds(key, name, [list(piece.box.offset), list(piece.box.shape),
+                                      piece.start, piece.stop])
+        return shard
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -67,16 +83,17 @@ class ShardedReader:
             target = out[lo - start:hi - start]
             holder = _holder(saved, wanted)
             if holder is not None:  # the common case (same TP): one saved piece holds it all
+                file, key, piece = holder
+                shard = self._piece(name, file, key, piece)
                 if not dry_run:
-                    file, key, piece = holder
-                    self.file(file).read_into(key, wanted.start - piece.start, target)
+                    shard.read_into(key, wanted.start - piece.start, target)
                 continue
             covered = torch.zeros(hi - lo, dtype=torch.bool)
             for file, key, piece in saved:
-                if dry_run:
-                    read = lambda a, b: torch.zeros(b - a, dtype=out.dtype)  # noqa: E731
-                else:
-                    read = lambda a, b, r=self.file(file), k=key: r.read(k, a, b)  # noqa: E731
+                def read(a, b, file=file, key=key, piece=piece):
+                    shard = self._piece(name, file, key, piece)  # only the pieces it overlaps
+                    return torch.zeros(b - a, dtype=out.dtype) if dry_run else \
+                        shard.read(key, a, b)
                 copy_overlap(target, covered, wanted, piece, read, placement.global_shape)
             if not bool(covered.all()):
                 raise CheckpointError(

@@ -22,6 +22,7 @@ from megatron.core import device, parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.training.checkpointing import checksums
 from megatron.training.checkpointing.disk_space import SaveSpace, space_for_save
 from megatron.training.checkpointing.experts import (
     expert_data_parallel,
@@ -40,6 +41,7 @@ from megatron.training.checkpointing.rng_state import capture_rng_state
 from megatron.training.checkpointing.safe_io import as_disk_full, plain_data
 from megatron.training.checkpointing.shard_file import write_shard_file
 from megatron.training.checkpointing.sharded_index import (
+    CHECKSUMS,
     DTYPE_NAMES,
     FORMAT,
     METADATA_FILE,
@@ -56,6 +58,7 @@ class _Shard:
         self.file = shard_file_name(rank)
         self.tensors: List[Tuple[str, torch.Tensor]] = []
         self.index: List[Tuple[str, List[int], str, list]] = []  # name, shape, dtype, piece
+        self.holds: Dict[str, list] = {}  # key -> [name, *piece] (kept with its checksums)
 
     def add(self, name: str, values: torch.Tensor, placement, begin: int = 0) -> None:
         """``values``: local flat elements ``[begin, begin + numel)`` of a tensor placed as
@@ -67,10 +70,10 @@ class _Shard:
         for piece, lo, hi in placement.pieces(begin, begin + flat.numel()):
             key = f"{name}@{len(self.tensors)}"
             self.tensors.append((key, flat[lo - begin:hi - begin]))
+            where = [list(piece.box.offset), list(piece.box.shape), piece.start, piece.stop]
             self.index.append((name, list(placement.global_shape),
-                               DTYPE_NAMES[values.dtype],
-                               [self.file, key, list(piece.box.offset), list(piece.box.shape),
-                                piece.start, piece.stop]))
+                               DTYPE_NAMES[values.dtype], [self.file, key, *where]))
+            self.holds[key] = [name, *where]
 
 
 def _balanced(sizes: Dict[str, int], ways: int) -> Dict[str, int]:
@@ -222,7 +225,8 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
     staging = os.path.join(root, iteration_dir_name(iteration) + STAGING_SUFFIX)
     metadata = None
     if dist.get_rank() == 0:
-        metadata = {"format": FORMAT, "version": VERSION, "iteration": iteration,
+        metadata = {"format": FORMAT, "version": VERSION, CHECKSUMS: checksums.ALGORITHM,
+                    "iteration": iteration,
                     "args": plain_data(args), "layout": layout,
                     "consumed_train_samples": consumed_train_samples,
                     "consumed_valid_samples": consumed_valid_samples,
@@ -237,7 +241,7 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
 
     def write():
         def write_shard(path):
-            write_shard_file(path, shard.tensors, header)
+            write_shard_file(path, shard.tensors, header, shard.holds)
             maybe_crash_while_writing(path, iteration)  # tests only: see guards/fault_injection.py
 
         write_atomic(os.path.join(staging, shard.file), staging, space, write_shard)
