@@ -25,7 +25,8 @@ ZERO2 = ["--no-reshard-after-forward"]
 @pytest.fixture(scope="module")
 def single_process():
     losses, valid = parse_losses(run_script("pretrain_llama.py", FLAGS))
-    assert len(losses) == 10 and len(valid) == 3
+    # validations at iterations 3, 6 and 9 (--eval-interval 3), and after training at 10
+    assert len(losses) == 10 and len(valid) == 4
     return losses + valid
 
 
