@@ -20,16 +20,13 @@ from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.training.arguments import build_configs, get_parser, validate_args
 from megatron.training.checkpointing import CheckpointError, load_checkpoint
-from megatron.training.checkpointing.load import saved_rank_dirs
+from megatron.training.checkpointing.load import read_iteration_record
 from megatron.training.checkpointing.paths import (
-    MODEL_FILE,
     TRACKER_FILE,
     complete_iterations,
     iteration_dir_name,
     read_tracker,
 )
-from megatron.training.checkpointing.safe_io import safe_load
-from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
 from megatron.training.gpt_step import model_provider_for
 from megatron.training.initialize import (
     expert_sizes,
@@ -99,11 +96,7 @@ def read_checkpoint_record(load_dir: str, ckpt_step: Optional[int] = None
     """(saved args dict, layout record) of a checkpoint, from its first rank file (the
     index of a sharded one)."""
     iteration_dir = checkpoint_iteration_dir(load_dir, ckpt_step)
-    if is_sharded_checkpoint(iteration_dir):
-        state = read_metadata(iteration_dir)
-    else:
-        rank_dirs = saved_rank_dirs(iteration_dir)
-        state = safe_load(os.path.join(rank_dirs[min(rank_dirs)], MODEL_FILE))
+    state = read_iteration_record(iteration_dir)
     layout = state.get("layout") if isinstance(state, dict) else None
     if layout is None:
         raise CheckpointError(f"{iteration_dir} is not a checkpoint written by this project "

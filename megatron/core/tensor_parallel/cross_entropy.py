@@ -35,18 +35,28 @@ from megatron.core.compiled import compiled
 _ROWS_PER_CHUNK = 64
 
 
+def _tp_group():
+    return (parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _vocabulary_slice(partition: int, vocab_size: Optional[int]):
+    """(start, end) of this rank's global ids, the classes of the softmax (the unpadded
+    vocabulary) and ``valid``: local columns [0, valid) are real entries, the rest padding."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    start, end = vocab_range_for_rank(partition * tp_size,
+                                      parallel_state.get_tensor_model_parallel_rank(), tp_size)
+    num_classes = vocab_size if vocab_size is not None else partition * tp_size
+    return start, end, num_classes, max(0, min(partition, num_classes - start))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing, vocab_size, inplace,
                 vectorized):
-        group = parallel_state.get_tensor_model_parallel_group()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        group, tp_size = _tp_group()
         partition = vocab_parallel_logits.shape[-1]
-        start, end = vocab_range_for_rank(partition * tp_size,
-                                          parallel_state.get_tensor_model_parallel_rank(), tp_size)
-        num_classes = vocab_size if vocab_size is not None else partition * tp_size
-        # Local columns [0, valid) are real vocabulary entries; the rest is padding.
-        valid = max(0, min(partition, num_classes - start))
+        start, end, num_classes, valid = _vocabulary_slice(partition, vocab_size)
 
         owned = inplace and vocab_parallel_logits.dtype == torch.float32
         work = vocab_parallel_logits if owned else vocab_parallel_logits.to(torch.float32,
@@ -147,13 +157,9 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, vocab_size, compile):
         run = compiled if compile else (lambda fn: fn)
-        group = parallel_state.get_tensor_model_parallel_group()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        group, tp_size = _tp_group()
         partition = logits.shape[-1]
-        start, end = vocab_range_for_rank(partition * tp_size,
-                                          parallel_state.get_tensor_model_parallel_rank(), tp_size)
-        num_classes = vocab_size if vocab_size is not None else partition * tp_size
-        valid = max(0, min(partition, num_classes - start))
+        start, end, num_classes, valid = _vocabulary_slice(partition, vocab_size)
         rows = logits.view(-1, partition)
         off_rank = ((target < start) | (target >= end)).reshape(-1)
         local_target = (target.reshape(-1) - start).masked_fill(off_rank, 0)

@@ -8,10 +8,8 @@ import os
 from typing import Dict, Optional, Tuple
 
 from megatron.training.checkpointing.architecture import take_architecture
-from megatron.training.checkpointing.load import choose_iteration, saved_rank_dirs
-from megatron.training.checkpointing.paths import MODEL_FILE, CheckpointError, iteration_dir_name
-from megatron.training.checkpointing.safe_io import safe_load
-from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
+from megatron.training.checkpointing.load import choose_iteration, read_iteration_record
+from megatron.training.checkpointing.paths import CheckpointError, iteration_dir_name
 from megatron.training.guards.errors import is_reporting_rank
 
 
@@ -25,11 +23,7 @@ def read_checkpoint_args(args) -> Optional[Tuple[str, Dict]]:
     if not os.path.isdir(iteration_dir):
         raise CheckpointError(f"--use-checkpoint-args: {iteration_dir} does not exist; load "
                               f"another iteration with --ckpt-step.")
-    if is_sharded_checkpoint(iteration_dir):
-        record = read_metadata(iteration_dir)
-    else:
-        rank_dirs = saved_rank_dirs(iteration_dir)
-        record = safe_load(os.path.join(rank_dirs[min(rank_dirs)], MODEL_FILE))
+    record = read_iteration_record(iteration_dir)
     saved = record.get("args") if isinstance(record, dict) else None
     if not isinstance(saved, dict) or not saved.get("num_layers"):
         raise CheckpointError(f"--use-checkpoint-args: {iteration_dir} records no model "

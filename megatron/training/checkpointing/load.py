@@ -108,6 +108,15 @@ def saved_rank_dirs(iteration_dir: str) -> Dict:
     return found
 
 
+def read_iteration_record(iteration_dir: str) -> Dict:
+    """A saved iteration's own record (counters, args, layout): the sharded format's JSON
+    index, or the torch format's first rank file through ``safe_load``."""
+    if is_sharded_checkpoint(iteration_dir):
+        return read_metadata(iteration_dir)
+    rank_dirs = saved_rank_dirs(iteration_dir)
+    return safe_load(os.path.join(rank_dirs[min(rank_dirs)], MODEL_FILE))
+
+
 def check_rank_dirs_complete(iteration_dir: str, rank_dirs: Dict, saved_layout: Dict) -> None:
     """Every (TP, PP) directory the saved layout says it wrote is there."""
     tp, pp = (saved_layout["tensor_model_parallel_size"],
