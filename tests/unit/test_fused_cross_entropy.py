@@ -7,7 +7,6 @@ Tolerances: compiled reductions sum a row in another order than eager ones (fp32
 ~1e-7 relative here, bound 1e-6); a bf16 gradient is the same fp32 value rounded once, so a
 compiled and an eager result may land one bf16 step (2^-8 relative) apart.
 """
-import pytest
 import torch
 
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -31,11 +30,11 @@ def _case(dtype, label_smoothing):
     return out
 
 
-@pytest.mark.parametrize("dtype,label_smoothing", [
-    pytest.param(torch.float32, 0.1, marks=pytest.mark.slow), (torch.bfloat16, 0.0)])
-def test_compiled_cross_entropy_equals_its_eager_functions(dtype, label_smoothing):
-    (out,) = run_distributed(_case, world_size=1, tp=1, dtype=dtype,
-                             label_smoothing=label_smoothing)
+def test_compiled_cross_entropy_equals_its_eager_functions():
+    """bf16 logits with label smoothing: every compiled pass (each is compiled per variant,
+    a cost on a cold cache, so one case covers them)."""
+    dtype = torch.bfloat16
+    (out,) = run_distributed(_case, world_size=1, tp=1, dtype=dtype, label_smoothing=0.1)
     (loss_e, grad_e), (loss_c, grad_c) = out[False], out[True]
     assert loss_c.dtype == torch.float32 and grad_c.dtype == dtype
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)

@@ -224,12 +224,12 @@ def _compiled_activation_case(dtype):
     return measured, chunk_bytes(config, setup, 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32,
-                                                                  marks=pytest.mark.slow)])
-def test_compiled_path_estimate_matches_saved_tensors(dtype):
+def test_compiled_path_estimate_matches_saved_tensors():
     """CUDA's default path (compiled regions, the fused cross entropy that keeps the logits in
-    their own dtype, not an fp32 copy): the estimate is what autograd keeps, to the byte."""
-    (result,) = run_distributed(_compiled_activation_case, world_size=1, tp=1, dtype=dtype)
+    their own dtype, not an fp32 copy; bf16, where that differs from the eager path's fp32
+    copy): the estimate is what autograd keeps, to the byte."""
+    (result,) = run_distributed(_compiled_activation_case, world_size=1, tp=1,
+                                dtype=torch.bfloat16)
     measured, estimate = result
     assert estimate == measured, (estimate, measured)
 
