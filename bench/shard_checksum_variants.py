@@ -2,7 +2,7 @@
 second thread, the header rewritten at the end), and with the CRCs inline (no thread):
     python3 bench/shard_checksum_variants.py
 Prints min / median / max and how many writes took over 0.9 s (page-cache writeback stalls)."""
-import os, sys, time, tempfile, statistics, zlib
+import os, sys, time, tempfile, statistics
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir)); sys.path.insert(0, HERE)
 import torch
