@@ -1,27 +1,50 @@
-"""The shard write three ways, rotating (15 rounds): as before checksums, as it is (CRC-32 on a
-second thread, the header rewritten at the end), and with the CRCs inline (no thread):
-    python3 bench/shard_checksum_variants.py
-Prints min / median / max and how many writes took over 0.9 s (page-cache writeback stalls)."""
-import os, sys, time, tempfile, statistics
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, os.pardir)); sys.path.insert(0, HERE)
-import torch
-from shard_checksum_cost import write_without_checksums
-from megatron.training.checkpointing.shard_file import write_shard_file, _CHUNK_BYTES, _tensor_bytes, DTYPES
-from megatron.training.checkpointing import checksums
-import json, struct
+"""The shard write three ways, rotating (15 rounds of 1 GB each): as before checksums, as it
+is (CRC-32 on a second thread, the header rewritten at the end), and with the CRCs computed
+inline (no thread):
 
-def inline_crc(path, tensors):
-    """without's loop, with the CRCs computed inline (no thread, no header rewrite)."""
+    python3 bench/shard_checksum_variants.py [--rounds 15]
+
+Prints min / median / max of each and how many writes took over 0.9 s (page-cache writeback
+stalls, which decide the median on a small VM; BENCHMARKS.md, "Checkpoint checksums")."""
+import argparse
+import json
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir))
+sys.path.insert(0, HERE)
+
+from megatron.training.checkpointing import checksums  # noqa: E402
+from megatron.training.checkpointing.shard_file import (  # noqa: E402
+    _CHUNK_BYTES,
+    DTYPES,
+    _tensor_bytes,
+    write_shard_file,
+)
+from shard_checksum_cost import write_without_checksums  # noqa: E402
+
+
+def write_with_inline_checksums(path, tensors):
+    """The pre-checksum loop with each chunk's block CRCs computed before its write."""
     header, offset = {}, 0
     for key, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode(); encoded += b" " * (-len(encoded) % 8)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
     sums = []
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded))); f.write(encoded)
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
         for _, tensor in tensors:
             flat = tensor.detach().reshape(-1)
             step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
@@ -29,15 +52,36 @@ def inline_crc(path, tensors):
                 data = _tensor_bytes(flat[lo:lo + step].contiguous().cpu())
                 sums += checksums.block_sums(data)
                 f.write(data)
-        f.flush(); os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
+    return sums
 
-tensors = [(f"t{i}", torch.randn(2 * 1024 * 1024)) for i in range(120)]
-path = os.path.join(tempfile.gettempdir(), "ckv.safetensors")
-variants = {"without": write_without_checksums, "current": write_shard_file, "inline": inline_crc}
-times = {k: [] for k in variants}
-for r in range(15):
-    for k, fn in variants.items():
-        t = time.perf_counter(); fn(path, tensors); times[k].append(time.perf_counter() - t)
-for k, v in times.items():
-    print(f"{k:8s} min {min(v):.3f} median {statistics.median(v):.3f} max {max(v):.3f} over0.9s {sum(x > 0.9 for x in v)}")
-os.remove(path)
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    tensors = [(f"t{i}", torch.randn(2 * 1024 * 1024)) for i in range(120)]  # 1.0 GB fp32
+    path = os.path.join(tempfile.gettempdir(), "shard_checksum_variants.safetensors")
+    variants = {"before checksums": write_without_checksums, "as it is": write_shard_file,
+                "inline CRC": write_with_inline_checksums}
+    times = {name: [] for name in variants}
+    try:
+        for _ in range(args.rounds):
+            for name, write in variants.items():
+                start = time.perf_counter()
+                write(path, tensors)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    base = statistics.median(times["before checksums"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"{name:17s} min {min(values):.3f} s  median {median:.3f} s  max {max(values):.3f}"
+              f" s  over 0.9 s: {sum(v > 0.9 for v in values)}  median / before: "
+              f"{median / base:.3f}")
+
+
+if __name__ == "__main__":
+    main()
