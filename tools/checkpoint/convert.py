@@ -10,8 +10,9 @@
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
 scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
-window), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), GPT2LMHeadModel, and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM
-(shared expert with its gate) and Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
+window), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), GPT2LMHeadModel, and the
+mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared expert with its gate) and
+Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
 (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``). Megatron checkpoints
 are read in either format (``torch_dist``, the sharded default of training, or ``torch``:
 mp_rank_* files, experts in mp_rank_{etp}_{pp}_{ep}/experts.pt) and written in the one
@@ -31,9 +32,7 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
@@ -42,6 +41,8 @@ sys.path.insert(1, os.path.join(_HERE, os.pardir, os.pardir))
 import torch  # noqa: E402
 
 import hf_io  # noqa: E402
+import tokenizer_files  # noqa: E402
+from tokenizer_files import TOKENIZER_DIR  # noqa: E402
 import hf_moe_io  # noqa: E402
 import megatron_args  # noqa: E402
 import megatron_moe_args  # noqa: E402
@@ -77,7 +78,6 @@ from megatron.training.tokenizer.fingerprint import (  # noqa: E402
 )
 
 FLAGS_FILE = "megatron_flags.txt"
-TOKENIZER_DIR = "tokenizer"
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -152,11 +152,7 @@ def hf_to_megatron_cmd(a) -> str:
     if has_tokenizer:
         args.update(tokenizer_type="PretrainedFromHF",
                     tokenizer_name_or_path=os.path.join(save, TOKENIZER_DIR))
-        # Of the files copied, as training will load them: beside a model's config.json the
-        # same tokenizer can load with other tokens (a Qwen2 directory: one more).
-        with tempfile.TemporaryDirectory() as copied:
-            hf_io.copy_tokenizer_files(tokenizer_src, copied)
-            fingerprint = fingerprint_of_hf_directory(copied)
+        fingerprint = tokenizer_files.fingerprint_as_copied(tokenizer_src)
         if fingerprint is not None:  # what training checks its tokenizer against
             args[FINGERPRINT_ARG] = {**fingerprint, "source": os.path.join(save, TOKENIZER_DIR)}
         size = hf_io.tokenizer_size(tokenizer_src)
@@ -221,28 +217,6 @@ def _read_checkpoint(load: str, step):
     return iteration_dir, full, layout, {**megatron_args.parser_defaults(), **saved}
 
 
-def _checkpoint_tokenizer_dir(load: str, args, override):
-    if override:
-        return override
-    for candidate in (os.path.join(load, TOKENIZER_DIR), args.get("tokenizer_name_or_path"),
-                      args.get("tokenizer_model")):
-        if candidate and os.path.isdir(candidate):
-            return candidate
-    return None
-
-
-def _copy_megatron_tokenizer_files(args, out_dir, copied) -> None:
-    """GPT-2 BPE and sentencepiece tokenizers given as files: their HF file names."""
-    kind = args.get("tokenizer_type")
-    sources = {"GPT2BPETokenizer": (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")),
-               "SentencePieceTokenizer": (("tokenizer_model", "tokenizer.model"),),
-               "Llama2Tokenizer": (("tokenizer_model", "tokenizer.model"),)}.get(kind, ())
-    for dest, name in sources:
-        path = args.get(dest)
-        if path and os.path.isfile(path) and name not in copied:
-            shutil.copyfile(path, os.path.join(out_dir, name))
-
-
 def _check_against_transformers(state, hf_config) -> None:
     """Every tensor has the name and shape transformers' own model gives it."""
     import transformers
@@ -264,7 +238,7 @@ def megatron_to_hf_cmd(a) -> str:
     _check_tokenizer_dir(a.tokenizer_dir)
     save = check_output_dir(a.save)
     iteration_dir, full, layout, args = _read_checkpoint(a.load, a.ckpt_step)
-    tokenizer_dir = _checkpoint_tokenizer_dir(a.load, args, a.tokenizer_dir)
+    tokenizer_dir = tokenizer_files.checkpoint_tokenizer_dir(a.load, args, a.tokenizer_dir)
     dtype = full[_EMBEDDING].dtype
     hf_config = megatron_args.hf_config_from_args(args, layout["vocab_size"], dtype,
                                                   hf_io.special_token_ids(tokenizer_dir))
@@ -289,7 +263,7 @@ def megatron_to_hf_cmd(a) -> str:
                 json.dump(fingerprint, f, indent=1)
         hf_config.save_pretrained(stage)
         copied = hf_io.copy_tokenizer_files(tokenizer_dir, stage)
-        _copy_megatron_tokenizer_files(args, stage, copied)
+        tokenizer_files.copy_megatron_tokenizer_files(args, stage, copied)
         if "generation_config.json" not in copied:
             from transformers import GenerationConfig
 
