@@ -30,8 +30,9 @@ from megatron.training.checkpointing.shard_file import (  # noqa: E402
 )
 
 
-def write_without_checksums(path, tensors):
-    """write_shard_file as it was before checksums (same header, same streaming)."""
+def write_without_checksums(path, tensors, on_chunk=None):
+    """write_shard_file as it was before checksums (same header, same streaming);
+    ``on_chunk(bytes)`` runs on each chunk before its write (an inline checksum, say)."""
     header, offset = {}, 0
     for key, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
@@ -47,7 +48,10 @@ def write_without_checksums(path, tensors):
             flat = tensor.detach().reshape(-1)
             step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
             for lo in range(0, flat.numel(), step):
-                f.write(_tensor_bytes(flat[lo:lo + step].contiguous().cpu()))
+                data = _tensor_bytes(flat[lo:lo + step].contiguous().cpu())
+                if on_chunk is not None:
+                    on_chunk(data)
+                f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

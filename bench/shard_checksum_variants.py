@@ -7,10 +7,8 @@ inline (no thread):
 Prints min / median / max of each and how many writes took over 0.9 s (page-cache writeback
 stalls, which decide the median on a small VM; BENCHMARKS.md, "Checkpoint checksums")."""
 import argparse
-import json
 import os
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -22,39 +20,13 @@ sys.path.insert(0, os.path.join(HERE, os.pardir))
 sys.path.insert(0, HERE)
 
 from megatron.training.checkpointing import checksums  # noqa: E402
-from megatron.training.checkpointing.shard_file import (  # noqa: E402
-    _CHUNK_BYTES,
-    DTYPES,
-    _tensor_bytes,
-    write_shard_file,
-)
+from megatron.training.checkpointing.shard_file import write_shard_file  # noqa: E402
 from shard_checksum_cost import write_without_checksums  # noqa: E402
 
 
 def write_with_inline_checksums(path, tensors):
     """The pre-checksum loop with each chunk's block CRCs computed before its write."""
-    header, offset = {}, 0
-    for key, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    sums = []
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for _, tensor in tensors:
-            flat = tensor.detach().reshape(-1)
-            step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
-            for lo in range(0, flat.numel(), step):
-                data = _tensor_bytes(flat[lo:lo + step].contiguous().cpu())
-                sums += checksums.block_sums(data)
-                f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return sums
+    write_without_checksums(path, tensors, on_chunk=checksums.block_sums)
 
 
 def main():
