@@ -55,3 +55,17 @@ def test_first_iteration_validation_and_closing_line(tmp_path):
     assert final == every[-1] and train[0] == every[0]
     # The second line averages iterations 2-4 (printed to 7 significant digits).
     assert abs(train[1] - sum(every[1:4]) / 3) <= 1e-6 * train[1]
+
+
+def test_data_line_counts_samples_and_epochs_of_the_corpus(tmp_path):
+    """30 documents of 40 tokens = 1,200 tokens an epoch; 6 iterations x 8 sequences of 16
+    tokens need 768 of them for training (0.64 epochs)."""
+    from tests.e2e.bad_inputs.test_data_inputs import NULL, TRAIN, write_dataset
+
+    prefix = write_dataset(tmp_path / "data", 30)
+    train = without(TRAIN, "--train-iters") + ["--train-iters", "6"]
+    proc = run_script("pretrain_gpt.py", train + NULL + ["--data-path", prefix,
+                                                         "--split", "100,0,0"])
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("data: "))
+    assert line.startswith("data: train 48 samples of ") and \
+        "(0.64 epochs of 1,200 tokens); valid none; test none" in line, line

@@ -192,6 +192,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.seq_length = config.seq_length
         lengths = indexed_dataset.sequence_lengths
         num_tokens = int(np.asarray(lengths[begin:end]).sum(dtype=np.int64))
+        self.num_tokens = num_tokens  # of its documents: one epoch
         self.description = index_cache_description(path_prefix, split_name, (begin, end),
                                                    num_tokens, num_samples, config.seq_length,
                                                    config.seed)

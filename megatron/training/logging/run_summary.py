@@ -69,12 +69,7 @@ def _tokens_per_epoch(dataset) -> Optional[int]:
     if parts is not None:
         counts = [_tokens_per_epoch(part) for part in parts]
         return sum(counts) if all(counts) else None
-    indexed, documents = getattr(dataset, "dataset", None), getattr(dataset, "document_range",
-                                                                    None)
-    if indexed is None or documents is None:
-        return None
-    begin, end = documents
-    return int(sum(int(n) for n in indexed.sequence_lengths[begin:end]))
+    return getattr(dataset, "num_tokens", None)
 
 
 def start_block(args, configs, counts: Tuple[int, int, int], datasets: Sequence,
