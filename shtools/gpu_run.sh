@@ -76,13 +76,15 @@ if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
 fi
 
 step machine 90 bash -c "$MACHINE" "$PYTHON"
-step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --profile
+# The default path's figures first, then the tier, then the training log, then the eager
+# baseline (measured on two earlier runs: the step a short budget gives up first).
 if [ $DRY = 0 ]; then
     step bench_compile 240 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 \
         --torch-compile --profile
 else
     echo "bench_compile: skipped in a dry run" >> "$SUMMARY"
 fi
+step tests 300 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
 # shellcheck disable=SC2207
 # The training log's figures on the path CUDA runs by default (compiled element-wise regions;
 # a dry run stays eager: compiling on CPU is the unit tier's).
@@ -93,9 +95,7 @@ FLAGS=($("$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 "${COMPI
 step pretrain 120 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
     pretrain_llama.py "${FLAGS[@]}" --train-iters 20 --log-interval 5 --log-throughput \
     --peak-tflops 989
-# The tier last, with what is left: the figures above take a known ~4 minutes, the tier's
-# length depends on what it finds (compilation, failures, timeouts).
-step tests 330 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
+step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --profile
 
 {
     echo "--- figures"

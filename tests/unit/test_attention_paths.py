@@ -274,3 +274,42 @@ def test_qkv_split_backward_zero_fills_nothing_and_keeps_gradients(rope):
     assert len(old_fills) >= 3, old_fills  # what the slicing did: one per slice
     for got, want in zip(grads, old_grads):
         assert (got is None and want is None) or torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_compiled_head_layout_is_the_eager_split_in_sequence_major_memory(rope):
+    """``_heads_for_sdpa`` (the function the compiled path compiles; run eagerly here, so the
+    arithmetic is the same ops) gives the eager path's Q, K, V and QKV gradient bit for bit,
+    each a [b, s, ...] view of [s, b, ...] memory: the fused SDPA kernels then write their
+    output [s, b, heads, d] in memory and the output projection's input is a view (the CUDA
+    side: tests/gpu/test_attention_gpu.py counts the copies)."""
+    from megatron.core.transformer.attention import _heads_for_sdpa
+    from megatron.core.transformer.rope import apply_rotary
+
+    s, b, groups, per_group, d = 6, 3, 2, 3, 8
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(s, b, groups, per_group + 2, d, generator=g, dtype=torch.float64)
+    cos = torch.randn(1, s, 1, d, generator=g, dtype=torch.float64) if rope else None
+    sin = torch.randn(1, s, 1, d, generator=g, dtype=torch.float64) if rope else None
+    seeds = [torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
+             for n in (groups * per_group, groups, groups)]
+
+    def eager(x):  # SelfAttention.forward's eager path
+        query, key, value = torch.split(x.transpose(0, 1), [per_group, 1, 1], dim=3)
+        query = query.reshape(b, s, groups * per_group, d)
+        key, value = key.squeeze(3), value.squeeze(3)
+        if rope:
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        return query, key, value
+
+    results = []
+    for fn in (eager, lambda x: _heads_for_sdpa(x, cos, sin, per_group)):
+        x = qkv.clone().requires_grad_()
+        outs = fn(x)
+        sum((o * w).sum() for o, w in zip(outs, seeds)).backward()
+        results.append((outs, x.grad))
+    (want, want_grad), (got, got_grad) = results
+    for o, w in zip(got, want):
+        assert torch.equal(o, w)
+        assert o.transpose(0, 1).is_contiguous()  # [s, b, heads|groups, d] in memory
+    assert torch.equal(got_grad, want_grad)

@@ -42,20 +42,26 @@ except ImportError:
 
 def _heads_for_sdpa(qkv, cos, sin, heads_per_group: int):
     """QKV [s, b, groups, heads_per_group + 2, d] -> Q [b, s, heads, d] and K, V [b, s, groups,
-    d], each contiguous, RoPE applied to Q and K (``cos``/``sin`` [b|1, s, 1, rot], or None).
-    Compiled (the compiled path), this is one pass that reads the QKV buffer once and writes
-    the three, and its backward one pass that writes the QKV gradient: in place of the eager
-    path's Q reshape copy, two RoPE passes, the split's concatenation and the copy of the
-    transposed gradient before the QKV GEMM. [b, s, heads, d] rather than SDPA's [b, heads, s,
-    d]: the kernels write their output in Q's layout, and from [b, s, heads, d] the output
-    projection's [s, b, heads * d] input is a view, not a copy."""
+    d], RoPE applied to Q and K (``cos``/``sin`` [b|1, s, 1, rot], or None), each a transposed
+    view of a contiguous [s, b, ..., d] tensor. Compiled (the compiled path), this is one pass
+    that reads the QKV buffer once and writes the three, and its backward one pass that writes
+    the QKV gradient: in place of the eager path's Q reshape copy, two RoPE passes, the split's
+    concatenation and the copy of the transposed gradient before the QKV GEMM.
+
+    Why [s, b] memory: the fused SDPA kernels (flash, cuDNN, memory-efficient) take any strides
+    with a contiguous last dim and write their output, and in backward the Q/K/V gradients, in
+    Q's layout. The output is then [s, b, heads, d] in memory, so the output projection's
+    [s, b, heads * d] input is a contiguous view (no copy before its GEMM nor before its weight
+    gradient), and the output gradient arriving from that projection already has the output's
+    layout (no copy in SDPA's backward)."""
     s, b, groups, _, d = qkv.shape
-    query, key, value = torch.split(qkv.transpose(0, 1), [heads_per_group, 1, 1], dim=3)
-    query = query.reshape(b, s, groups * heads_per_group, d)
+    query, key, value = torch.split(qkv, [heads_per_group, 1, 1], dim=3)
+    query = query.reshape(s, b, groups * heads_per_group, d)
     key, value = key.squeeze(3), value.squeeze(3)
-    if cos is not None:
+    if cos is not None:  # [b|1, s, 1, rot] -> [s, b|1, 1, rot]
+        cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-    return query.contiguous(), key.contiguous(), value.contiguous()
+    return tuple(t.contiguous().transpose(0, 1) for t in (query, key, value))
 
 
 def compiled_head_layout(config) -> bool:
