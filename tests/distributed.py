@@ -21,6 +21,7 @@ import itertools
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -68,10 +69,21 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: Dict[str
             payload = (False, f"rank {rank}:\n{traceback.format_exc()}")
         finally:
             parallel_state.destroy_model_parallel()
+            _forget_compiled_code()
             os.environ.clear()  # a task's environment changes end with it
             os.environ.update(env)
         results.put((task_id, rank) + payload)
     dist.destroy_process_group()
+
+
+def _forget_compiled_code() -> None:
+    """A task's torch.compile'd code ends with it, as in a fresh process: compiled functions
+    are shared by all layers (megatron/core/compiled.py), so the tasks a pooled rank serves
+    (other shapes, dtypes, layouts) would otherwise pile up recompilations of one function
+    until dynamo's recompile limit (8) refuses the next (the GPU tier's bf16 PP=2 case did)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 def _rank_env(world_size: int) -> Dict[str, str]:

@@ -34,3 +34,26 @@ def test_a_pool_made_for_another_backend_is_replaced(monkeypatch):
     distributed._POOLS[1].made_for = ("cuda", "nccl")
     (fresh,) = distributed.run_distributed(_backend_and_pid, world_size=1)
     assert fresh[0] == "gloo" and fresh[1] != first[1]
+
+
+_shared = None
+
+
+def _compile_at_width(width):
+    """One compiled function shared across tasks, as megatron/core/compiled.py shares one
+    across layers, called at a shape no earlier task used: (pid, square sum)."""
+    global _shared
+    if _shared is None:
+        _shared = torch.compile(lambda x: (x * x).sum(), fullgraph=True, dynamic=False,
+                                backend="eager")  # dynamo's caches, no code generation
+    return os.getpid(), _shared(torch.ones(width)).item()
+
+
+def test_a_pooled_rank_forgets_compiled_code_between_tasks():
+    """Twelve tasks in one pooled rank, each compiling the shared function at a new shape:
+    dynamo refuses a ninth recompilation of one code object (recompile limit 8), as the GPU
+    tier's bf16 PP=2 run was refused; a task starts with no compiled code, as a process."""
+    results = [distributed.run_distributed(_compile_at_width, world_size=1, width=w)[0]
+               for w in range(1, 13)]
+    assert len({pid for pid, _ in results}) == 1  # one pooled process served them all
+    assert [total for _, total in results] == [float(w) for w in range(1, 13)]
