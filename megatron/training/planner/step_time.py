@@ -61,13 +61,13 @@ from megatron.training.training_config import ConfigError
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as vendors quote them
 # The fraction of the peak our model FLOPs ran at, measured on one GPU with no communication
 # (bench/gpu_step.py, the 1.1B LLaMA, bf16, micro batch 4 x 4 microbatches, torch 2.11;
-# BENCHMARKS.md, "The compiled path by default"): on an H100, CUDA's default compiled path
-# 49.7 % (pretrain_llama.py's own log 50.4 %), --no-torch-compile 31.7-31.9 % (an H200 ran
-# these at 49.5-50.7 % and 34.4 %: its faster memory helps the eager element-wise work). It
-# replaces an assumed 60 %, which put that step at 0.40 s against 0.76 s measured eager and
-# 0.48-0.49 s compiled.
+# BENCHMARKS.md, "The compiled head layout"): on an H100, CUDA's default compiled path
+# 51.0 % (pretrain_llama.py's own log 50.5-51.2 %), --no-torch-compile 31.4-31.9 % over
+# three runs (an H200 ran 49.5-50.7 % compiled before the head layout, and 34.4 % eager: its
+# faster memory helps the eager element-wise work). It replaces an assumed 60 %, which put
+# that step at 0.40 s against 0.76 s measured eager and 0.475 s compiled.
 EAGER_EFFICIENCY = 0.32
-COMPILED_EFFICIENCY = 0.50
+COMPILED_EFFICIENCY = 0.51
 
 
 @dataclass(frozen=True)
