@@ -26,7 +26,10 @@ heap memory is slow and would land on whichever side runs first).
    the same tensors as one dict, then (timed separately) an fsync of the file: ours fsyncs
    (atomic save), plain torch.save does not, so both figures are given. Dirty pages are
    flushed (os.sync, untimed) before every timed save, so neither side pays for the other's
-   writeback. Ours and the peer alternate (order swapped every repeat); medians and bests.
+   writeback. With ``--ckpt-format torch_dist`` a third contender is ours without the
+   checksums (each shard file written by the streaming loop of before them,
+   bench/shard_checksum_cost.py): what they cost a whole save. The contenders take turns
+   going first, repeat by repeat; medians and bests.
    Separately, ``optimizer.state_dict()`` alone (the part of ours that copies the Adam state).
 2. Load. Ours: ``load_checkpoint`` (memory-maps the file with weights_only=True, copies the
    weights into the model, clones the Adam state into the optimizer): timed until the tensors
@@ -109,18 +112,33 @@ def parse_args(argv=None):
 # --- the three parts ------------------------------------------------------------------------
 
 def bench_save(run, args, root, peer_path):
-    ours, peer, peer_fsync, optim_sd = [], [], [], []
+    ours, unchecked, peer, peer_fsync, optim_sd = [], [], [], [], []
     ours_bytes = peer_bytes = 0
 
-    def save_ours():
+    def save_ours(times=ours):
         nonlocal ours_bytes
         remove_iterations(root)
         run.iteration += 1  # a new iteration directory each time (nothing to replace)
         settle(args.idle)
         start = time.perf_counter()
         run.save(root, CheckpointWriter(async_save=False))
-        ours.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
         ours_bytes = size_of(root)
+
+    def save_unchecked():
+        """torch_dist: the same save with each shard file written by the streaming loop of
+        before the checksums (same chunks, no CRC): what the checksums cost a whole save."""
+        from shard_checksum_cost import write_without_checksums
+
+        from megatron.training.checkpointing import sharded_save
+
+        checked = sharded_save.write_shard_file
+        sharded_save.write_shard_file = \
+            lambda path, tensors, *_, **__: write_without_checksums(path, tensors)
+        try:
+            save_ours(unchecked)
+        finally:
+            sharded_save.write_shard_file = checked
 
     def save_peer():
         nonlocal peer_bytes
@@ -137,11 +155,14 @@ def bench_save(run, args, root, peer_path):
         peer_fsync.append(end - start)
         peer_bytes = size_of(peer_path)
 
-    save_ours(), save_peer()  # untimed warm-up: the VM's first touch of page-cache memory
-    for lst in (ours, peer, peer_fsync):
+    contenders = [save_ours, save_peer] + \
+        ([save_unchecked] if args.ckpt_format == "torch_dist" else [])
+    for fn in contenders:  # untimed warm-up: the VM's first touch of page-cache memory
+        fn()
+    for lst in (ours, unchecked, peer, peer_fsync):
         lst.clear()
-    for r in range(args.repeats):
-        for fn in ((save_ours, save_peer) if r % 2 == 0 else (save_peer, save_ours)):
+    for r in range(args.repeats):  # each contender first in turn
+        for fn in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
             fn()
         # the part of ours that clones the Adam state (optimizer.state_dict()), on its own
         settle(args.idle)
@@ -149,7 +170,8 @@ def bench_save(run, args, root, peer_path):
         sd = run.optimizer.state_dict()
         optim_sd.append(time.perf_counter() - start)
         del sd
-    return dict(ours=ours, peer=peer, peer_fsync=peer_fsync, ours_bytes=ours_bytes,
+    return dict(ours=ours, unchecked=unchecked, peer=peer, peer_fsync=peer_fsync,
+                ours_bytes=ours_bytes,
                 peer_bytes=peer_bytes, optim_state_dict=optim_sd)
 
 
@@ -288,6 +310,12 @@ def report_save(s, repeats):
         print(f"  ratio ours/peer GB/s ({stat}): vs torch.save+fsync "
               f"{ours / (pb / fn(s['peer_fsync'])):.3f}, vs torch.save alone "
               f"{ours / (pb / fn(s['peer'])):.3f}   (target >= 0.9)")
+    if s["unchecked"]:
+        print(f"  {'ours without checksums (same save, no CRC)':44s} "
+              f"{ob / GB / med(s['unchecked']):6.3f} GB/s  {spread(s['unchecked'])}")
+        print(f"  ratio ours with / without checksums, time: median "
+              f"{med(s['ours']) / med(s['unchecked']):.3f}, best "
+              f"{min(s['ours']) / min(s['unchecked']):.3f}   (target <= 1.05)")
     print(f"  in ours: optimizer.state_dict() (clones exp_avg, exp_avg_sq) alone "
           f"{spread(s['optim_state_dict'])}")
 

@@ -30,7 +30,12 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
           torch.int8: "I8", torch.bool: "BOOL"}
 _BY_NAME = {v: k for k, v in DTYPES.items()}
-_CHUNK_BYTES = 64 << 20  # written per call: bounded staging for non-contiguous sources
+# Written per call (bounded staging for non-contiguous sources) and checksummed beside the
+# write. Small enough that the CRC thread reads the chunk while the write's copy has it in
+# cache: at 64 MiB the two streamed it from memory separately, and on 2 cores 8 of 20 1 GB
+# shard writes stalled past 0.9 s against 1 of 20 without checksums; at 2 MiB none did and
+# the checksums cost +1.8 % at the median (BENCHMARKS.md, "Checkpoint checksums, part 2").
+_CHUNK_BYTES = 2 << 20
 assert _CHUNK_BYTES % checksums.BLOCK_BYTES == 0  # a chunk's blocks are the tensor's blocks
 
 
