@@ -97,17 +97,20 @@ def test_step_time_by_hand_with_context_parallelism():
     rate = 2 * 2 * 312e12 * 0.6  # the microbatch is spread over TP x CP = 4 GPUs
     forward, backward = work / 3 / rate, 2 * work / 3 / rate
     tp = 32 * 3 * 2 * (1 / 2) * (s // 2) * 4096 * 2 / 300e9  # on s/CP tokens
-    # Ring: one K/V block of s/2 tokens, 16 heads a TP rank, bf16, from the other CP rank;
-    # forward once, backward twice; hidden behind the attention blocks where it can be.
-    block = 2 * (s // 2) * 16 * 128 * 2 / 10e9
+    # Ring (context_parallel/ring.py): one K/V block of s/2 tokens, 16 heads a TP rank, bf16,
+    # from the other CP rank, forward and again backward; in backward each block's dK/dV in
+    # fp32 goes 2 hops, the first hidden where it can be, the last (home) exposed.
+    kv_hop = 2 * (s // 2) * 16 * 128 * 2 / 10e9
+    dkv_hop = 2 * kv_hop
     attention = 4 * s * s * 32 * 128 / 4 / (312e12 * 0.6)
-    assert block > attention  # across nodes the ring is partly exposed
-    assert step.context_parallel_s == pytest.approx(32 * 3 * block, rel=1e-12)
-    assert step.context_parallel_exposed_s == pytest.approx(32 * 3 * (block - attention),
-                                                            rel=1e-12)
+    assert kv_hop > attention  # across nodes the ring is partly exposed
+    ring = 32 * (kv_hop + kv_hop + 2 * dkv_hop)
+    ring_exposed = 32 * ((kv_hop - attention) + (kv_hop + dkv_hop - 2 * attention) + dkv_hop)
+    assert step.context_parallel_s == pytest.approx(ring, rel=1e-12)
+    assert step.context_parallel_exposed_s == pytest.approx(ring_exposed, rel=1e-12)
     assert step.compute_s == pytest.approx(forward + backward, rel=1e-12)
     assert step.tensor_parallel_s == pytest.approx(tp, rel=1e-12)
-    microbatch = forward + backward + tp + 32 * 3 * (block - attention)
+    microbatch = forward + backward + tp + ring_exposed
     assert step.microbatch_s == pytest.approx(microbatch, rel=1e-12)
     # Gradients reduce-scattered and params all-gathered over DP x CP = 4 ranks across nodes.
     stage = memory.stages[0]
@@ -117,3 +120,41 @@ def test_step_time_by_hand_with_context_parallelism():
     assert step.step_s == pytest.approx(8 * microbatch + exposed, rel=1e-12)
     assert step.model_flops == 16 * work  # Megatron's count: unchanged by CP
     assert step.mfu == pytest.approx(16 * work / (step.step_s * 8 * 312e12), rel=1e-12)
+
+
+def test_context_parallelism_costs_its_last_gradient_hop_so_no_cp_wins_a_tie():
+    """LLaMA-2 7B at 16K on one node of 8, TP 2: CP 2 x DP 2 against CP 1 x DP 4. The ring's
+    forward and backward hops hide behind attention, but the last dK/dV hop of every layer
+    cannot (ring.py waits for it after the last block), so CP 2 is slower by exactly 32 such
+    hops a microbatch, 8 microbatches a step; before this costing the two tied, and the tie
+    went to CP (less memory)."""
+    s = 16384
+    workload = workload_from_flags(with_seq_length(LLAMA2_7B, s), global_batch_size=16)
+    cluster = Cluster(num_gpus=8)
+    times = {}
+    for cp, dp in ((1, 4), (2, 2)):
+        lay = Layout(2, 1, None, dp, 1, 16, None, True, context_parallel=cp)
+        config = layout_config(workload, lay)
+        times[cp] = estimate_step_time(config, lay, cluster, layout_memory(workload, lay, config),
+                                       s, 32000)
+    dkv_hop = 2 * (s // 2) * 16 * 128 * 4 / 300e9  # fp32 dK/dV of s/2 tokens, in the node
+    assert times[2].context_parallel_exposed_s == pytest.approx(32 * dkv_hop, rel=1e-12)
+    assert times[1].data_parallel_exposed_s == times[2].data_parallel_exposed_s == 0
+    assert (times[1].num_microbatches, times[2].num_microbatches) == (4, 8)
+    # The rest is the same work: half a sequence per microbatch, twice the microbatches.
+    assert times[2].step_s - times[1].step_s == pytest.approx(8 * 32 * dkv_hop, rel=1e-6)
+    # The planner's order: each CP 2 row without a pipeline ranks below its CP 1 twin (with
+    # one, CP's twice as many half-length microbatches halve the bubble: a real gain).
+    result = plan(workload, cluster, top=None)
+
+    def key(lay, cp, dp):
+        return (lay.tensor_parallel, lay.pipeline_parallel, lay.virtual_pipeline, lay.schedule,
+                lay.micro_batch_size, lay.recompute, lay.distributed_optimizer,
+                lay.memory_mode, cp, dp)
+
+    rank = {key(r.layout, r.layout.context_parallel, r.layout.data_parallel): i
+            for i, r in enumerate(result.rows)}
+    twins = [(i, rank[key(r.layout, 1, 2 * r.layout.data_parallel)])
+             for i, r in enumerate(result.rows) if r.layout.context_parallel == 2
+             and r.layout.pipeline_parallel == 1 and key(r.layout, 1, 2 * r.layout.data_parallel) in rank]
+    assert twins and all(cp1 < cp2 for cp2, cp1 in twins), twins

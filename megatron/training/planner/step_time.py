@@ -14,10 +14,14 @@ CP every per-microbatch activation below is that of s/c tokens):
   here, nor a CP block slower).
 - Context parallelism (the ring, ``--cp-comm-type p2p``): per layer and microbatch each rank
   receives the c-1 other ranks' K/V blocks, (c-1) x 2 b (s/c) (g/t) d e bytes (g query
-  groups), in the forward, and twice that in the backward (K/V again, and dK/dV travelling
-  back), over the bandwidth of the CP group (t x c consecutive ranks); full recomputation
-  runs the forward ring again. The transfers overlap the attention blocks' compute (4 b s^2
-  a d / (t c) FLOPs a GPU forward, twice that backward); only what exceeds it is added.
+  groups), in the forward; in the backward the K/V blocks again and, one hop behind them,
+  each block's dK/dV accumulator, in fp32 (2 b (s/c) (g/t) d x 4 bytes), c hops of which the
+  last returns it to its owner after the last block's compute: nothing overlaps that one.
+  All over the bandwidth of the CP group (t x c consecutive ranks); full recomputation runs
+  the forward ring again. The other hops overlap the attention blocks' compute (4 b s^2 a d
+  / (t c) FLOPs a GPU forward, twice that backward); only what exceeds it is added. So CP
+  always costs something (the last dK/dV hop of every layer), and a layout without it wins
+  where both fit and nothing else differs.
 - Tensor parallelism (with sequence parallelism): per layer and microbatch the forward
   all-gathers and reduce-scatters two all-reduce volumes of the b x s x h activations
   (2(t-1)/t x b s h e bytes each), and the backward waits for one more (the row-parallel
@@ -40,7 +44,8 @@ CP every per-microbatch activation below is that of s/c tokens):
   as a ring crossing nodes sees it). The reduction overlaps the backward of the last
   microbatch (buckets go as they fill) and the all-gather the forward of the next step's first
   microbatch; only what exceeds those windows adds to the step.
-- Not modelled: the optimizer step itself (memory bound, small next to these terms for
+- Not modelled: the ring's merges of partial outputs and dQ/dK/dV accumulations (fp32
+  element-wise passes, memory-bound), the optimizer step itself (memory bound, small next to these terms for
   these models), kernel launch gaps, contention between communication and compute, network
   latency and the last bucket's reduction that nothing hides.
 """
@@ -183,18 +188,26 @@ def recompute_flops_per_layer(config, layout: Layout, seq_length: int) -> int:
 
 def cp_ring_seconds(config, layout: Layout, cluster: Cluster, seq_length: int
                     ) -> "tuple[float, float]":
-    """(transfer, exposed) seconds of one layer's CP ring for one microbatch: forward,
-    backward (twice) and the recomputed forward under full recomputation (module docstring)."""
+    """(transfer, exposed) seconds of one layer's CP ring for one microbatch, as
+    ``context_parallel/ring.py`` runs it (module docstring): the forward's K/V hops, the
+    backward's K/V hops and fp32 dK/dV hops (the last one waited for with nothing left to
+    overlap), and the forward again under full recomputation."""
     t, c, b = layout.tensor_parallel, layout.context_parallel, layout.micro_batch_size
     if c == 1:
         return 0.0, 0.0
     groups, d = config.num_query_groups // t, config.kv_channels
-    block = 2 * b * (seq_length // c) * groups * d * dtype_bytes(config.params_dtype)
-    forward_s = (c - 1) * block / cluster.group_bandwidth(t * c)
+    bandwidth = cluster.group_bandwidth(t * c)
+    kv_hop = 2 * b * (seq_length // c) * groups * d * dtype_bytes(config.params_dtype) / bandwidth
+    dkv_hop = 2 * b * (seq_length // c) * groups * d * 4 / bandwidth  # accumulated in fp32
     attention = 4 * b * seq_length ** 2 * config.num_attention_heads * d / (t * c)
     attention_s = attention / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
-    passes = 4 if layout.recompute == "full" else 3  # forward(s), and backward's 2 volumes
-    return passes * forward_s, passes * max(0.0, forward_s - attention_s)
+    forward = (c - 1) * kv_hop
+    forward_exposed = max(0.0, forward - attention_s)
+    backward = (c - 1) * kv_hop + c * dkv_hop
+    backward_exposed = max(0.0, backward - dkv_hop - 2 * attention_s) + dkv_hop
+    forwards = 2 if layout.recompute == "full" else 1
+    return (forwards * forward + backward,
+            forwards * forward_exposed + backward_exposed)
 
 
 def _collective_bytes(stage, layout: Layout, group: int):
