@@ -34,7 +34,9 @@ CHANGED = {
     "rope_original_max_position_embeddings": 4096, "normalization": "LayerNorm",
     "norm_epsilon": 1e-6, "swiglu": False, "openai_gelu": True, "disable_bias_linear": False,
     "add_qkv_bias": True, "qk_layernorm": True, "untie_embeddings_and_output_weights": True,
-    "num_experts": 8, "moe_router_topk": 1, "moe_ffn_hidden_size": 64, "moe_layer_freq": 2,
+    "num_experts": 8, "moe_router_topk": 1, "moe_router_score_function": "sigmoid",
+    "moe_router_pre_softmax": True, "moe_router_topk_norm": True,
+    "moe_router_enable_expert_bias": True, "moe_ffn_hidden_size": 64, "moe_layer_freq": 2,
     "moe_shared_expert_intermediate_size": 96, "moe_shared_expert_gate": True,
     "vocab_size": 200, FINGERPRINT_ARG: {"vocab_size": 201, "sha256": "b"},
 }

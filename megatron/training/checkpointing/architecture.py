@@ -138,6 +138,12 @@ ARCHITECTURE: List[Setting] = [
             switch=True),
     Setting("num_experts", "--num-experts"),
     Setting("moe_router_topk", "--moe-router-topk", _experts),
+    # How the router turns logits into the chosen experts and their weights.
+    Setting("moe_router_score_function", "--moe-router-score-function", _experts),
+    Setting("moe_router_pre_softmax", "--moe-router-pre-softmax", _experts, switch=True),
+    Setting("moe_router_topk_norm", "--moe-router-topk-norm", _experts, switch=True),
+    Setting("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", _experts,
+            switch=True),
     Setting("moe_ffn_hidden_size", "--moe-ffn-hidden-size", _experts,
             value=_moe_ffn_hidden_size, needs=("ffn_hidden_size",)),
     Setting("moe_layer_freq", "--moe-layer-freq", _experts),
