@@ -5,7 +5,7 @@ checkpoint loaded without --padded-vocab-size. Each: the exit code, one ``error:
 what and the fix, no traceback, nothing trained when knowable at start."""
 import pytest
 
-from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, tmpfs
+from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, run_torchrun, tmpfs
 from tests.e2e.runner import LLAMA, TINY, without
 from tests.e2e.test_checkpoint_convert_padded_vocab import ROWS, TOKENS, _flags, _qwen2
 from tests.hf_checkpoints import read_safetensors_dir, save_tokenizer
@@ -45,6 +45,16 @@ def test_padded_vocab_size_below_the_tokenizer(tmp_path):
     proc = run("pretrain_llama.py", FLAGS + ["--padded-vocab-size", "50"])
     assert_clean_error(proc, 2, "--padded-vocab-size 50 is smaller than the tokenizer's 65 "
                        "tokens", "pass at least 65")
+
+
+def test_padded_vocab_size_that_tensor_parallelism_cannot_split(tmp_path):
+    """67 rows over TP 2: each rank's vocabulary slice must be whole (two real ranks: the
+    world size must allow TP 2 before this check is reached)."""
+    proc = run_torchrun("pretrain_llama.py", FLAGS + [
+        "--padded-vocab-size", "67", "--tensor-model-parallel-size", "2"])
+    assert_clean_error(proc, 1, "--padded-vocab-size 67 does not split evenly over "
+                       "--tensor-model-parallel-size 2", "choose a tensor-parallel size that "
+                       "divides 67", torchrun=True)
 
 
 def test_vocab_size_with_a_tokenizer_of_its_own(tmp_path):
