@@ -45,6 +45,11 @@ class Fp8Config:
             raise ValueError(f"fp8 format {self.format!r} is not one of {', '.join(FORMATS)}")
         if self.recipe not in RECIPES:
             raise ValueError(f"fp8 recipe {self.recipe!r} is not one of {', '.join(RECIPES)}")
+        if self.format == "hybrid" and self.recipe == "blockwise":
+            raise ValueError("--fp8-format hybrid is not available with --fp8-recipe blockwise "
+                             "(its 1 x 128 and 128 x 128 scales are for e4m3 operands, as in "
+                             "DeepSeek-V3): use --fp8-format e4m3, or --fp8-recipe tensorwise "
+                             "or rowwise for e5m2 gradients")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
 

@@ -137,19 +137,27 @@ class LinearWithGradAllReduce(torch.autograd.Function):
     ``deferrable`` layer's backward is B only (input gradient, its TP reduction, the bias
     gradient) and pushes the weight gradient into the store; W (``store.flush()``) runs the
     same ``_weight_grad_gemm`` later. See ``weight_grad_store``.
+
+    FP8 (``fp8``, an ``fp8.linear.Fp8Gemms``): the forward, input-gradient and weight-gradient
+    GEMMs run in FP8 with fp32 accumulation (``megatron/core/fp8``); everything above (the
+    gathers, reductions, fusion and the split backward) is unchanged around them.
     """
 
     @staticmethod
     def forward(ctx, input_, weight, bias, sequence_parallel, reduce_input_grad,
-                gradient_accumulation_fusion=False, deferrable=True):
+                gradient_accumulation_fusion=False, deferrable=True, fp8=None):
         ctx.save_for_backward(input_, weight)
+        ctx.fp8 = fp8
         ctx.use_bias = bias is not None
         ctx.sequence_parallel = sequence_parallel
         ctx.reduce_input_grad = reduce_input_grad
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.deferrable = deferrable
         total_input = gather_along_first_dim(input_) if sequence_parallel else input_
-        output = torch.matmul(total_input, weight.t())
+        if fp8 is not None:
+            output = _fp8_forward(fp8, total_input, weight)
+        else:
+            output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
         return output
@@ -168,7 +176,7 @@ class LinearWithGradAllReduce(torch.autograd.Function):
                 param, (grad_output, input_.detach()),
                 functools.partial(_weight_grad, param, cast=cast,
                                   sequence_parallel=ctx.sequence_parallel,
-                                  fusion=ctx.gradient_accumulation_fusion)))
+                                  fusion=ctx.gradient_accumulation_fusion, fp8=ctx.fp8)))
             need_weight_grad = False  # W delivers it; B returns None for the weight
         if cast and need_weight_grad:
             input_ = input_.to(grad_output.dtype)
@@ -177,8 +185,13 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         if ctx.sequence_parallel and need_weight_grad:
             total_input, gather_handle = gather_along_first_dim(input_, async_op=True)
 
-        grad_input = reduce_handle = None
-        if need_input_grad:
+        grad_input = reduce_handle = grad_q = None
+        if need_input_grad and ctx.fp8 is not None:
+            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_q = ctx.fp8.quantize_grad(grad_2d)  # reused by the weight gradient
+            grad_input = torch.ops.aten._unsafe_view(ctx.fp8.dgrad(grad_2d, weight, grad_q),
+                                                     (*grad_output.shape[:-1], weight.shape[1]))
+        elif need_input_grad:
             grad_input = grad_output.matmul(weight)
         if gather_handle is not None:
             gather_handle.wait()
@@ -194,20 +207,40 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         grad_weight = grad_bias = None
         if need_weight_grad:  # overlaps the input gradient's reduction
             grad_weight = _weight_grad_gemm(param, grad_output, total_input,
-                                            ctx.gradient_accumulation_fusion)
+                                            ctx.gradient_accumulation_fusion, ctx.fp8, grad_q)
         if ctx.use_bias and ctx.needs_input_grad[2]:  # always in B: a column sum, tiny
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if reduce_handle is not None:
             reduce_handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _weight_grad_gemm(param, grad_output, total_input, fusion):
+def _fp8_forward(fp8, total_input, weight):
+    """``total_input @ weight.T`` by FP8 GEMM, in the dtype torch.matmul would give (autocast's
+    where it is on)."""
+    x = total_input.reshape(-1, total_input.shape[-1])
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    # _unsafe_view, as torch.matmul's own 3-D path: a plain view of a tensor made inside a
+    # custom Function may not be modified in place (the TP all-reduce does).
+    return torch.ops.aten._unsafe_view(fp8.forward(x, weight),
+                                       (*total_input.shape[:-1], weight.shape[0]))
+
+
+def _weight_grad_gemm(param, grad_output, total_input, fusion, fp8=None, grad_q=None):
     """The weight gradient from the (gathered) input: into ``param.main_grad`` when fused
-    (returning the placeholder autograd delivers to DDP's hook), else returned."""
+    (returning the placeholder autograd delivers to DDP's hook), else returned. FP8: the
+    GEMM in FP8 (``grad_q``: the output gradient dgrad quantized), its fp32 result added to
+    ``main_grad``."""
     grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
     input_2d = total_input.reshape(-1, total_input.shape[-1])
     main_grad = getattr(param, "main_grad", None) if fusion else None
+    if fp8 is not None:
+        if main_grad is None:
+            return fp8.wgrad(grad_2d, input_2d, grad_2d.dtype, grad_q)
+        main_grad.add_(fp8.wgrad(grad_2d, input_2d, torch.float32, grad_q))
+        param.grad_added_to_main_grad = True
+        return torch.empty_like(param)
     if main_grad is None:
         return grad_2d.t().matmul(input_2d)
     accumulate_weight_grad(main_grad, grad_2d, input_2d)
@@ -215,13 +248,13 @@ def _weight_grad_gemm(param, grad_output, total_input, fusion):
     return torch.empty_like(param)
 
 
-def _weight_grad(param, grad_output, input_, *, cast, sequence_parallel, fusion):
+def _weight_grad(param, grad_output, input_, *, cast, sequence_parallel, fusion, fp8=None):
     """A deferred W: the whole backward's dtype handling, gather and GEMM. ``main_grad`` is
     looked up now, not at B (ZeRO-2 creates it at the bucket's first gradient)."""
     if cast:
         input_ = input_.to(grad_output.dtype)
     total_input = gather_along_first_dim(input_) if sequence_parallel else input_
-    return _weight_grad_gemm(param, grad_output, total_input, fusion)
+    return _weight_grad_gemm(param, grad_output, total_input, fusion, fp8)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -244,6 +277,7 @@ class ColumnParallelLinear(torch.nn.Module):
             output_size, world_size, "ColumnParallelLinear output size by TP size")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
+        self.fp8 = None  # an fp8.linear.Fp8Gemms: its GEMMs in FP8 (set by use_fp8)
         self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and gather_output:
@@ -281,7 +315,7 @@ class ColumnParallelLinear(torch.nn.Module):
         own = weight is self.weight
         output = LinearWithGradAllReduce.apply(
             input_, weight, bias, self.sequence_parallel, tp_size > 1,
-            self.gradient_accumulation_fusion and own, own)
+            self.gradient_accumulation_fusion and own, own, self.fp8)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
@@ -306,6 +340,7 @@ class RowParallelLinear(torch.nn.Module):
             input_size, world_size, "RowParallelLinear input size by TP size")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
+        self.fp8 = None  # an fp8.linear.Fp8Gemms: its GEMMs in FP8 (set by use_fp8)
         self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and not input_is_parallel:
@@ -327,7 +362,8 @@ class RowParallelLinear(torch.nn.Module):
             input_ = scatter_to_tensor_model_parallel_region(input_)
         # The same GEMMs as F.linear, with the weight gradient accumulated as above.
         partial = LinearWithGradAllReduce.apply(input_, self.weight, None, False, False,
-                                                self.gradient_accumulation_fusion)
+                                                self.gradient_accumulation_fusion, True,
+                                                self.fp8)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial)
         else:

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core.fp8.config import Fp8Config
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel.layer_split import stage_layer_counts
 from megatron.core.transformer.moe.moe_config import MoEConfig
@@ -59,6 +60,9 @@ class TransformerConfig(ModelParallelConfig):
     # Mixture of experts in place of the MLP of the layers moe.moe_layer_freq picks (None =
     # dense everywhere).
     moe: Optional[MoEConfig] = None
+    # FP8 GEMMs in the transformer layers' linears (None: high precision; the embedding and
+    # the output layer always are).
+    fp8: Optional[Fp8Config] = None
 
     def __post_init__(self):
         def need(cond, message):

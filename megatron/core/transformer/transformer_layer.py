@@ -5,6 +5,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.config import layer_fp8
+from megatron.core.fp8.linear import use_fp8
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
@@ -32,6 +34,9 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MoELayer(config, layer_number)
         else:
             self.mlp = MLP(config)
+        fp8 = layer_fp8(config, layer_number)
+        if fp8 is not None:
+            use_fp8(self, fp8)
 
     def _residual(self, residual, output, bias):
         if bias is not None:

@@ -1,0 +1,198 @@
+"""FP8 in the tensor-parallel linears: ColumnParallelLinear and RowParallelLinear with
+``layer.fp8`` set run their forward, input-gradient and weight-gradient GEMMs in FP8, and each
+equals a reference that quantizes the same operands with the scalings the recipe names
+(written out here GEMM by GEMM, independently of fp8/linear.py), dequantizes them and
+multiplies in fp64: at TP=1, at TP=2 with and without sequence parallelism, with and without
+gradient-accumulation fusion. Each layer is checked on its own (a leaf input and a given
+output gradient), so every quantized operand is the same bytes in both and only the GEMMs'
+accumulation differs: within fp32 rounding (the bound below)."""
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.linear import Fp8Gemms, use_fp8
+from megatron.core.fp8.quantize import (
+    BLOCKS_128x128,
+    ROWWISE,
+    TENSORWISE,
+    TILES_1x128,
+    dequantize,
+    quantize,
+)
+from tests.distributed import run_distributed
+
+# The recipe's scaling of each GEMM's two operands (both with the contraction dim last):
+# forward (x, W), dgrad (dy, W.T), wgrad (dy.T, x.T).
+SCALINGS = {
+    "tensorwise": {"forward": (TENSORWISE, TENSORWISE), "dgrad": (TENSORWISE, TENSORWISE),
+                   "wgrad": (TENSORWISE, TENSORWISE)},
+    "rowwise": {"forward": (ROWWISE, ROWWISE), "dgrad": (ROWWISE, ROWWISE),
+                "wgrad": (ROWWISE, ROWWISE)},
+    "blockwise": {"forward": (TILES_1x128, BLOCKS_128x128),
+                  "dgrad": (TILES_1x128, BLOCKS_128x128), "wgrad": (TILES_1x128, TILES_1x128)},
+}
+
+
+class ReferenceGemms:
+    """Fp8Gemms' interface: each GEMM on the dequantized operands in fp64."""
+
+    def __init__(self, config: Fp8Config):
+        self.config, self.scalings = config, SCALINGS[config.recipe]
+
+    def _gemm(self, which, a, a_dtype, b, b_dtype, out_dtype):
+        sa, sb = self.scalings[which]
+        qa = dequantize(quantize(a, a_dtype, sa, self.config.margin), torch.float64)
+        qb = dequantize(quantize(b, b_dtype, sb, self.config.margin), torch.float64)
+        return (qa @ qb.t()).to(out_dtype)
+
+    def forward(self, x, weight):
+        f = self.config.forward_dtype
+        return self._gemm("forward", x, f, weight.detach(), f, x.dtype)
+
+    def quantize_grad(self, grad):
+        return None
+
+    def dgrad(self, grad, weight, grad_q=None):
+        return self._gemm("dgrad", grad, self.config.gradient_dtype, weight.detach().t(),
+                          self.config.forward_dtype, grad.dtype)
+
+    def wgrad(self, grad, x, out_dtype, grad_q=None):
+        return self._gemm("wgrad", grad.t(), self.config.gradient_dtype, x.t(),
+                          self.config.forward_dtype, out_dtype)
+
+
+CONFIGS = [Fp8Config(format=f, recipe=r) for r in ("tensorwise", "rowwise", "blockwise")
+           for f in ("e4m3", "hybrid") if not (f == "hybrid" and r == "blockwise")]
+S, B, H, F = 64, 2, 256, 384  # sequence, batch, hidden, the linears' other size
+
+
+def _layers_against_reference(fp8_config, sequence_parallel):
+    """Per layer kind and fusion setting: (outputs, input grads, weight grads) of the FP8
+    layer and of the reference, on this rank, and the fp32 bounds of each."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.utils import init_method_normal
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank()
+    results = []
+    for kind in ("column", "row"):
+        for fusion in (False, True):
+            config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                                       tensor_model_parallel_size=tp,
+                                       sequence_parallel=sequence_parallel,
+                                       gradient_accumulation_fusion=fusion)
+            torch.manual_seed(3)
+            if kind == "column":
+                layer = ColumnParallelLinear(H, F, config=config, bias=False,
+                                             init_method=init_method_normal(0.02))
+                in_size, out_size = H, F // tp
+                s_in = S // tp if sequence_parallel else S
+            else:
+                layer = RowParallelLinear(F, H, config=config, bias=False,
+                                          init_method=init_method_normal(0.02))
+                in_size, out_size = F // tp, H
+                s_in = S
+            g = torch.Generator().manual_seed(11 + rank)  # each rank its own shard's values
+            x = torch.randn(s_in, B, in_size, generator=g) * torch.logspace(-1, 1, in_size)
+            out_s = S if kind == "column" else (S // tp if sequence_parallel else S)
+            seed = torch.randn(out_s, B, out_size, generator=torch.Generator().manual_seed(5))
+            runs = []
+            for gemms in (Fp8Gemms(fp8_config), ReferenceGemms(fp8_config)):
+                layer.fp8 = gemms
+                layer.weight.grad = None
+                if fusion:
+                    layer.weight.main_grad = torch.zeros_like(layer.weight)
+                xi = x.clone().requires_grad_()
+                y, _ = layer(xi)
+                y.backward(seed)
+                wgrad = layer.weight.main_grad if fusion else layer.weight.grad
+                runs.append((y.detach(), xi.grad, wgrad.clone()))
+            results.append((kind, fusion, runs))
+    return results
+
+
+def _close(got, want):
+    """Within fp32 accumulation's rounding: 2^-20 of the largest value (k <= 384 products
+    summed in fp32, and the TP reductions' fp32 sums, against fp64)."""
+    return (got - want).abs().max() <= 2.0 ** -20 * want.abs().max()
+
+
+@pytest.mark.parametrize("fp8_config", CONFIGS, ids=lambda c: f"{c.recipe}-{c.format}")
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)],
+                         ids=["tp1", "tp2", "tp2-sp"])
+def test_fp8_linears_equal_the_dequantized_reference(fp8_config, tp, sp):
+    per_rank = run_distributed(_layers_against_reference, world_size=tp, tp=tp,
+                               fp8_config=fp8_config, sequence_parallel=sp)
+    for results in per_rank:
+        for kind, fusion, (ours, reference) in results:
+            for name, got, want in zip(("output", "input grad", "weight grad"), ours,
+                                       reference):
+                assert _close(got, want), (kind, fusion, name,
+                                           (got - want).abs().max() / want.abs().max())
+
+
+def _fp8_against_high_precision(recipe):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.utils import init_method_normal
+
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4)
+    torch.manual_seed(3)
+    layer = ColumnParallelLinear(H, F, config=config, bias=False,
+                                 init_method=init_method_normal(0.02))
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    want, _ = layer(x)
+    layer.fp8 = Fp8Gemms(Fp8Config(recipe=recipe))
+    got, _ = layer(x)
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_output_is_near_the_high_precision_one(recipe):
+    """Against fp32: e4m3's 3 mantissa bits on both operands, relative error per product
+    up to 2^-3, averaging out in the sum: the relative norm error of a random GEMM is a few
+    percent (tensorwise, one scale for values spread over two decades, the largest)."""
+    (error,) = run_distributed(_fp8_against_high_precision, world_size=1, tp=1, recipe=recipe)
+    assert 1e-3 < error < 0.06, error
+
+
+def _fp8_linears_per_layer(start, end):
+    from megatron.core.models import LlamaModel, llama_config
+
+    config = llama_config(num_layers=4, hidden_size=64, num_attention_heads=4,
+                          ffn_hidden_size=128,
+                          fp8=Fp8Config(layers_at_start_in_high_precision=start,
+                                        layers_at_end_in_high_precision=end))
+    model = LlamaModel(config, 128)
+    counts = [sum(getattr(m, "fp8", None) is not None for m in layer.modules())
+              for layer in model.decoder.layers]
+    return counts, getattr(model.output_layer, "fp8", None)
+
+
+def test_use_fp8_sets_every_linear_of_a_layer_and_the_end_layers_stay_high_precision():
+    (counts, head), = run_distributed(_fp8_linears_per_layer, world_size=1, tp=1, start=0,
+                                      end=0)
+    assert counts == [4, 4, 4, 4] and head is None  # QKV, proj, fc1, fc2; the head stays
+    (counts, _), = run_distributed(_fp8_linears_per_layer, world_size=1, tp=1, start=1, end=2)
+    assert counts == [0, 4, 0, 0]
+
+
+def test_the_weight_is_quantized_once_per_optimizer_step():
+    weight = torch.nn.Parameter(torch.randn(128, 128))
+    gemms = Fp8Gemms(Fp8Config(recipe="rowwise"))
+    first = gemms._weight(weight)
+    assert gemms._weight(weight) is first  # cached between microbatches
+    with torch.no_grad():
+        weight.add_(1.0)  # the optimizer's in-place update bumps the version
+    again = gemms._weight(weight)
+    assert again is not first
+    assert torch.equal(again.data.view(torch.uint8),
+                       quantize(weight.detach(), torch.float8_e4m3fn, ROWWISE).data.view(
+                           torch.uint8))
+
+
+def test_hybrid_blockwise_is_refused():
+    with pytest.raises(ValueError, match="hybrid is not available with --fp8-recipe blockwise"):
+        Fp8Config(format="hybrid", recipe="blockwise")
