@@ -15,7 +15,7 @@ or ``set_device_type(...)`` from Python.
 """
 import os
 import weakref
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,6 +77,13 @@ def device_type() -> str:
         _check_device_type(env, source=f"{DEVICE_ENV}={env}")
         return env
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def capability() -> Optional[Tuple[int, int]]:
+    """The CUDA device's compute capability (major, minor), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
 
 
 def dist_backend() -> str:

@@ -196,3 +196,62 @@ def test_the_weight_is_quantized_once_per_optimizer_step():
 def test_hybrid_blockwise_is_refused():
     with pytest.raises(ValueError, match="hybrid is not available with --fp8-recipe blockwise"):
         Fp8Config(format="hybrid", recipe="blockwise")
+
+
+def _layer_at_this_tp(kind, fp8_config):
+    """One FP8 layer as the model builds it (use_fp8: the TP group's amax reductions), its
+    input and output gradient the same full tensors on every rank: (output, input gradient,
+    weight gradient), each gathered to the full tensor."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.mappings import (
+        _gather_along_last_dim as gather_along_last_dim,
+    )
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.utils import init_method_normal
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank()
+    hidden, other = 256, 512  # shards of 256: whole 128-wide blocks at TP 2
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
+                               tensor_model_parallel_size=tp)
+    torch.manual_seed(3)
+    cls, (k, n) = ((ColumnParallelLinear, (hidden, other)) if kind == "column"
+                   else (RowParallelLinear, (other, hidden)))
+    layer = cls(k, n, config=config, bias=False, init_method=init_method_normal(0.02))
+    assert use_fp8(layer, fp8_config) == 1
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(S, B, k, generator=g) * torch.logspace(-1, 1, k)
+    seed = torch.randn(S, B, n, generator=g)
+    if kind == "row":
+        x = x.chunk(tp, dim=2)[rank]
+    x.requires_grad_()
+    y, _ = layer(x)
+    y.backward(seed if kind == "row" else seed.chunk(tp, dim=2)[rank])
+    weight_grad = layer.weight.grad
+    if tp > 1:
+        if kind == "column":
+            y = gather_along_last_dim(y.detach())
+            weight_grad = gather_along_last_dim(weight_grad.t().contiguous()).t()
+        else:
+            weight_grad = gather_along_last_dim(weight_grad)
+            x_grad = gather_along_last_dim(x.grad)
+    x_grad = x.grad if tp == 1 or kind == "column" else x_grad
+    return y.detach(), x_grad, weight_grad
+
+
+@pytest.mark.parametrize("fp8_config", CONFIGS, ids=lambda c: f"{c.recipe}-{c.format}")
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_tp2_quantizes_as_one_process_does(fp8_config, kind):
+    """The same full weights, input and output gradient at TP 1 and TP 2: with the amax
+    all-reduces every operand is the same FP8 bytes, so output and gradients agree within
+    fp32 rounding (the TP sums); without them a shard's tensorwise or row scale would be its
+    own and the results would differ by FP8 roundings (~1e-2)."""
+    (one,) = run_distributed(_layer_at_this_tp, world_size=1, tp=1, kind=kind,
+                             fp8_config=fp8_config)
+    two = run_distributed(_layer_at_this_tp, world_size=2, tp=2, kind=kind,
+                          fp8_config=fp8_config)
+    for rank_result in two:
+        for name, got, want in zip(("output", "input grad", "weight grad"), rank_result, one):
+            assert got.shape == want.shape, name
+            assert _close(got, want), (name, ((got - want).abs().max() /
+                                              want.abs().max()).item())

@@ -18,10 +18,18 @@ recipe's groups transpose exactly (a tensor's scale, a 128 x 128 block's); rowwi
 the weight's columns scaled, a second quantization of the same step's weight, cached too.
 The output gradient is quantized once for dgrad and, transposed the same way, for wgrad
 (rowwise and blockwise: again along the tokens).
+
+Tensor parallelism (``kind`` "column" or "row", ``group`` the TP group): where a scaling group
+spans the TP shards (a tensorwise scale of a sharded operand; a row scale along a sharded
+contraction: the row-parallel forward's K, the column-parallel dgrad's N) its amax is the MAX
+all-reduce over the group, so every rank scales its shard as the unsharded tensor is scaled
+and a TP run quantizes the same bytes as one process. Blockwise groups are 128 wide: they
+stay inside a shard when the shard sizes are multiples of 128 (checked at start).
 """
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.gemm import fp8_gemm
@@ -58,48 +66,70 @@ def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
 
 
 class Fp8Gemms:
-    """The three GEMMs of ``config``'s recipe; inputs and outputs 2-D in high precision."""
+    """The three GEMMs of ``config``'s recipe; inputs and outputs 2-D in high precision.
+    ``kind``/``group``: a column- or row-parallel layer's TP sharding (module docstring)."""
 
-    def __init__(self, config: Fp8Config):
+    def __init__(self, config: Fp8Config, kind: Optional[str] = None,
+                 group: Optional[dist.ProcessGroup] = None):
         self.config = config
         self.act, self.weight = _SCALINGS[config.recipe]
+        self.kind, self.group = kind, group
 
-    def _quantize(self, x, dtype, scaling):
-        return quantize(x, dtype, scaling, self.config.margin)
+    def _reduce(self, sharded: bool):
+        """The amax all-reduce where this operand's scaling group spans the TP shards."""
+        if not sharded or self.group is None or self.act not in (TENSORWISE, ROWWISE):
+            return None
+        return lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+
+    def _quantize(self, x, dtype, scaling, sharded=False):
+        return quantize(x, dtype, scaling, self.config.margin, self._reduce(sharded))
+
+    @property
+    def _tensorwise(self) -> bool:
+        return self.act == TENSORWISE
 
     def _weight(self, weight: torch.Tensor) -> Quantized:
-        """W [N, K] for the forward."""
+        """W [N, K] for the forward: a tensor scale spans the shards in both kinds, a row
+        scale only along the row-parallel K."""
         dtype = self.config.forward_dtype
+        sharded = self._tensorwise or self.kind == "row"
         return _cached_weight(weight, f"forward {self.config.recipe} {self.config.margin}",
-                              lambda: self._quantize(weight.detach(), dtype, self.weight))
+                              lambda: self._quantize(weight.detach(), dtype, self.weight,
+                                                     sharded))
 
     def _weight_t(self, weight: torch.Tensor) -> Quantized:
-        """W.T [K, N] for dgrad."""
+        """W.T [K, N] for dgrad (rows along N: sharded in the column-parallel layer)."""
+        key = f"dgrad {self.config.recipe} {self.config.margin}"
         if self.weight in (TENSORWISE, BLOCKS_128x128):
-            return _cached_weight(weight, f"dgrad {self.config.recipe} {self.config.margin}",
-                                  lambda: _transposed(self._weight(weight)))
+            return _cached_weight(weight, key, lambda: _transposed(self._weight(weight)))
         dtype = self.config.forward_dtype
-        return _cached_weight(weight, f"dgrad {self.config.recipe} {self.config.margin}",
-                              lambda: self._quantize(weight.detach().t(), dtype, self.weight))
+        return _cached_weight(weight, key, lambda: self._quantize(
+            weight.detach().t(), dtype, self.weight, self.kind == "column"))
+
+    def _input(self, x: torch.Tensor) -> Quantized:
+        """x [M, K]: K is the row-parallel layer's shard."""
+        return self._quantize(x, self.config.forward_dtype, self.act, self.kind == "row")
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xq = self._quantize(x, self.config.forward_dtype, self.act)
-        return fp8_gemm(xq, self._weight(weight), x.dtype)
+        return fp8_gemm(self._input(x), self._weight(weight), x.dtype)
+
+    def quantize_grad(self, grad: torch.Tensor) -> Quantized:
+        """dy [M, N]: N is the column-parallel layer's shard."""
+        return self._quantize(grad, self.config.gradient_dtype, self.act,
+                              self.kind == "column")
 
     def dgrad(self, grad: torch.Tensor, weight: torch.Tensor,
               grad_q: Optional[Quantized] = None) -> torch.Tensor:
         gq = grad_q if grad_q is not None else self.quantize_grad(grad)
         return fp8_gemm(gq, self._weight_t(weight), grad.dtype)
 
-    def quantize_grad(self, grad: torch.Tensor) -> Quantized:
-        return self._quantize(grad, self.config.gradient_dtype, self.act)
-
     def wgrad(self, grad: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype,
               grad_q: Optional[Quantized] = None) -> torch.Tensor:
-        """dW [N, K] = grad.T @ x, both [M, *]: the tokens contracted."""
-        if self.act == TENSORWISE:
+        """dW [N, K] = grad.T @ x, both [M, *]: the tokens contracted (never TP-sharded: under
+        sequence parallelism both arrive gathered), so only tensorwise scales span shards."""
+        if self._tensorwise:
             gq = _transposed(grad_q if grad_q is not None else self.quantize_grad(grad))
-            xq = _transposed(self._quantize(x, self.config.forward_dtype, TENSORWISE))
+            xq = _transposed(self._input(x))
         else:
             gq = self._quantize(grad.t(), self.config.gradient_dtype, self.act)
             xq = self._quantize(x.t(), self.config.forward_dtype, self.act)
@@ -109,12 +139,16 @@ class Fp8Gemms:
 def use_fp8(module: torch.nn.Module, config: Fp8Config) -> int:
     """Run the GEMMs of every column- and row-parallel linear in ``module`` in FP8; returns
     how many. (The MoE experts' grouped GEMMs are not these layers and stay as they are.)"""
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    gemms = Fp8Gemms(config)
+    group = parallel_state.get_tensor_model_parallel_group() \
+        if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
+    gemms = {ColumnParallelLinear: Fp8Gemms(config, "column", group),
+             RowParallelLinear: Fp8Gemms(config, "row", group)}
     count = 0
     for layer in module.modules():
-        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-            layer.fp8 = gemms
+        if type(layer) in gemms:
+            layer.fp8 = gemms[type(layer)]
             count += 1
     return count

@@ -19,6 +19,7 @@ multiple of 128 ends in a partial tile whose amax is over the values it has; the
 the tensor's shape (no padding is stored: the GEMM pads where its kernel needs it).
 """
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -64,16 +65,21 @@ def _tiles(n: int) -> int:
     return -(-n // TILE)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, margin: int = 0) -> Quantized:
-    """``x`` [rows, cols] (any float dtype, any strides) -> Quantized, contiguous."""
+def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, margin: int = 0,
+             reduce_amax: Optional[Callable[[torch.Tensor], None]] = None) -> Quantized:
+    """``x`` [rows, cols] (any float dtype, any strides) -> Quantized, contiguous.
+    ``reduce_amax`` (tensorwise and rowwise): takes the amax (fp32, in place) to that of the
+    whole tensor ``x`` is a shard of, e.g. a MAX all-reduce over the TP ranks, so each shard
+    is scaled as the unsharded tensor would be."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a 2-D operand, got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    if scaling == TENSORWISE:
-        encode = _encode(x.abs().amax(), dtype, margin)
-        data = _cast(x, encode, dtype)
-    elif scaling == ROWWISE:
-        encode = _encode(x.abs().amax(dim=1, keepdim=True), dtype, margin)
+    if scaling in (TENSORWISE, ROWWISE):
+        amax = (x.abs().amax() if scaling == TENSORWISE else
+                x.abs().amax(dim=1, keepdim=True)).float()
+        if reduce_amax is not None:
+            reduce_amax(amax)
+        encode = _encode(amax, dtype, margin)
         data = _cast(x, encode, dtype)
     elif scaling == TILES_1x128:
         n = _tiles(cols)

@@ -15,12 +15,14 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     ddp_config_for_optimizer,
 )
 from megatron.core.distributed.fsdp import TorchFSDP2Config
+from megatron.core.fp8.checks import fp8_unsupported_reason
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.context_parallel import reference_kernel_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments.fp8 import fp8_config_from_args
 from megatron.training.arguments.moe import moe_config_from_args
 from megatron.training.logging.wandb_log import wandb_missing_reason
 from megatron.training.tokenizer.vocab_padding import (
@@ -255,6 +257,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         moe=moe_config_from_args(args),
+        fp8=fp8_config_from_args(args),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         torch_compile=torch_compile_of(args),
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -304,6 +307,11 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         reason = reference_kernel_reason(transformer, target, args.seq_length,
                                          packed_documents=args.reset_attention_mask)
         _need(reason is None, reason)
+    target = device.device_type() if args.device == "auto" else args.device
+    reason = fp8_unsupported_reason(
+        transformer, target, device.capability() if target == "cuda" else None,
+        args.micro_batch_size * args.seq_length // args.context_parallel_size)
+    _need(reason is None, reason)
     optimizer = _built("optimizer flags", lambda: OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,

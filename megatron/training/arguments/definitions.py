@@ -9,6 +9,7 @@ from megatron.core.optimizer.optimizer_param_scheduler import (
     WD_INCR_STYLES,
     WSD_DECAY_STYLES,
 )
+from megatron.training.arguments.fp8 import add_fp8_args
 from megatron.training.arguments.moe import add_moe_args
 from megatron.training.tokenizer.build import add_tokenizer_args
 from megatron.training.training_config import ConfigError
@@ -353,5 +354,6 @@ def get_parser() -> argparse.ArgumentParser:
                 _add_logging_args, _add_data_args):
         add(parser)
     add_moe_args(parser)
+    add_fp8_args(parser)
     add_tokenizer_args(parser)
     return parser

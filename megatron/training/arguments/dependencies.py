@@ -95,6 +95,11 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                  "--recompute-granularity full")
       for flag in ("--recompute-method", "--recompute-num-layers",
                    "--distribute-saved-activations")),
+    # FP8
+    *(Dependency(flag, lambda a: a.fp8_format is not None, "--fp8-format e4m3|hybrid")
+      for flag in ("--fp8-recipe", "--fp8-margin", "--first-last-layers-bf16")),
+    *(Dependency(flag, lambda a: a.first_last_layers_bf16, "--first-last-layers-bf16")
+      for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16")),
     # mixed precision
     *(Dependency(flag, lambda a: a.fp16, "--fp16") for flag in _FP16_FLAGS),
     Dependency("--grad-reduce-in-bf16", lambda a: a.bf16, "--bf16"),
