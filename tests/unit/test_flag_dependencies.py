@@ -63,6 +63,12 @@ EXAMPLES = {
         "--loss-scale": "128", "--initial-loss-scale": "65536", "--min-loss-scale": "2",
         "--loss-scale-window": "500", "--hysteresis": "3"}.items()},
     ("--grad-reduce-in-bf16", "--bf16"): (small("--grad-reduce-in-bf16"), ["--bf16"]),
+    **{(flag, "--fp8-format e4m3|hybrid"): (small(flag, *value), ["--fp8-format", "e4m3"])
+       for flag, value in {"--fp8-recipe": ["rowwise"], "--fp8-margin": ["1"],
+                           "--first-last-layers-bf16": []}.items()},
+    **{(flag, "--first-last-layers-bf16"): (
+        small("--fp8-format", "e4m3", flag, "2"), ["--first-last-layers-bf16"])
+       for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16")},
     **{(flag, "--position-embedding-type rope"): (
         small(flag, *value), ["--position-embedding-type", "rope"]) for flag, value in {
         "--rotary-base": ["500000"], "--rotary-percent": ["0.5"],
