@@ -172,6 +172,53 @@ def sdpa_kernel_for_gqa_bf16():
     return f"predicted {predicted} (repeat_kv={repeat_kv}); ran: {'; '.join(names)[:600]}"
 
 
+def _fp8_case(a_scaling, b_scaling, a_dtype=torch.float8_e4m3fn, out=torch.bfloat16):
+    """fp8_gemm of two random operands against the fp64 product of their dequantized
+    values: the relative error (bf16 output: ~2^-9)."""
+    from megatron.core.fp8 import dequantize, fp8_gemm, quantize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 1024, generator=g).to(_dev())
+    w = torch.randn(768, 1024, generator=g).to(_dev())
+    a, b = quantize(x, a_dtype, a_scaling), quantize(w, torch.float8_e4m3fn, b_scaling)
+    got = fp8_gemm(a, b, out)
+    want = dequantize(a).double() @ dequantize(b).double().t()
+    err = _rel(got.double(), want)
+    assert got.dtype == out and err < 1e-2, f"relative error {err:.2e}"
+    return err
+
+
+@probe
+def fp8_scaled_mm_tensorwise_and_rowwise():
+    """torch._scaled_mm as the FP8 linears call it: tensorwise and rowwise, e4m3 and e5m2
+    (hybrid's gradients), bf16 and fp32 outputs (fp32: the fused weight gradient)."""
+    results = []
+    for scaling in ("tensorwise", "rowwise"):
+        for a_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for out in (torch.bfloat16, torch.float32):
+                try:
+                    err = _fp8_case(scaling, scaling, a_dtype, out)
+                    results.append(f"{scaling} {str(a_dtype)[-5:]} -> {str(out)[6:]}: "
+                                   f"{err:.1e}")
+                except Exception as exc:  # a refused combination is the finding
+                    results.append(f"{scaling} {str(a_dtype)[-5:]} -> {str(out)[6:]}: "
+                                   f"REFUSED ({str(exc).splitlines()[0][:80]})")
+    assert not any("REFUSED" in r and "bfloat16" in r for r in results), results
+    return "; ".join(results)
+
+
+@probe
+def fp8_blockwise_native_or_sliced():
+    """Blockwise: whether torch's native block-scaled GEMM agrees with the per-K-slice path
+    (and so is used), and the error of what runs."""
+    from megatron.core.fp8.gemm import native_blockwise
+
+    native = {pair: native_blockwise(device.device_type(), *pair)
+              for pair in (("1x128", "128x128"), ("1x128", "1x128"))}
+    errors = {f"{a}x{b}": f"{_fp8_case(a, b):.1e}" for a, b in native}
+    return f"native: {native}; relative errors {errors}"
+
+
 def main() -> int:
     versions()
     for fn in PROBES:

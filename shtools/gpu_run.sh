@@ -3,8 +3,9 @@
 # 9 minutes, each step's log written as it goes (a timeout loses nothing).
 #   bash shtools/gpu_run.sh OUTDIR            # on one H100/H200
 #   bash shtools/gpu_run.sh OUTDIR --dry-run  # the same steps on CPU with tiny sizes
-# OUTDIR gets at most 7 files (what a lent machine sends back): summary.txt (each step, its
-# exit code and time, then the figures), machine.log, tests.log, tests.xml,
+# OUTDIR gets at most 8 files (what a lent machine sends back): summary.txt (each step, its
+# exit code and time, then the figures), machine.log, bench_fp8.log (bench/fp8_step.py: each
+# FP8 recipe against bf16), tests.log, tests.xml,
 # bench_eager.log, bench_compile.log, pretrain.log (the same model through torchrun
 # pretrain_llama.py on CUDA's default compiled path: the training log's own throughput and
 # memory). A dry run skips the compiled bench (tests/unit/test_torch_compile.py compiles on
@@ -69,21 +70,17 @@ MACHINE='nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
 TIER=(tests/gpu/test_device_gpu.py tests/gpu/test_data_path_gpu.py
       tests/gpu/test_attention_gpu.py tests/gpu/test_async_save_gpu.py
       tests/gpu/test_parallel_gpu.py tests/gpu/test_resume_gpu.py
-      tests/gpu/test_kernels_gpu.py)  # the compile-heavy file last
+      tests/gpu/test_fp8_gpu.py tests/gpu/test_kernels_gpu.py)  # compile-heavy file last
 TIER_FLAGS=(-v --tb=short -p no:cacheprovider --junitxml "$OUTDIR/tests.xml")
 if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
     TIER_FLAGS+=(--timeout 120)
 fi
 
 step machine 90 bash -c "$MACHINE" "$PYTHON"
-# The default path's figures first, then the tier, then the training log, then the eager
-# baseline (measured on two earlier runs: the step a short budget gives up first).
-if [ $DRY = 0 ]; then
-    step bench_compile 240 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 \
-        --torch-compile --profile
-else
-    echo "bench_compile: skipped in a dry run" >> "$SUMMARY"
-fi
+# FP8's figures first (each recipe against bf16 on the default path: the newest work), then
+# the tier, the training log, the default path against HF and the eager baseline (both
+# measured on three earlier runs: the steps a short budget gives up first).
+step bench_fp8 300 "$PYTHON" bench/fp8_step.py "${BENCH[@]}" --num-microbatches 4
 step tests 300 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
 # shellcheck disable=SC2207
 # The training log's figures on the path CUDA runs by default (compiled element-wise regions;
@@ -95,6 +92,12 @@ FLAGS=($("$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 "${COMPI
 step pretrain 120 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
     pretrain_llama.py "${FLAGS[@]}" --train-iters 20 --log-interval 5 --log-throughput \
     --peak-tflops 989
+if [ $DRY = 0 ]; then
+    step bench_compile 240 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 \
+        --torch-compile --profile
+else
+    echo "bench_compile: skipped in a dry run" >> "$SUMMARY"
+fi
 step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatches 4 --profile
 
 {
@@ -102,6 +105,10 @@ step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatche
     grep -h "^probes:\|^FAIL" "$OUTDIR/machine.log" 2>/dev/null
     tail -n 3 "$OUTDIR/tests.log" 2>/dev/null | grep -E "passed|failed|error|skipped" || true
     grep -h "iteration *20/" "$OUTDIR/pretrain.log" 2>/dev/null | sed 's/^/pretrain: /'
+    if [ -f "$OUTDIR/bench_fp8.log" ]; then
+        echo "bench_fp8:"
+        grep -E "^config:|baseline medians|median step|^error" "$OUTDIR/bench_fp8.log"
+    fi
     for log in bench_eager bench_compile; do
         [ -f "$OUTDIR/$log.log" ] || continue
         echo "$log:"

@@ -180,17 +180,62 @@ def test_use_fp8_sets_every_linear_of_a_layer_and_the_end_layers_stay_high_preci
 
 
 def test_the_weight_is_quantized_once_per_optimizer_step():
+    from megatron.core.fp8.linear import weights_changed
+
     weight = torch.nn.Parameter(torch.randn(128, 128))
     gemms = Fp8Gemms(Fp8Config(recipe="rowwise"))
     first = gemms._weight(weight)
-    assert gemms._weight(weight) is first  # cached between microbatches
+    dgrad = gemms._weight_t(weight)
+    # Microbatches of one step: forward and dgrad both cached, whatever the order.
+    assert gemms._weight(weight) is first and gemms._weight_t(weight) is dgrad
     with torch.no_grad():
-        weight.add_(1.0)  # the optimizer's in-place update bumps the version
+        weight.add_(1.0)  # an in-place write autograd sees bumps the version
     again = gemms._weight(weight)
     assert again is not first
     assert torch.equal(again.data.view(torch.uint8),
                        quantize(weight.detach(), torch.float8_e4m3fn, ROWWISE).data.view(
                            torch.uint8))
+    # The optimizer writes the model's bf16 weights through .data (no version bump) and
+    # says so: the next call quantizes the new values.
+    weight.data.mul_(0.5)
+    assert gemms._weight(weight) is again  # unseen by the version counter...
+    weights_changed()
+    fresh = gemms._weight(weight)  # ...until the optimizer's step announces it
+    assert fresh is not again and torch.equal(
+        fresh.data.view(torch.uint8),
+        quantize(weight.detach(), torch.float8_e4m3fn, ROWWISE).data.view(torch.uint8))
+
+
+def _optimizer_step_invalidates():
+    """A real optimizer step through MegatronOptimizer (bf16 params, fp32 main params: the
+    copy back goes through .data) leaves no stale quantized weight behind."""
+    from megatron.core.models import LlamaModel, llama_config
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.training import build_model
+
+    config = llama_config(num_layers=1, hidden_size=64, num_attention_heads=4,
+                          ffn_hidden_size=128, params_dtype=torch.bfloat16,
+                          fp8=Fp8Config(recipe="tensorwise"))
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    model = build_model(lambda **_: LlamaModel(config, 128), config,
+                        DistributedDataParallelConfig(grad_reduce_in_fp32=True), 1)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, bf16=True,
+                                                       params_dtype=torch.bfloat16), model)
+    layer = model[0].module.decoder.layers[0].mlp.linear_fc1
+    tokens = torch.randint(0, 128, (2, 16))
+    model[0](tokens, labels=tokens).float().mean().backward()
+    before = layer.fp8._weight(layer.weight).data.clone()
+    ok, _, _ = optimizer.step()
+    after = layer.fp8._weight(layer.weight)
+    want = quantize(layer.weight.detach(), torch.float8_e4m3fn, TENSORWISE)
+    return ok, torch.equal(before.view(torch.uint8), after.data.view(torch.uint8)), \
+        torch.equal(after.data.view(torch.uint8), want.data.view(torch.uint8))
+
+
+def test_an_optimizer_step_leaves_no_stale_quantized_weight():
+    (ok, unchanged, fresh), = run_distributed(_optimizer_step_invalidates, world_size=1, tp=1)
+    assert ok and not unchanged and fresh
 
 
 def test_hybrid_blockwise_is_refused():

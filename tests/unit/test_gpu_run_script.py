@@ -1,7 +1,7 @@
 """shtools/gpu_run.sh --dry-run: the prepared GPU run's steps, on CPU with tiny sizes, so the
 script cannot rot between the rare sessions that have a GPU. Every step runs and succeeds
 (the compiled bench is skipped: tests/unit/test_torch_compile.py compiles on CPU), the summary
-holds each figure, and the output stays within what a lent machine sends back (7 files)."""
+holds each figure, and the output stays within what a lent machine sends back (8 files)."""
 import pytest
 import os
 import re
@@ -20,18 +20,20 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "summary.txt").read_text()
-    for name in ("machine", "tests", "bench_eager", "pretrain"):
+    for name in ("machine", "bench_fp8", "tests", "bench_eager", "pretrain"):
         assert re.search(rf"^{name}: rc=0 in \d+s", summary, re.M), (name, summary)
     assert "bench_compile: skipped in a dry run" in summary
-    assert "probes: 5 OK, 0 failed" in summary
+    assert "probes: 7 OK, 0 failed" in summary
+    for variant in ("fp32 first", "tensorwise", "rowwise", "blockwise", "fp32 last"):
+        assert re.search(rf"^ *{variant}: median step .* of FP8 peak", summary, re.M), summary
     assert re.search(r"^=+ \d+ skipped", summary, re.M), summary  # the GPU tier: needs CUDA
     assert re.search(r"^pretrain: .*iteration +20/ +20 .*lm loss", summary, re.M), summary
     assert re.search(r"^ours: median step .* causal MFU", summary, re.M), summary
     assert re.search(r"^ratio ours/HF tokens/s: [0-9.]+$", summary, re.M), summary
     assert "profile of one step, ours (4 micro batches)" in summary
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench_eager.log", "machine.log", "pretrain.log", "summary.txt",
-                     "tests.log", "tests.xml"], files
+    assert files == ["bench_eager.log", "bench_fp8.log", "machine.log", "pretrain.log",
+                     "summary.txt", "tests.log", "tests.xml"], files
 
 
 def test_no_output_directory_is_one_error_line():

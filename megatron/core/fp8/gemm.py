@@ -84,8 +84,11 @@ def fp8_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor
     if a.scaling == b.scaling == TENSORWISE:
         return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype)
     if a.scaling == b.scaling == ROWWISE:
+        # CUDA's rowwise kernel writes bf16 only: an fp32 request (the fused weight
+        # gradient) gets its bf16 result widened.
+        kernel_dtype = torch.bfloat16 if a.data.is_cuda else out_dtype
         return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.reshape(1, -1),
-                                out_dtype=out_dtype)
+                                out_dtype=kernel_dtype).to(out_dtype)
     if a.scaling in _BLOCK_SCALINGS and b.scaling in _BLOCK_SCALINGS:
         if a.shape[1] % TILE == 0 and native_blockwise(a.data.device.type, a.scaling,
                                                        b.scaling):

@@ -54,15 +54,28 @@ def _transposed(q: Quantized) -> Quantized:
     return Quantized(q.data.t().contiguous(), scale, q.scaling)
 
 
+_GENERATION = [0]  # bumped whenever weights may have changed behind autograd's back
+
+
+def weights_changed() -> None:
+    """Drop every cached quantized weight: the optimizer's step (and anything else that
+    writes parameters through ``.data`` or a gathered buffer, which no version counter sees)
+    calls this once its writes are done."""
+    _GENERATION[0] += 1
+
+
 def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
-    """The quantized weight of this optimizer step: recomputed when ``weight``'s version
-    (bumped by every in-place write, the optimizer's included) or storage changes."""
-    stamp = (weight._version, weight.data_ptr(), key)
+    """The quantized weight of this optimizer step, per ``key`` (forward, dgrad): valid while
+    no step has happened (``weights_changed``), the parameter's version counter (in-place
+    writes through autograd-visible tensors) and its storage are the same."""
+    stamp = (_GENERATION[0], weight._version, weight.data_ptr())
     cache = getattr(weight, "_fp8_cache", None)
     if cache is None or cache[0] != stamp:
-        cache = (stamp, make())
+        cache = (stamp, {})
         weight._fp8_cache = cache
-    return cache[1]
+    if key not in cache[1]:
+        cache[1][key] = make()
+    return cache[1][key]
 
 
 class Fp8Gemms:

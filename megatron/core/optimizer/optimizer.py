@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.fp8.linear import weights_changed
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -139,6 +140,7 @@ class MegatronOptimizer:
             if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._copy_main_params_to_model_params()
+        weights_changed()  # FP8's quantized weights are of the old ones
         return True, grad_norm, num_zeros
 
     # --- checkpoints (format: named_state.py) ------------------------------------------------
@@ -156,6 +158,7 @@ class MegatronOptimizer:
             model = self._model_param(main)
             if main is not model:
                 main.data.copy_(model.data)
+        weights_changed()
 
     def state_dict(self) -> Dict:
         """As torch's: host tensors that are the live state on CPU (copy before training on if

@@ -1,0 +1,67 @@
+"""FP8 on CUDA: each recipe's three GEMMs in a column- and a row-parallel linear (bf16
+activations, cuBLAS's FP8 kernels) against the fp64 product of the same dequantized operands
+(tests/unit/test_fp8_linear.py's reference), at TP 1 and, over two ranks on the one GPU, TP 2
+with sequence parallelism; and a whole bf16 training step with FP8 GEMMs stays near the bf16
+step from the same weights."""
+import pytest
+import torch
+
+from tests.gpu.harness import run_on_gpu
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+S, B, H, F = 256, 2, 256, 512  # multiples of 16 (cuBLAS) and of 128 per TP rank (blockwise)
+# bf16 outputs: one rounding of an fp32 result, 2^-9 relative, and TP's bf16 sums: 2^-7 of
+# the largest value.
+TOL = 2.0 ** -7
+
+
+def _layers_on_cuda(recipe, fmt, sequence_parallel):
+    from megatron.core import device
+    from megatron.core import parallel_state as ps
+    from megatron.core.fp8 import Fp8Config
+    from megatron.core.fp8.linear import Fp8Gemms
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.utils import init_method_normal
+    from tests.unit.test_fp8_linear import ReferenceGemms
+
+    dev = device.current_device()
+    tp = ps.get_tensor_model_parallel_world_size()
+    fp8 = Fp8Config(format=fmt, recipe=recipe)
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                               tensor_model_parallel_size=tp, params_dtype=torch.bfloat16,
+                               sequence_parallel=sequence_parallel)
+    errors = {}
+    for kind, cls, (k, n) in (("column", ColumnParallelLinear, (H, F)),
+                              ("row", RowParallelLinear, (F, H))):
+        torch.manual_seed(3)
+        layer = cls(k, n, config=config, bias=False, init_method=init_method_normal(0.02))
+        s_in = S // tp if (sequence_parallel and kind == "column") else S
+        k_local = k // tp if kind == "row" else k
+        g = torch.Generator(device=dev).manual_seed(11 + ps.get_tensor_model_parallel_rank())
+        x = torch.randn(s_in, B, k_local, device=dev, generator=g).bfloat16()
+        runs = []
+        for gemms in (Fp8Gemms(fp8), ReferenceGemms(fp8)):
+            layer.fp8, layer.weight.grad = gemms, None
+            xi = x.clone().requires_grad_()
+            y, _ = layer(xi)
+            seed = torch.ones_like(y) * torch.linspace(-1, 1, y.shape[-1], device=dev,
+                                                       dtype=y.dtype)
+            y.backward(seed)
+            runs.append((y.detach().float(), xi.grad.float(), layer.weight.grad.float()))
+        errors[kind] = [((a - b).abs().max() / b.abs().max()).item()
+                        for a, b in zip(*runs)]
+    return errors
+
+
+@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "e4m3"), ("tensorwise", "hybrid"),
+                                        ("rowwise", "e4m3"), ("rowwise", "hybrid"),
+                                        ("blockwise", "e4m3")])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_linears_on_cuda_equal_the_dequantized_reference(gpu_env, recipe, fmt, tp):
+    results = run_on_gpu(_layers_on_cuda, world_size=tp, backend="nccl" if tp == 1 else "gloo",
+                         tp=tp, recipe=recipe, fmt=fmt, sequence_parallel=tp > 1)
+    for errors in results:
+        for kind, (out, dgrad, wgrad) in errors.items():
+            assert max(out, dgrad, wgrad) <= TOL, (kind, out, dgrad, wgrad)
