@@ -33,6 +33,25 @@ def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe, fmt):
         assert abs(a - b) <= FLIP_TOL, (single, parallel)
 
 
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+       "--moe-aux-loss-coeff 0.01").split()
+
+
+def test_fp8_experts_with_ep2_follow_one_process():
+    """The MoE experts' FP8 GEMMs (whole experts per EP rank: the same scales as one
+    process) at EP 2 on 2 ranks against one process, as the dense layouts (measured: equal
+    at iteration 1, 1.3e-4 apart at most after it; FP8 is 2.1e-4 off fp32 at iteration 1)."""
+    flags = TINY + LLAMA + MOE + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+    single, _ = parse_losses(run_script("pretrain_llama.py", flags))
+    parallel, _ = parse_losses(run_script("pretrain_llama.py", flags + [
+        "--expert-model-parallel-size", "2"], nproc=2))
+    high, _ = parse_losses(run_script("pretrain_llama.py", TINY + LLAMA + MOE))
+    assert abs(single[0] - parallel[0]) <= TOL, (single, parallel)
+    assert abs(single[0] - high[0]) >= 5 * TOL, (single, high)
+    assert all(abs(a - b) <= FLIP_TOL for a, b in zip(single, parallel, strict=True)), (
+        single, parallel)
+
+
 ITERS = 50
 
 
@@ -64,6 +83,17 @@ def test_fp8_loss_curve_follows_high_precision(quickstart_data, high_precision_c
     0.1-0.9 %)."""
     fp8 = _curve(quickstart_data, ["--fp8-format", fmt, "--fp8-recipe", recipe])
     high = high_precision_curve
+    assert high[0] - high[-1] > 1.0, high
+    worst = max(abs(a - b) / b for a, b in zip(fp8, high))
+    late = abs(sum(fp8[-10:]) - sum(high[-10:])) / sum(high[-10:])
+    assert worst < 0.03 and late < 0.02, (worst, late, fp8, high)
+
+
+def test_fp8_moe_loss_curve_follows_high_precision(quickstart_data):
+    """The same with four experts (top 2) in place of each MLP: the experts' GEMMs in FP8
+    too (measured: at most 0.97 % at an iteration, 0.06 % over the last 10)."""
+    high = _curve(quickstart_data, MOE)
+    fp8 = _curve(quickstart_data, MOE + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"])
     assert high[0] - high[-1] > 1.0, high
     worst = max(abs(a - b) / b for a, b in zip(fp8, high))
     late = abs(sum(fp8[-10:]) - sum(high[-10:])) / sum(high[-10:])

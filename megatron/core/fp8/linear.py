@@ -150,15 +150,18 @@ class Fp8Gemms:
 
 
 def use_fp8(module: torch.nn.Module, config: Fp8Config) -> int:
-    """Run the GEMMs of every column- and row-parallel linear in ``module`` in FP8; returns
-    how many. (The MoE experts' grouped GEMMs are not these layers and stay as they are.)"""
+    """Run the GEMMs of every column- and row-parallel linear in ``module``, and of the MoE
+    experts' projections (fp8/experts.py), in FP8; returns how many modules. The router
+    stays in high precision (it is neither)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SwiGLUExperts
 
     group = parallel_state.get_tensor_model_parallel_group() \
         if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
     gemms = {ColumnParallelLinear: Fp8Gemms(config, "column", group),
-             RowParallelLinear: Fp8Gemms(config, "row", group)}
+             RowParallelLinear: Fp8Gemms(config, "row", group),
+             SwiGLUExperts: Fp8Gemms(config)}
     count = 0
     for layer in module.modules():
         if type(layer) in gemms:

@@ -107,6 +107,7 @@ class SwiGLUExperts(torch.nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.shard.ep_size
         self.grouped_gemm = grouped_gemm
+        self.fp8 = None  # an fp8.linear.Fp8Gemms: both projections in FP8 (set by use_fp8)
         full1 = torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size)
         full2 = torch.empty(num_experts, hidden_size, ffn_hidden_size)
         torch.nn.init.normal_(full1, std=init_method_std)
@@ -130,6 +131,8 @@ class SwiGLUExperts(torch.nn.Module):
         (partial over the ETP group when ETP > 1). host_tokens_per_expert: the same counts
         as a list, where the dispatcher already copied them (the loop then needs no copy of
         its own; the grouped GEMM reads the device counts)."""
+        if self.fp8 is not None:
+            return self._forward_fp8(expert_input, tokens_per_expert, host_tokens_per_expert)
         if self.grouped_gemm and grouped_mm_applies(expert_input, self.weight1, self.weight2):
             return self._forward_grouped(expert_input, tokens_per_expert)
         return self._forward_loop(expert_input, tokens_per_expert, host_tokens_per_expert)
@@ -140,6 +143,16 @@ class SwiGLUExperts(torch.nn.Module):
         act = _swiglu(fc1).contiguous()
         out = torch._grouped_mm(act, self.weight2.transpose(1, 2), offs=offsets)
         return _ContiguousGrad.apply(out)
+
+    def _forward_fp8(self, x, tokens_per_expert, host_tokens_per_expert=None):
+        """Both projections' GEMMs (and their two backward GEMMs) in FP8, expert by expert
+        (``fp8.experts``): each expert's weight scaled on its own, its tokens as a linear's."""
+        from megatron.core.fp8.experts import fp8_expert_linear
+
+        if host_tokens_per_expert is None:
+            host_tokens_per_expert = tokens_per_expert.tolist()  # a host sync on CUDA
+        fc1 = fp8_expert_linear(x, self.weight1, host_tokens_per_expert, self.fp8)
+        return fp8_expert_linear(_swiglu(fc1), self.weight2, host_tokens_per_expert, self.fp8)
 
     def _forward_loop(self, x, tokens_per_expert, host_tokens_per_expert=None):
         if host_tokens_per_expert is None:
