@@ -371,7 +371,8 @@ def test_distributed_optimizer_shards_over_data_and_context_parallel():
         state = chunk_state_bytes(shapes, setup, 2)
         shard = 4096 // (dp * cp)
         assert dataclasses.astuple(state) == (
-            2 * 4096, 4 * 4096, 4 * shard, 0, 2 * 4 * shard, 4 * 2)  # rank 0: bias, weight
+            2 * 4096, 4 * 4096, 4 * shard, 0, 2 * 4 * shard, 4 * 2, 0)  # rank 0: bias, weight
+        # (the last: no FP8 weights)
 
 
 def test_report_shows_the_rings_kv_in_flight():

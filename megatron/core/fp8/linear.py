@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.config import TILE, Fp8Config
 from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.quantize import (
     BLOCKS_128x128,
@@ -76,6 +76,20 @@ def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
     if key not in cache[1]:
         cache[1][key] = make()
     return cache[1][key]
+
+
+def weight_cache_bytes(rows: int, cols: int, recipe: str) -> int:
+    """The bytes a [rows, cols] weight's cached FP8 copies hold between steps (``_weight`` and
+    ``_weight_t``): two copies of one byte an element, and their fp32 scales (tensorwise one
+    each; rowwise one a row of W and one a row of W.T; blockwise one a 128 x 128 block
+    each)."""
+    if recipe == "tensorwise":
+        scales = 1 + 1
+    elif recipe == "rowwise":
+        scales = rows + cols
+    else:
+        scales = 2 * (-(-rows // TILE)) * (-(-cols // TILE))
+    return 2 * rows * cols + 4 * scales
 
 
 class Fp8Gemms:

@@ -53,8 +53,9 @@ class ModelStateBytes:
     main_grads: int = 0  # fp32 copies of bf16/fp16 gradients for the update
     optimizer_states: int = 0  # Adam m, v (SGD momentum)
     step_counters: int = 0  # Adam's per-tensor step
+    fp8_weights: int = 0  # FP8 layers' cached quantized weights (fp8/linear.py)
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.main_params + self.main_grads +
-                self.optimizer_states + self.step_counters)
+                self.optimizer_states + self.step_counters + self.fp8_weights)

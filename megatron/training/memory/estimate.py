@@ -125,6 +125,8 @@ def format_report(estimate: MemoryEstimate) -> str:
         if stage.transient_bytes:  # ZeRO-2 / FSDP2: state after the step vs. backward's peak
             recompute += (f" + {_gib(stage.transient_bytes)} during forward/backward only "
                           f"(full gradient buckets / gathered parameters)")
+        if s.fp8_weights:  # the FP8 layers' cached quantized weights
+            recompute += f"; fp8 weights {_gib(s.fp8_weights)}"
         if stage.host.total:
             recompute += f"; host (CPU offload) {_gib(stage.host.total)}"
         lines.append(

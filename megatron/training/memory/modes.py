@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from megatron.training.memory.base import FP32, ModelStateBytes, OptimizerSetup, ParamShape
+from megatron.training.memory.fp8 import fp8_weight_cache_bytes
 from megatron.training.memory.moe import expert_data_parallel_size, is_expert_param
 from megatron.training.memory.params import (
     _shard_pieces,
@@ -172,11 +173,13 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
     if setup.fsdp2:
         shapes = chunk_param_shapes(config, padded_vocab_size, 0, 0, share)
         memory.device = fsdp2_chunk_state(shapes, setup, param_bytes, data_parallel_rank)
+        memory.device.fp8_weights = fp8_weight_cache_bytes(config, shapes)
         memory.transient_bytes = fsdp2_transient_bytes(shapes, setup, param_bytes)
         return memory
     full_grads = dataclasses.replace(setup, shard_gradients=False)
     for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank, share):
         step = chunk_state_bytes(shapes, setup, param_bytes, data_parallel_rank, alone)
+        step.fp8_weights = fp8_weight_cache_bytes(config, shapes)
         add_states(memory.device, step)
         if setup.cpu_offload:
             add_states(memory.host, host_state_bytes(shapes, setup, data_parallel_rank, alone))
@@ -202,8 +205,9 @@ def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
         # Routed experts have DDP buffers of their own, sharded over the expert-DP group.
         experts = [s for s in shapes if is_expert_param(s)]
         dense = [s for s in shapes if not is_expert_param(s)]
-        add_states(total, chunk_state_bytes(dense, setup, param_bytes, data_parallel_rank,
-                                            alone))
+        dense_state = chunk_state_bytes(dense, setup, param_bytes, data_parallel_rank, alone)
+        dense_state.fp8_weights = fp8_weight_cache_bytes(config, dense)
+        add_states(total, dense_state)
         if experts:
             add_states(total, chunk_state_bytes(
                 experts, expert_setup, param_bytes,
