@@ -286,7 +286,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                             log_throughput=t.log_throughput, timers=timers,
                             wandb_project=t.wandb_project, wandb_exp_name=t.wandb_exp_name,
                             wandb_save_dir=resolve_save_dir(t.wandb_save_dir, t.save),
-                            wandb_config=vars(args))
+                            wandb_config=vars(args),
+                            fp8_peak_tflops=_fp8_peak_tflops(configs, t.peak_tflops))
     logger.start(first_iteration=resumed.iteration + 1)
     loop_start = time.time()
     checkpoints = _Checkpoints(model, optimizer, scheduler, configs, vars(args), token_guard,
@@ -387,6 +388,15 @@ def _known_peak_tflops(peak_tflops: Optional[float]) -> Optional[float]:
     if peak_tflops is not None:
         return peak_tflops
     return H100_BF16_PEAK_TFLOPS if device.device_type() == "cuda" else None
+
+
+def _fp8_peak_tflops(configs, peak_tflops: Optional[float]) -> Optional[float]:
+    """An FP8 run's per-device FP8 peak: twice the bf16 peak (dense, Ada / Hopper /
+    Blackwell: 1979 TFLOP/s on an H100 SXM); None without FP8 or a known peak."""
+    peak = _known_peak_tflops(peak_tflops)
+    if configs.transformer.fp8 is None or peak is None:
+        return None
+    return 2 * peak
 
 
 def _exit_with(exc: Exception, code: int) -> None:

@@ -98,3 +98,17 @@ def test_fp8_moe_loss_curve_follows_high_precision(quickstart_data):
     worst = max(abs(a - b) / b for a, b in zip(fp8, high))
     late = abs(sum(fp8[-10:]) - sum(high[-10:])) / sum(high[-10:])
     assert worst < 0.03 and late < 0.02, (worst, late, fp8, high)
+
+
+def test_the_training_log_gives_mfu_against_the_fp8_peak_too():
+    """--peak-tflops P: an FP8 run's line has its MFU against P and against the FP8 peak 2P
+    (half the first)."""
+    import re
+
+    proc = run_script("pretrain_llama.py", TINY + LLAMA + [
+        "--fp8-format", "e4m3", "--peak-tflops", "1e-3", "--train-iters", "2"])
+    pairs = re.findall(r"MFU \(%\): ([0-9.]+) \| MFU of the FP8 peak \(%\): ([0-9.]+) \|",
+                       proc.stdout)
+    assert len(pairs) == 2, proc.stdout[-2000:]
+    for bf16, fp8 in pairs:
+        assert abs(float(fp8) - float(bf16) / 2) <= 0.01, (bf16, fp8)

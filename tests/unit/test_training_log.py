@@ -394,3 +394,16 @@ def test_moe_metrics_go_to_the_console_and_tensorboard(tmp_path):
     assert scalars["moe/load balancing loss layer 3"] == [(7, f32(0.015))]
     assert scalars["moe/max/mean tokens per expert layer 3"] == [(7, 1.5)]
     assert logger.log_moe(8, {}) is None
+
+
+def test_an_fp8_run_reports_mfu_against_both_peaks():
+    """2e15 FLOPs in 2 s on 2 devices: 500 TFLOP/s a device, 50 % of the bf16 peak (1000) and
+    25 % of the FP8 peak (2000), both in the line; without FP8 only the first."""
+    for fp8_peak, want in ((2000.0, " MFU (%): 50.00 | MFU of the FP8 peak (%): 25.00 |"),
+                           (None, " MFU (%): 50.00 | max RSS")):
+        logger, printed, clock = _logger(log_interval=1, fp8_peak_tflops=fp8_peak)
+        logger.start()
+        clock.t += 2.0
+        logger.training_log(1, {"lm loss": 1.0}, 1e-4, 1.0)
+        assert want in printed[0], printed
+        assert MEGATRON_LINE.match(printed[0])

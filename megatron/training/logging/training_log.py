@@ -181,10 +181,13 @@ class TrainingLogger:
                  memory_fn: Optional[Callable[[], Tuple[str, float]]] = memory_usage,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
                  wandb_save_dir: str = "wandb", wandb_config: Optional[dict] = None,
-                 writers: Sequence = ()):
+                 writers: Sequence = (), fp8_peak_tflops: Optional[float] = None):
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
         self.seq_length, self.num_devices = seq_length, num_devices
         self.flops_per_iteration, self.peak_tflops = flops_per_iteration, peak_tflops
+        # FP8 runs: MFU against the FP8 peak as well (the same model FLOPs; only the linears'
+        # GEMMs can run at that rate).
+        self.fp8_peak_tflops = fp8_peak_tflops
         self.log_interval, self.tensorboard_log_interval = log_interval, tensorboard_log_interval
         self.log_timers_to_tensorboard = log_timers_to_tensorboard
         self.log_batch_size_to_tensorboard = log_batch_size_to_tensorboard
@@ -315,6 +318,10 @@ class TrainingLogger:
                 self.writer.add_scalar("throughput", throughput, iteration)
                 if self.peak_tflops is not None:
                     self.writer.add_scalar("mfu", self._mfu(seconds), iteration)
+                if self.fp8_peak_tflops is not None:
+                    self.writer.add_scalar("mfu-fp8-peak", self._mfu(seconds,
+                                                                     self.fp8_peak_tflops),
+                                           iteration)
         line = format_log_line(
             iteration, self.train_iters,
             consumed_samples if consumed_samples is not None
@@ -345,8 +352,9 @@ class TrainingLogger:
             return None
         return self.flops_per_iteration / (seconds * 1e12 * self.num_devices)
 
-    def _mfu(self, seconds: float) -> float:
-        return mfu(self.flops_per_iteration, seconds, self.num_devices, self.peak_tflops)
+    def _mfu(self, seconds: float, peak: Optional[float] = None) -> float:
+        return mfu(self.flops_per_iteration, seconds, self.num_devices,
+                   peak or self.peak_tflops)
 
     def log_moe(self, iteration: int, metrics: Mapping[str, float]) -> Optional[str]:
         """The MoE layers' interval means (moe_metrics.gather_moe_metrics): one console
@@ -371,6 +379,9 @@ class TrainingLogger:
             extras.append(("tokens per second per device", f"{tokens:.1f}"))
             if self.flops_per_iteration is not None and self.peak_tflops is not None:
                 extras.append(("MFU (%)", f"{100.0 * self._mfu(seconds):.2f}"))
+            if self.flops_per_iteration is not None and self.fp8_peak_tflops is not None:
+                extras.append(("MFU of the FP8 peak (%)",
+                               f"{100.0 * self._mfu(seconds, self.fp8_peak_tflops):.2f}"))
         if self.memory_fn is not None:
             label, gib = self.memory_fn()
             extras.append((label, f"{gib:.2f}"))
