@@ -416,3 +416,30 @@ def test_default_efficiency_is_the_measured_one(extra, efficiency):
         TINY_LLAMA + model
     row = json.loads(plan_parallelism.run(argv))["rows"][0]
     assert row["mfu"] == pytest.approx(efficiency, rel=1e-9)
+
+
+def test_an_fp8_model_is_planned_with_its_fp8_weight_copies_and_says_so():
+    """The FP8 flags reach the planned config: each row's memory is the bf16 row's plus the
+    cached FP8 weights (memory/fp8.py, exact), and the summary says the step time is not
+    FP8's yet."""
+    from megatron.training.memory.fp8 import fp8_weight_cache_bytes
+    from megatron.training.memory.params import chunk_param_shapes
+    from megatron.training.planner.plan import layout_config
+
+    fp8_flags = ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+    plain = plan(workload_from_flags(LLAMA2_7B, global_batch_size=8), Cluster(num_gpus=8),
+                 top=None)
+    workload = workload_from_flags(LLAMA2_7B + fp8_flags, global_batch_size=8)
+    fp8 = plan(workload, Cluster(num_gpus=8), top=None)
+    plain_rows = {row.layout: row for row in plain.rows}
+    compared = 0
+    for row in fp8.rows:
+        if row.layout in plain_rows and row.layout.pipeline_parallel == 1:
+            config = layout_config(workload, row.layout)
+            extra = fp8_weight_cache_bytes(config, chunk_param_shapes(config, 32000, 0))
+            assert row.memory.max_total == plain_rows[row.layout].memory.max_total + extra
+            compared += 1
+    assert compared
+    text = plan_parallelism.run(["--num-gpus", "8", "--top", "1", "--global-batch-size", "8",
+                                 "--"] + LLAMA2_7B + fp8_flags)
+    assert "FP8 e4m3 rowwise (mem GiB includes the FP8 weight copies" in text

@@ -73,11 +73,16 @@ class Workload:
         if getattr(a, "num_experts", None):
             experts = (f", {a.num_experts} experts (top-{a.moe_router_topk}, expert FFN "
                        f"{a.moe_ffn_hidden_size or a.ffn_hidden_size})")
+        fp8 = ""
+        if getattr(a, "fp8_format", None):
+            fp8 = (f"; FP8 {a.fp8_format} {a.fp8_recipe} (mem GiB includes the FP8 weight "
+                   f"copies; the step time is at the bf16 efficiency until a GPU run measures "
+                   f"FP8's: bench/fp8_step.py)")
         return (f"{a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads "
                 f"({groups} query groups), FFN {a.ffn_hidden_size}"
                 f"{' SwiGLU' if a.swiglu else ''}{experts}, vocabulary {a.vocab_size}, sequence "
                 f"{a.seq_length}, global batch {self.global_batch_size} "
-                f"({self.global_batch_size * a.seq_length:,} tokens)")
+                f"({self.global_batch_size * a.seq_length:,} tokens){fp8}")
 
 
 def workload_from_flags(flags: Sequence[str], *, seq_length: Optional[int] = None,
