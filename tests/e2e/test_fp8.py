@@ -112,3 +112,16 @@ def test_the_training_log_gives_mfu_against_the_fp8_peak_too():
     assert len(pairs) == 2, proc.stdout[-2000:]
     for bf16, fp8 in pairs:
         assert abs(float(fp8) - float(bf16) / 2) <= 0.01, (bf16, fp8)
+
+
+def test_fp8_under_the_zero_bubble_split_backward_prints_1f1b_losses():
+    """ZB-H1 defers each linear's weight-gradient GEMM (W) to later in the schedule; with FP8
+    W is the same FP8 GEMM of the same operands, so the printed losses are 1F1B's, to the
+    digit (as without FP8: tests/e2e/test_zero_bubble.py), with gradient-accumulation
+    fusion."""
+    flags = TINY + LLAMA + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                            "--pipeline-model-parallel-size", "2"]
+    base = parse_losses(run_script("pretrain_llama.py", flags, nproc=2))
+    split = parse_losses(run_script("pretrain_llama.py", flags + [
+        "--pipeline-schedule", "zb-h1"], nproc=2))
+    assert base == split and len(base[0]) == 6
