@@ -59,3 +59,64 @@ def test_an_moe_model_runs_its_experts_in_fp8():
     (count, experts_fp8, routers_high, finite, grads), = run_distributed(
         _moe_layer_experts_in_fp8, world_size=1, tp=1)
     assert count == 2 and experts_fp8 and routers_high and finite and grads
+
+
+def _expert_projections_at_this_etp(fp8_config):
+    """fc1 [E, 2f, h] split by rows and fc2 [E, h, f] by columns over the ranks (as expert TP
+    splits them, here over the TP group), each projection on its own: (fc1 output, its input
+    grad, fc1 weight grad, fc2 output, its input grad, fc2 weight grad), gathered to full."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import _gather_along_last_dim as gather_last
+
+    n, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    group = ps.get_tensor_model_parallel_group() if n > 1 else None
+    g = torch.Generator().manual_seed(0)
+    counts, h, f = [40, 0, 88, 13], 256, 256  # f / 2 = 128: whole blocks per rank
+    x = torch.randn(sum(counts), h, generator=g) * torch.logspace(-1, 1, h)
+    act = torch.randn(sum(counts), f, generator=g)
+    w1 = torch.randn(len(counts), f, h, generator=g) * 0.02  # one projection's rows
+    w2 = torch.randn(len(counts), h, f, generator=g) * 0.02
+    seed1 = torch.randn(sum(counts), f, generator=g)
+    seed2 = torch.randn(sum(counts), h, generator=g)
+    rows = slice(rank * f // n, (rank + 1) * f // n)
+
+    w1_local = w1[:, rows].clone().requires_grad_()
+    xi = x.clone().requires_grad_()
+    out1 = fp8_expert_linear(xi, w1_local, counts, Fp8Gemms(fp8_config, "column", group))
+    out1.backward(seed1[:, rows])
+    if n > 1:
+        dist.all_reduce(xi.grad, group=group)  # the column split's input gradient: a sum
+
+    w2_local = w2[:, :, rows].clone().requires_grad_()
+    ai = act[:, rows].clone().requires_grad_()
+    out2 = fp8_expert_linear(ai, w2_local, counts, Fp8Gemms(fp8_config, "row", group))
+    out2 = out2.detach()
+    if n > 1:
+        dist.all_reduce(out2, group=group)  # the row split's output: partial sums
+    fp8_expert_linear(ai, w2_local, counts, Fp8Gemms(fp8_config, "row", group)).backward(
+        seed2)
+
+    def full(t, dim):
+        if n == 1:
+            return t
+        return gather_last(t.transpose(dim, -1).contiguous()).transpose(dim, -1)
+
+    return (full(out1.detach(), 1), xi.grad, full(w1_local.grad, 1), out2, full(ai.grad, 1),
+            full(w2_local.grad, 2))
+
+
+@pytest.mark.parametrize("fp8_config", CONFIGS, ids=lambda c: f"{c.recipe}-{c.format}")
+def test_expert_tp2_quantizes_as_one_process_does(fp8_config):
+    """With the expert-TP amax all-reduces a rank's expert shard is quantized as the whole
+    expert is: outputs and gradients within fp32 rounding (the TP sums) of one process."""
+    from tests.distributed import run_distributed
+
+    (one,) = run_distributed(_expert_projections_at_this_etp, world_size=1, tp=1,
+                             fp8_config=fp8_config)
+    for two in run_distributed(_expert_projections_at_this_etp, world_size=2, tp=2,
+                               fp8_config=fp8_config):
+        for i, (got, want) in enumerate(zip(two, one)):
+            assert got.shape == want.shape, i
+            assert _close(got, want), (i, ((got - want).abs().max() / want.abs().max()).item())

@@ -8,9 +8,12 @@ host once per layer, as the loop fallback of experts.py needs them too). torch's
 GEMM (``torch._scaled_grouped_mm``, rowwise, CUDA only) would run the experts in one kernel;
 it is the next step on a GPU, where it can be measured and checked against this path.
 
-Expert tensor parallelism: with ETP > 1 each rank's scales are those of its shard (no amax
-all-reduce over the ETP group yet), so an ETP run does not quantize bit for bit as one
-process does; EP alone does (whole experts per rank).
+Expert parallelism keeps whole experts on a rank: nothing to reduce. Expert tensor
+parallelism splits fc1's rows and fc2's columns over the ETP group, as a column- and a
+row-parallel linear split theirs: ``use_fp8`` gives the two projections the Fp8Gemms of those
+kinds over the ETP group, so the amax all-reduces make an ETP rank quantize its shard as one
+process quantizes the whole expert (every ETP rank sees the same tokens per expert, so the
+all-reduces happen in the same order on all of them).
 """
 from typing import List
 

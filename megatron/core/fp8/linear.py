@@ -173,9 +173,16 @@ def use_fp8(module: torch.nn.Module, config: Fp8Config) -> int:
 
     group = parallel_state.get_tensor_model_parallel_group() \
         if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
+    etp_group = None
+    if parallel_state.expert_parallel_is_initialized() and \
+            parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        etp_group = parallel_state.get_expert_tensor_parallel_group()
+    # The experts' fc1 is split over the expert-TP ranks by rows, fc2 by columns: as a
+    # column- and a row-parallel linear, over the expert-TP group.
     gemms = {ColumnParallelLinear: Fp8Gemms(config, "column", group),
              RowParallelLinear: Fp8Gemms(config, "row", group),
-             SwiGLUExperts: Fp8Gemms(config)}
+             SwiGLUExperts: (Fp8Gemms(config, "column", etp_group),
+                             Fp8Gemms(config, "row", etp_group))}
     count = 0
     for layer in module.modules():
         if type(layer) in gemms:

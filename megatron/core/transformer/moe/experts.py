@@ -107,7 +107,8 @@ class SwiGLUExperts(torch.nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.shard.ep_size
         self.grouped_gemm = grouped_gemm
-        self.fp8 = None  # an fp8.linear.Fp8Gemms: both projections in FP8 (set by use_fp8)
+        # (fc1's, fc2's) fp8.linear.Fp8Gemms: both projections in FP8 (set by use_fp8)
+        self.fp8 = None
         full1 = torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size)
         full2 = torch.empty(num_experts, hidden_size, ffn_hidden_size)
         torch.nn.init.normal_(full1, std=init_method_std)
@@ -151,8 +152,9 @@ class SwiGLUExperts(torch.nn.Module):
 
         if host_tokens_per_expert is None:
             host_tokens_per_expert = tokens_per_expert.tolist()  # a host sync on CUDA
-        fc1 = fp8_expert_linear(x, self.weight1, host_tokens_per_expert, self.fp8)
-        return fp8_expert_linear(_swiglu(fc1), self.weight2, host_tokens_per_expert, self.fp8)
+        fc1_gemms, fc2_gemms = self.fp8
+        fc1 = fp8_expert_linear(x, self.weight1, host_tokens_per_expert, fc1_gemms)
+        return fp8_expert_linear(_swiglu(fc1), self.weight2, host_tokens_per_expert, fc2_gemms)
 
     def _forward_loop(self, x, tokens_per_expert, host_tokens_per_expert=None):
         if host_tokens_per_expert is None:
