@@ -327,7 +327,8 @@ def _damaged(tmp_path, hf_dirs, kind):
                  "['BertForMaskedLM'] in"),
     ("bert", [], "supported: LlamaForCausalLM (model_type llama), MistralForCausalLM "
                  "(model_type mistral), GPT2LMHeadModel (model_type gpt2), "
-                 "Qwen2ForCausalLM (model_type qwen2), MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
+                 "Qwen2ForCausalLM (model_type qwen2), Qwen3ForCausalLM (model_type qwen3), "
+                 "MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
                  "qwen2_moe), Qwen3MoeForCausalLM (model_type qwen3_moe)."),
     ("linear_rope", [], "rope scaling type 'linear' is not supported"),
     ("gelu_llama", [], "hidden_act 'gelu' is not supported"),

@@ -56,3 +56,4 @@ def test_report_shows_the_fp8_weights():
                    ((512, 256), (256, 256), (768, 256), (256, 384)))
     assert stage.state.fp8_weights == want
     assert f"fp8 weights {want / 2**20:.3f} MiB" in format_report(estimate)
+

@@ -10,7 +10,8 @@
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
 scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
-window), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), GPT2LMHeadModel, and the
+window), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), Qwen3ForCausalLM (per-head q/k
+RMSNorms, a head dim of its own; without sliding window), GPT2LMHeadModel, and the
 mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared expert with its gate) and
 Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
 (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``). Megatron checkpoints

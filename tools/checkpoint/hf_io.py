@@ -16,10 +16,10 @@ from conversion_utils import ConversionError, Progress
 # architectures entry -> model_type
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
              "GPT2LMHeadModel": "gpt2", "Qwen2ForCausalLM": "qwen2",
-             "MixtralForCausalLM": "mixtral",
+             "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
              "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gpt2": "GPT2Config",
-                   "qwen2": "Qwen2Config",
+                   "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                    "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
                    "qwen3_moe": "Qwen3MoeConfig"}
 SUPPORTED_TEXT = ", ".join(f"{a} (model_type {t})" for a, t in SUPPORTED.items())
@@ -176,7 +176,8 @@ def expected_names(model_type: str, num_layers: int, tied: bool, config=None) ->
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"] + \
             [f"self_attn.{x}_proj.weight" for x in "qkvo"] + \
             [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")] + \
-            ([f"self_attn.{x}_proj.bias" for x in "qkv"] if model_type == "qwen2" else [])
+            ([f"self_attn.{x}_proj.bias" for x in "qkv"] if model_type == "qwen2" else []) + \
+            ([f"self_attn.{x}_norm.weight" for x in "qk"] if model_type == "qwen3" else [])
         prefix = "model.layers.{}."
     names += [prefix.format(i) + n for i in range(num_layers) for n in per_layer]
     return names + ([] if tied else ["lm_head.weight"])

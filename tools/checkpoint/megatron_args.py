@@ -181,6 +181,8 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
             config = megatron_moe_args.hf_moe_config(args, llama)
         elif args["add_qkv_bias"]:
             config = _qwen2_config(llama)
+        elif args.get("qk_layernorm"):
+            config = _qwen3_config(llama)
         else:
             config = transformers.LlamaConfig(**llama)
             config.architectures = ["LlamaForCausalLM"]
@@ -212,6 +214,21 @@ def _qwen2_config(llama: Dict):
                                       rope_parameters={"rope_type": "default",
                                                        "rope_theta": llama["rope_theta"]})
     config.architectures = ["Qwen2ForCausalLM"]
+    return config
+
+
+def _qwen3_config(llama: Dict):
+    """LLaMA with per-head q/k RMSNorms is Qwen3 (any head dim; rope without scaling)."""
+    import transformers
+
+    if llama["rope_scaling"]:
+        raise ConversionError("this checkpoint's model has q/k norms (Qwen3) and rope "
+                              "scaling, which Qwen3ForCausalLM does not have.")
+    drop = ("rope_scaling", "rope_theta", "mlp_bias")
+    config = transformers.Qwen3Config(**{k: v for k, v in llama.items() if k not in drop},
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": llama["rope_theta"]})
+    config.architectures = ["Qwen3ForCausalLM"]
     return config
 
 

@@ -1,7 +1,8 @@
 """Hugging Face <-> this project: configs and full (unsharded) state dicts.
 
 Supported: ``LlamaForCausalLM`` (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope scaling, tied or
-untied embeddings; Mistral shares the layout, Qwen2 adds q/k/v biases), ``GPT2LMHeadModel``, and the LLaMA-like MoE
+untied embeddings; Mistral shares the layout, Qwen2 adds q/k/v biases, Qwen3 per-head q/k
+RMSNorms and a head dim of its own), ``GPT2LMHeadModel``, and the LLaMA-like MoE
 models of ``hf_moe_conversion`` (Mixtral, Qwen2-MoE, Qwen3-MoE). Combine with ``tp_sharding``
 for a TP rank's or a pipeline stage's share.
 """
@@ -12,20 +13,20 @@ import torch
 from megatron.core.models import hf_moe_conversion as moe_hf
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-LLAMA, GPT2, QWEN2 = "llama", "gpt2", "qwen2"
+LLAMA, GPT2, QWEN2, QWEN3 = "llama", "gpt2", "qwen2", "qwen3"
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 def architecture_of(hf_config) -> str:
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in ("llama", "mistral", QWEN2):  # Qwen2: LLaMA's layout + q/k/v biases
-        return LLAMA
+    if model_type in ("llama", "mistral", QWEN2, QWEN3):  # LLaMA's layout, + q/k/v biases
+        return LLAMA                                          # (Qwen2), + q/k norms (Qwen3)
     if model_type == "gpt2":
         return GPT2
     if model_type in moe_hf.MOE_MODEL_TYPES:
         return model_type
     raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: llama, "
-                     f"mistral, qwen2, gpt2, {', '.join(moe_hf.MOE_MODEL_TYPES)}.")
+                     f"mistral, qwen2, qwen3, gpt2, {', '.join(moe_hf.MOE_MODEL_TYPES)}.")
 
 
 def _llama_like(arch: str) -> bool:
@@ -75,6 +76,11 @@ def config_from_hf(hf_config, **overrides) -> Tuple[TransformerConfig, dict]:
             **_rope_settings(hf_config))
         if getattr(hf_config, "model_type", None) == QWEN2:
             kwargs["add_qkv_bias"] = True
+        if getattr(hf_config, "model_type", None) == QWEN3:
+            kwargs["qk_layernorm"] = True
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported "
+                             "yet.")
         if arch in moe_hf.MOE_MODEL_TYPES:
             kwargs.update(moe_hf.moe_transformer_kwargs(hf_config))
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))

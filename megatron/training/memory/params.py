@@ -46,6 +46,9 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
     shapes.append(ParamShape(prefix + "self_attention.linear_proj.weight", h * a * d // tp, h))
     if config.add_bias_linear:
         shapes.append(ParamShape(prefix + "self_attention.linear_proj.bias", h))
+    if config.qk_layernorm:  # one norm over a head's dim, shared by the heads (Qwen3)
+        shapes += [ParamShape(f"{prefix}self_attention.{q_or_k}_layernorm.{n}", d)
+                   for q_or_k in "qk" for n in norm]
     shapes += [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
     if is_moe_layer(config, number):
         return shapes + moe_mlp_params(config, prefix + "mlp.")
