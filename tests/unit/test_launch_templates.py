@@ -21,7 +21,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "shtools", "**", "*.sh"), recursiv
                  + glob.glob(os.path.join(ROOT, "shtools", "**", "*.sbatch"), recursive=True))
 CONFIGS = {name: os.path.join(ROOT, "shtools", "configs", f"{name}.sh")
            for name in ("gpt_small", "llama2_7b", "llama_13b_megatron_llama", "mixtral_8x7b",
-                        "qwen3_moe_small")}
+                        "qwen3_moe_small", "qwen3_8b", "qwen2_5_7b")}
 LAUNCHERS = ("single_node.sh", "multi_node.sh", "elastic.sh", "slurm.sbatch")
 
 
@@ -318,3 +318,31 @@ def test_moe_configs(name, files):
     assert (t.expert_model_parallel_size, t.pipeline_model_parallel_size) == (ep, pp)
     assert t.qk_layernorm == qk_norm and moe.moe_router_pre_softmax == pre_softmax
     assert moe.moe_router_topk_norm == pre_softmax and moe.moe_layer_freq == 1
+
+
+# name -> (layers, hidden, heads, groups, head dim, FFN, q/k norm, q/k/v bias, embedding rows,
+# the published parameter count: HF's model.num_parameters() of the released checkpoint)
+DENSE_QWEN = {"qwen3_8b": (36, 4096, 32, 8, 128, 12288, True, False, 151936, 8_190_735_360),
+              "qwen2_5_7b": (28, 3584, 28, 4, 128, 18944, False, True, 152064, 7_615_616_512)}
+
+
+@pytest.mark.parametrize("name", DENSE_QWEN)
+def test_dense_qwen_configs_have_the_published_shape(name, files):
+    from megatron.training.memory.params import chunk_param_shapes
+
+    layers, hidden, heads, groups, d, ffn, qk_norm, qkv_bias, rows, count = DENSE_QWEN[name]
+    env = dict(DATA_PATH=f"{files['d']}/corpus_text_document", TOKENIZER_DIR=files["tok"],
+               CHECKPOINT_DIR=files["ck"], TENSORBOARD_DIR=files["tb"])
+    entry, _, flags = source_config(CONFIGS[name], **env)
+    assert entry == "pretrain_llama.py"
+    t = configs_of(flags, world_size=8).transformer  # TP 2 x DP 4 by default
+    assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_query_groups,
+            t.kv_channels, t.ffn_hidden_size) == (layers, hidden, heads, groups, d, ffn)
+    assert (t.qk_layernorm, bool(t.add_qkv_bias), t.add_bias_linear) == (qk_norm, qkv_bias,
+                                                                         False)
+    assert t.rotary_base == 1e6 and t.layernorm_epsilon == 1e-6 and t.sequence_parallel
+    assert flags[flags.index("--padded-vocab-size") + 1] == str(rows)
+    _, _, flags = source_config(CONFIGS[name], TP=1, **env)
+    whole = configs_of(flags, world_size=1).transformer
+    assert sum(s.numel for s in chunk_param_shapes(
+        whole, rows, 0, 0, share_embeddings_and_output_weights=False)) == count
