@@ -1,5 +1,5 @@
-"""GPT, LLaMA and Qwen3 (per-head q/k RMSNorms, head dim 32 with hidden 64 and 4 heads, tied
-embeddings) equal Hugging Face transformers (weights copied through hf_conversion), at TP 1,
+"""GPT, LLaMA, Qwen2/2.5 (q/k/v biases, tied and untied) and Qwen3 (per-head q/k RMSNorms,
+head dim 32 with hidden 64 and 4 heads, tied embeddings) equal Hugging Face transformers (weights copied through hf_conversion), at TP 1,
 2 and 4, with and without sequence parallelism: logits, per-token loss, and gradients
 (gathered over TP and mapped back to HF names).
 
@@ -32,6 +32,9 @@ HF_CONFIGS = {
     "gpt2": {},
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   tie_word_embeddings=True),
+    "qwen2_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2_untied": dict(num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False),
 }
 
 
@@ -44,6 +47,12 @@ def build_hf_model(name):
             vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
         model = transformers.GPT2LMHeadModel(config)
+    elif name.startswith("qwen2"):  # Qwen2 / Qwen2.5: biases on Q, K and V only
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager",
+            **HF_CONFIGS[name])
+        model = transformers.Qwen2ForCausalLM(config)
     elif name == "qwen3":
         config = transformers.Qwen3Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -124,14 +133,16 @@ def _check(results):
             assert err <= TOL, f"rank {rank}: {what} differs from HF by {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["llama_mha", "llama_gqa2", "llama3_rope", "gpt2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama_mha", "llama_gqa2", "llama3_rope", "gpt2", "qwen3",
+                                  "qwen2_tied", "qwen2_untied"])
 def test_tp1_equals_hf(name):
     _check(run_distributed(_compare, world_size=1, tp=1, name=name, sequence_parallel=False))
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("tp,name", [(2, "llama_gqa2"), (2, "llama3_rope"), (2, "gpt2"),
-                                     (2, "qwen3"), (4, "llama_mha"), (4, "llama_gqa4"),
+                                     (2, "qwen3"), (2, "qwen2_tied"), (2, "qwen2_untied"),
+                                     (4, "llama_mha"), (4, "llama_gqa4"),
                                      (4, "gpt2")])
 def test_tensor_parallel_equals_hf(tp, name, sequence_parallel):
     _check(run_distributed(_compare, world_size=tp, tp=tp, name=name,
@@ -147,7 +158,7 @@ def test_llama3_rope_scaling_matters():
 
 
 def test_hf_round_trip_is_exact():
-    for name in ("llama_gqa2", "gpt2", "qwen3"):
+    for name in ("llama_gqa2", "gpt2", "qwen3", "qwen2_tied"):
         hf = build_hf_model(name)
         back = megatron_to_hf(hf_to_megatron(hf.state_dict(), hf.config, 128), hf.config)
         for key, value in hf.state_dict().items():
