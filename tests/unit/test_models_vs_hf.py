@@ -1,7 +1,8 @@
 """GPT, LLaMA, Qwen2/2.5 (q/k/v biases, tied and untied) and Qwen3 (per-head q/k RMSNorms,
-head dim 32 with hidden 64 and 4 heads, tied embeddings) equal Hugging Face transformers (weights copied through hf_conversion), at TP 1,
-2 and 4, with and without sequence parallelism: logits, per-token loss, and gradients
-(gathered over TP and mapped back to HF names).
+head dim 32 with hidden 64 and 4 heads, tied embeddings) equal Hugging Face transformers
+(weights copied through hf_conversion), at TP 1, 2 and 4, with and without sequence
+parallelism: logits, per-token loss, and gradients (gathered over TP and mapped back to HF
+names).
 
 Tolerance 1e-5 (fp32): HF's eager attention and our SDPA, and the TP reductions, sum in
 different orders; observed differences are ~1e-6.
