@@ -20,6 +20,7 @@ FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-
          "--num-query-groups 2 --kv-channels 16 --seq-length 32 --micro-batch-size 1 --lr 1e-3 "
          "--train-iters 2 --position-embedding-type rope --rotary-base 500000 "
          "--use-rope-scaling --normalization RMSNorm --norm-epsilon 1e-5 --swiglu "
+         "--window-size 15,0 --window-attn-skip-freq 2 "
          "--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
          "--moe-shared-expert-intermediate-size 48 --tokenizer-type NullTokenizer "
          "--vocab-size 100").split()
@@ -34,6 +35,7 @@ CHANGED = {
     "rope_original_max_position_embeddings": 4096, "normalization": "LayerNorm",
     "norm_epsilon": 1e-6, "swiglu": False, "openai_gelu": True, "disable_bias_linear": False,
     "add_qkv_bias": True, "qk_layernorm": True, "untie_embeddings_and_output_weights": True,
+    "window_size": (7, 0), "window_attn_skip_freq": 3,
     "num_experts": 8, "moe_router_topk": 1, "moe_router_score_function": "sigmoid",
     "moe_router_pre_softmax": True, "moe_router_topk_norm": True,
     "moe_router_enable_expert_bias": True, "moe_ffn_hidden_size": 64, "moe_layer_freq": 2,

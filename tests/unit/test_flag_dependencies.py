@@ -63,6 +63,8 @@ EXAMPLES = {
         "--loss-scale": "128", "--initial-loss-scale": "65536", "--min-loss-scale": "2",
         "--loss-scale-window": "500", "--hysteresis": "3"}.items()},
     ("--grad-reduce-in-bf16", "--bf16"): (small("--grad-reduce-in-bf16"), ["--bf16"]),
+    ("--window-attn-skip-freq", "--window-size LEFT,0"): (
+        small("--window-attn-skip-freq", "2"), ["--window-size", "7,0"]),
     **{(flag, "--fp8-format e4m3|hybrid"): (small(flag, *value), ["--fp8-format", "e4m3"])
        for flag, value in {"--fp8-recipe": ["rowwise"], "--fp8-margin": ["1"],
                            "--first-last-layers-bf16": []}.items()},

@@ -30,6 +30,7 @@ from megatron.core.transformer.context_parallel import context_parallel_attentio
 from megatron.core.transformer.context_parallel.blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import apply_rotary, rotary_function
+from megatron.core.transformer.sliding_window import blocked_window_attention, layer_window
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
 try:  # torch's variable-length flash attention (CUDA only)
@@ -160,6 +161,7 @@ class SelfAttention(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.apply_rotary = rotary_function(config)  # compiled under --torch-compile
+        self.window = layer_window(config, layer_number)  # None: full causal attention
         self.heads_for_sdpa = compiled(_heads_for_sdpa) if compiled_head_layout(config) \
             else None
         self.head_dim = config.kv_channels
@@ -259,6 +261,8 @@ class SelfAttention(torch.nn.Module):
             if packed_seq_params is not None:
                 out = self._packed_attention(query, key, value, packed_seq_params, dropout)
                 return out.view(b, s, -1).transpose(0, 1).reshape(s, b, -1)
+            if self.window is not None:
+                return self._windowed_attention(query, key, value, attention_mask, dropout)
             out = self._sdpa(*(t.transpose(1, 2) for t in (query, key, value)),
                              attention_mask, dropout)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
@@ -279,24 +283,60 @@ class SelfAttention(torch.nn.Module):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                               dropout_p=dropout, **kwargs)
 
+    def _varlen_applies(self, query, dropout: float) -> bool:
+        return (_varlen_attn is not None and query.is_cuda and dropout == 0
+                and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM)
+
+    def _varlen(self, query, key, value, cu_seqlens, max_seqlen):
+        """[tokens, heads|groups, d] -> [tokens, heads, d]: torch's variable-length flash
+        kernel, causal, within this layer's window where it has one."""
+        left = -1 if self.window is None else self.window
+        kwargs = {"window_size": (left, 0)}
+        if "is_causal" in _VARLEN_PARAMS and self.window is None:
+            kwargs = {"is_causal": True}
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = self.heads_per_group > 1
+        return _varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                            **kwargs)
+
+    def _windowed_attention(self, query, key, value, attention_mask, dropout: float):
+        """[b, s, heads|groups, d] -> [s, b, heads * d]: causal attention within this layer's
+        window (sliding_window.py): the flash kernel's window on CUDA, query blocks
+        elsewhere."""
+        if attention_mask is not None:
+            raise ValueError("a sliding window cannot combine with an explicit [b, 1, s, s] "
+                             "attention mask; pass document boundaries (packed_seq_params) "
+                             "instead, as --reset-attention-mask does.")
+        b, s = query.shape[:2]
+        if self._varlen_applies(query, dropout):
+            cu = torch.arange(0, (b + 1) * s, s, device=query.device, dtype=torch.int32)
+            out = self._varlen(*(t.reshape(b * s, t.shape[2], self.head_dim)
+                                 for t in (query, key, value)), cu, s)
+            return out.view(b, s, -1).transpose(0, 1).reshape(s, b, -1)
+        out = blocked_window_attention(*(t.transpose(1, 2) for t in (query, key, value)),
+                                       self.window, dropout,
+                                       enable_gqa=self.heads_per_group > 1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+
     def _packed_attention(self, query, key, value, packed: PackedSeqParams, dropout: float):
         """[b, s, heads|groups, d] -> [b * s, heads, d], causal within each document."""
         b, s = query.shape[:2]
         query, key, value = (t.reshape(b * s, t.shape[2], self.head_dim)
                              for t in (query, key, value))
-        if (_varlen_attn is not None and query.is_cuda and dropout == 0
-                and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM):
+        if self._varlen_applies(query, dropout):
             # One flash kernel over all documents (it has no dropout).
-            kwargs = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else \
-                {"window_size": (-1, 0)}
-            if "enable_gqa" in _VARLEN_PARAMS:
-                kwargs["enable_gqa"] = self.heads_per_group > 1
-            cu = packed.cu_seqlens
-            return _varlen_attn(query, key, value, cu, cu, packed.max_seqlen, packed.max_seqlen,
-                                **kwargs)
-        # One causal SDPA per document; split (not slicing) so backward is one concatenation.
-        outs = [self._sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                           v.transpose(0, 1)[None], None, dropout)[0].transpose(0, 1)
+            return self._varlen(query, key, value, packed.cu_seqlens, packed.max_seqlen)
+        # One causal SDPA per document (within the window where the layer has one); split
+        # (not slicing) so backward is one concatenation.
+        outs = [self._document_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], dropout)[0].transpose(0, 1)
                 for q, k, v in zip(*(torch.split(t, packed.seqlens) for t in
                                      (query, key, value)))]
         return torch.cat(outs)
+
+    def _document_attention(self, query, key, value, dropout):
+        """[1, heads|groups, len, d] -> [1, heads, len, d], causal (within the window)."""
+        if self.window is None:
+            return self._sdpa(query, key, value, None, dropout)
+        return blocked_window_attention(query, key, value, self.window, dropout,
+                                        enable_gqa=self.heads_per_group > 1)

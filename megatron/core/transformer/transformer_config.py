@@ -1,6 +1,6 @@
 """Everything that shapes a transformer, in one dataclass (Megatron-core's TransformerConfig)."""
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -63,6 +63,10 @@ class TransformerConfig(ModelParallelConfig):
     # FP8 GEMMs in the transformer layers' linears (None: high precision; the embedding and
     # the output layer always are).
     fp8: Optional[Fp8Config] = None
+    # Sliding-window attention (left, right): query i sees keys i - left .. i (right must be
+    # 0); every window_attn_skip_freq-th layer keeps full attention (sliding_window.py).
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Optional[int] = None
 
     def __post_init__(self):
         def need(cond, message):
@@ -90,6 +94,17 @@ class TransformerConfig(ModelParallelConfig):
                                self.account_for_loss_in_pipeline_split)
         except ValueError as exc:
             need(False, str(exc))
+        if self.window_size is not None:
+            from megatron.core.transformer.sliding_window import check_window
+            try:
+                check_window(self.window_size)
+            except ValueError as exc:
+                need(False, str(exc))
+            need(self.context_parallel_size == 1,
+                 "--window-size with context parallelism is not supported yet: train the "
+                 "windowed model with --context-parallel-size 1.")
+        need(self.window_attn_skip_freq is None or self.window_attn_skip_freq >= 1,
+             f"window_attn_skip_freq must be >= 1, got {self.window_attn_skip_freq}.")
         if self.kv_channels is None:
             need(self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "

@@ -243,6 +243,12 @@ def torch_compile_of(args) -> bool:
     return target == "cuda" and importlib.util.find_spec("triton") is not None
 
 
+def _window_of(args):
+    """--window-size as a tuple (saved args hold a list after a JSON round trip, or lack it)."""
+    window = getattr(args, "window_size", None)
+    return None if window is None else tuple(window)
+
+
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """The model and its parallel layout (TP/PP/VPP/SP, recomputation, dtype) of parsed flags;
     no world-size or file checks (``build_configs`` does those). Shared with
@@ -269,6 +275,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear,
         add_qkv_bias=True if args.add_qkv_bias else None,
         qk_layernorm=getattr(args, "qk_layernorm", False),  # saved args may predate it
+        window_size=_window_of(args),
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         position_embedding_type=args.position_embedding_type,
         max_position_embeddings=args.max_position_embeddings, rotary_base=args.rotary_base,

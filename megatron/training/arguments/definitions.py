@@ -51,6 +51,17 @@ def _int_from_float(text: str) -> int:
     return int(value)
 
 
+def _window_size(text: str):
+    """Megatron's --window-size: "LEFT,RIGHT", also written "(LEFT, RIGHT)"."""
+    parts = text.strip().strip("()").split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two integers, e.g. "
+                                         f"4095,0)") from None
+    return left, right
+
+
 def _add_network_args(parser):
     g = parser.add_argument_group("network size and architecture")
     g.add_argument("--num-layers", type=int, default=None)
@@ -97,6 +108,11 @@ def _add_network_args(parser):
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalize each query and key head before RoPE (Qwen3)")
+    g.add_argument("--window-size", type=_window_size, default=None,
+                   help="sliding-window attention: LEFT,RIGHT tokens a query sees around "
+                        "itself (RIGHT 0: causal); Hugging Face's sliding_window S is S-1,0")
+    g.add_argument("--window-attn-skip-freq", type=int, default=None,
+                   help="with --window-size: every N-th layer keeps full attention (gpt-oss 2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.1)

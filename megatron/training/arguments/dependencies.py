@@ -95,6 +95,9 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                  "--recompute-granularity full")
       for flag in ("--recompute-method", "--recompute-num-layers",
                    "--distribute-saved-activations")),
+    # attention
+    Dependency("--window-attn-skip-freq", lambda a: a.window_size is not None,
+               "--window-size LEFT,0"),
     # FP8
     *(Dependency(flag, lambda a: a.fp8_format is not None, "--fp8-format e4m3|hybrid")
       for flag in ("--fp8-recipe", "--fp8-margin", "--first-last-layers-bf16")),

@@ -103,6 +103,20 @@ class _Vocabulary(Setting):
         return f"a tokenizer of {value} tokens"
 
 
+def _window(args: Dict):
+    window = args.get("window_size")
+    return None if window is None else tuple(window)  # a list after a JSON round trip
+
+
+def _windowed(args: Dict) -> bool:
+    return args.get("window_size") is not None
+
+
+class _Window(Setting):
+    def show(self, value) -> str:
+        return f"{self.flag} {value[0]},{value[1]}" if value else f"no {self.flag}"
+
+
 _GROUPS = ("group_query_attention", "num_query_groups", "num_attention_heads")
 
 # Order matters: a row that switches others on (position type, RoPE scaling, GQA, experts)
@@ -134,6 +148,8 @@ ARCHITECTURE: List[Setting] = [
     Setting("disable_bias_linear", "--disable-bias-linear", switch=True),
     Setting("add_qkv_bias", "--add-qkv-bias", switch=True),
     Setting("qk_layernorm", "--qk-layernorm", switch=True),
+    _Window("window_size", "--window-size", value=_window),
+    Setting("window_attn_skip_freq", "--window-attn-skip-freq", _windowed),
     Setting("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights",
             switch=True),
     Setting("num_experts", "--num-experts"),
