@@ -251,7 +251,10 @@ def test_format_conversion_of_a_release_keeps_every_tensor(hf_dirs, tmp_path, ca
         assert got[2]["tokenizer_name_or_path"] == os.path.join(other, "tokenizer")
 
 
-def test_mistral_converts_as_llama(tmp_path, capsys):
+def test_mistral_converts_with_its_sliding_window(tmp_path):
+    """Mistral's sliding window (16 keys, in a 64-position model) becomes --window-size 15,0
+    and comes back as MistralForCausalLM's sliding_window 16, every weight bit for bit. (Its
+    logits equal HF's: tests/unit/test_models_vs_hf.py, mistral_window.)"""
     import transformers
 
     config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
@@ -261,15 +264,14 @@ def test_mistral_converts_as_llama(tmp_path, capsys):
     torch.manual_seed(0)
     src = save_model(transformers.MistralForCausalLM(config), str(tmp_path / "hf"),
                      tokenizer=False)
-    assert run("hf-to-megatron", "--load", src, "--save", tmp_path / "meg") == 1
-    assert "sliding-window attention (window 16" in capsys.readouterr().err
-    assert run("hf-to-megatron", "--load", src, "--save", tmp_path / "meg",
-               "--ignore-sliding-window") == 0
+    assert run("hf-to-megatron", "--load", src, "--save", tmp_path / "meg") == 0
+    flags = (tmp_path / "meg" / "megatron_flags.txt").read_text()
+    assert "--window-size 15,0" in flags and "--window-attn-skip-freq" not in flags
     assert run("megatron-to-hf", "--load", tmp_path / "meg", "--save", tmp_path / "back") == 0
     before, after = read_safetensors_dir(src), read_safetensors_dir(str(tmp_path / "back"))
     assert all(torch.equal(after[k], t) for k, t in before.items()) and len(before) == len(after)
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLM"]
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["architectures"] == ["MistralForCausalLM"] and back["sliding_window"] == 16
 
 
 # ---- errors: one line, exit code 1, nothing written --------------------------------------

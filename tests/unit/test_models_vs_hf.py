@@ -33,6 +33,7 @@ HF_CONFIGS = {
     "gpt2": {},
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   tie_word_embeddings=True),
+    "mistral_window": dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=5),
     "qwen2_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2_untied": dict(num_attention_heads=4, num_key_value_heads=2,
                          tie_word_embeddings=False),
@@ -48,6 +49,12 @@ def build_hf_model(name):
             vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
         model = transformers.GPT2LMHeadModel(config)
+    elif name == "mistral_window":  # a window (5 keys) much shorter than the sequence (16)
+        config = transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            attn_implementation="eager", **HF_CONFIGS[name])
+        model = transformers.MistralForCausalLM(config)
     elif name.startswith("qwen2"):  # Qwen2 / Qwen2.5: biases on Q, K and V only
         config = transformers.Qwen2Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -135,7 +142,7 @@ def _check(results):
 
 
 @pytest.mark.parametrize("name", ["llama_mha", "llama_gqa2", "llama3_rope", "gpt2", "qwen3",
-                                  "qwen2_tied", "qwen2_untied"])
+                                  "qwen2_tied", "qwen2_untied", "mistral_window"])
 def test_tp1_equals_hf(name):
     _check(run_distributed(_compare, world_size=1, tp=1, name=name, sequence_parallel=False))
 
@@ -143,6 +150,7 @@ def test_tp1_equals_hf(name):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("tp,name", [(2, "llama_gqa2"), (2, "llama3_rope"), (2, "gpt2"),
                                      (2, "qwen3"), (2, "qwen2_tied"), (2, "qwen2_untied"),
+                                     (2, "mistral_window"),
                                      (4, "llama_mha"), (4, "llama_gqa4"),
                                      (4, "gpt2")])
 def test_tensor_parallel_equals_hf(tp, name, sequence_parallel):
@@ -156,6 +164,18 @@ def test_llama3_rope_scaling_matters():
     tokens = torch.arange(SEQ).unsqueeze(0) % VOCAB
     plain.load_state_dict(scaled.state_dict())
     assert (scaled(tokens).logits - plain(tokens).logits).abs().max() > 1e-3
+
+
+def test_mistral_window_matters():
+    """A 5-key window at 16 tokens changes HF's logits (the test above can fail)."""
+    import transformers
+
+    windowed = build_hf_model("mistral_window")
+    config = transformers.MistralConfig(**{**windowed.config.to_dict(), "sliding_window": None})
+    plain = transformers.MistralForCausalLM(config).eval()
+    plain.load_state_dict(windowed.state_dict())
+    tokens = torch.arange(SEQ).unsqueeze(0) % VOCAB
+    assert (windowed(tokens).logits - plain(tokens).logits).abs().max() > 1e-3
 
 
 def test_hf_round_trip_is_exact():

@@ -9,8 +9,8 @@
         --ckpt-format torch        # the sharded format -> mp_rank_* files, all state kept
 
 Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope
-scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout; without sliding
-window), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), Qwen3ForCausalLM (per-head q/k
+scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout with its sliding
+window: --window-size S-1,0), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), Qwen3ForCausalLM (per-head q/k
 RMSNorms, a head dim of its own; without sliding window), GPT2LMHeadModel, and the
 mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared expert with its gate) and
 Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
@@ -419,8 +419,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-dir", default=None, metavar="DIR",
                    help="Take the tokenizer files from here instead of HF_DIR.")
     p.add_argument("--ignore-sliding-window", action="store_true",
-                   help="Convert a Mistral model with sliding-window attention anyway (equal "
-                        "only for sequences within the window).")
+                   help="Convert a Qwen2 model with use_sliding_window anyway (equal only for "
+                        "sequences within the window).")
     p.set_defaults(run=hf_to_megatron_cmd)
 
     p = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any layout) -> Hugging "

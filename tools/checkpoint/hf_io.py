@@ -70,19 +70,17 @@ def read_config_file(path: str):
 
 
 def check_sliding_window(config, allowed: bool) -> Optional[str]:
-    """Mistral's sliding-window attention is LLaMA's attention only while sequences fit in
-    the window. Returns a warning when ``allowed``, raises otherwise."""
+    """Qwen2's sliding window (on the layers from max_window_layers on) is not implemented:
+    its attention is LLaMA's only while sequences fit in the window. Returns a warning when
+    ``allowed``, raises otherwise. (Mistral's, on every layer, converts: --window-size.)"""
     window = getattr(config, "sliding_window", None)
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-        return None  # Qwen2 records a window it does not use unless told to
-    if config.model_type not in ("mistral", "qwen2") or window is None or \
-            window >= config.max_position_embeddings:
+    if config.model_type != "qwen2" or not getattr(config, "use_sliding_window", False) or \
+            window is None or window >= config.max_position_embeddings:
         return None
-    name = "Mistral" if config.model_type == "mistral" else "Qwen2"
-    message = (f"this {name} model uses sliding-window attention (window {window} < "
-               f"max_position_embeddings {config.max_position_embeddings}), which this "
-               f"framework does not implement: attention is identical for sequences up to "
-               f"{window} tokens only")
+    message = (f"this Qwen2 model uses sliding-window attention on its layers from "
+               f"max_window_layers on (window {window} < max_position_embeddings "
+               f"{config.max_position_embeddings}), which this framework does not map: "
+               f"attention is identical for sequences up to {window} tokens only")
     if not allowed:
         raise ConversionError(message + "; pass --ignore-sliding-window to convert anyway.")
     return message + "."

@@ -117,6 +117,9 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
         init_method_std=config.init_method_std, vocab_size=model_kwargs["vocab_size"],
         tokenizer_type="PretrainedFromHF" if tokenizer_dir else None,
         tokenizer_name_or_path=tokenizer_dir)
+    if config.window_size is not None:
+        args.update(window_size=list(config.window_size),
+                    window_attn_skip_freq=config.window_attn_skip_freq)
     if scaling:
         args.update(rope_scaling_factor=config.rope_scaling_factor,
                     rope_low_freq_factor=config.rope_low_freq_factor,
@@ -179,6 +182,8 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
             tie_word_embeddings=not args["untie_embeddings_and_output_weights"], **common)
         if megatron_moe_args.hf_model_type_of_args(args):
             config = megatron_moe_args.hf_moe_config(args, llama)
+        elif args.get("window_size"):
+            config = _mistral_config(args, llama)
         elif args["add_qkv_bias"]:
             config = _qwen2_config(llama)
         elif args.get("qk_layernorm"):
@@ -214,6 +219,24 @@ def _qwen2_config(llama: Dict):
                                       rope_parameters={"rope_type": "default",
                                                        "rope_theta": llama["rope_theta"]})
     config.architectures = ["Qwen2ForCausalLM"]
+    return config
+
+
+def _mistral_config(args: Dict, llama: Dict):
+    """LLaMA with a sliding window on every layer is Mistral (sliding_window S = LEFT + 1)."""
+    import transformers
+
+    left, _ = args["window_size"]
+    if args.get("window_attn_skip_freq") or args["add_qkv_bias"] or args.get("qk_layernorm") \
+            or llama["rope_scaling"]:
+        raise ConversionError("this checkpoint's model has a sliding window and full-attention "
+                              "layers, q/k/v biases, q/k norms or rope scaling: "
+                              "MistralForCausalLM has a window on every layer and none of "
+                              "those.")
+    drop = ("rope_scaling", "attention_bias", "mlp_bias")
+    config = transformers.MistralConfig(**{k: v for k, v in llama.items() if k not in drop},
+                                        sliding_window=left + 1)
+    config.architectures = ["MistralForCausalLM"]
     return config
 
 
@@ -273,6 +296,11 @@ def architecture_flags(args: Dict) -> List[str]:
         ("--add-qkv-bias", a["add_qkv_bias"]),
         ("--untie-embeddings-and-output-weights", a["untie_embeddings_and_output_weights"]))
         if on]
+    if a.get("window_size"):
+        left, right = a["window_size"]
+        flags.append(f"--window-size {left},{right}")
+        if a.get("window_attn_skip_freq"):
+            flags.append(f"--window-attn-skip-freq {a['window_attn_skip_freq']}")
     flags.append(f"--attention-dropout {_num(a['attention_dropout'])} --hidden-dropout "
                  f"{_num(a['hidden_dropout'])} --init-method-std {_num(a['init_method_std'])}")
     if a.get("tokenizer_type") in ("PretrainedFromHF", "HuggingFaceTokenizer") and \

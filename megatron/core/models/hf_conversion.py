@@ -78,9 +78,14 @@ def config_from_hf(hf_config, **overrides) -> Tuple[TransformerConfig, dict]:
             kwargs["add_qkv_bias"] = True
         if getattr(hf_config, "model_type", None) == QWEN3:
             kwargs["qk_layernorm"] = True
-        if getattr(hf_config, "use_sliding_window", False):
+        if getattr(hf_config, "use_sliding_window", False) and \
+                getattr(hf_config, "model_type", None) == QWEN3:
             raise ValueError("sliding-window attention (use_sliding_window) is not supported "
                              "yet.")
+        window = getattr(hf_config, "sliding_window", None)
+        if getattr(hf_config, "model_type", None) == "mistral" and window is not None:
+            # HF keeps keys j with i - j < sliding_window: ours sees i - W .. i, W = S - 1.
+            kwargs["window_size"] = (int(window) - 1, 0)
         if arch in moe_hf.MOE_MODEL_TYPES:
             kwargs.update(moe_hf.moe_transformer_kwargs(hf_config))
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
