@@ -110,3 +110,22 @@ def test_bad_windows_are_refused(window_size, message):
     with pytest.raises(ValueError, match=message):
         llama_config(num_layers=2, hidden_size=64, num_attention_heads=4,
                      window_size=window_size)
+
+
+def test_the_training_logs_flops_count_each_layers_window():
+    """pretrain's FLOP count (the MFU numerator) takes every layer's window: layers 1 and 3
+    windowed (skip freq 2), 2 and 4 full, against the count with that list."""
+    from megatron.training.arguments import build_configs, parse_args
+    from megatron.training.logging.flops import num_floating_point_operations
+    from megatron.training.pretrain import _flops
+    from megatron.training.tokenizer.build import build_tokenizer_from_args
+    from tests.e2e.runner import LLAMA, TINY
+
+    args = parse_args(TINY + LLAMA + ["--window-size", "3,0", "--window-attn-skip-freq", "2"])
+    configs = build_configs(args, 1, build_tokenizer_from_args(args))
+    tc = configs.transformer
+    common = (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.num_attention_heads,
+              tc.num_query_groups, args.seq_length, configs.model_kwargs["padded_vocab_size"],
+              configs.training.global_batch_size, True, tc.kv_channels)
+    want = num_floating_point_operations(*common, windows=[3, None, 3, None])
+    assert _flops(configs, args) == want < num_floating_point_operations(*common)

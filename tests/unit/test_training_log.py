@@ -69,6 +69,27 @@ def test_causal_flops_count_the_lower_triangle():
     assert full - causal == (pairs_full - pairs_causal) * per_pair
 
 
+def test_windowed_layers_count_only_their_window():
+    """A layer with window W charges each query min(i + 1, W + 1) keys (causal) or W + 1
+    (Megatron's convention); full layers are unchanged. Counted pair by pair."""
+    L, h, f, a, g, s, V, B = 2, 64, 176, 4, 2, 8, 256, 3
+    d = h // a
+    per_pair = 3 * 2 * 2 * d * a * B  # one layer
+    for causal in (False, True):
+        full = num_floating_point_operations(L, h, f, a, g, s, V, B, swiglu=True,
+                                             causal=causal)
+        windowed = num_floating_point_operations(L, h, f, a, g, s, V, B, swiglu=True,
+                                                 causal=causal, windows=[2, None])
+        pairs_full = sum(i + 1 for i in range(s)) if causal else s * s
+        pairs_window = sum(min(i + 1, 3) for i in range(s)) if causal else s * 3
+        assert full - windowed == (pairs_full - pairs_window) * per_pair
+        # A window past the sequence is full attention.
+        assert num_floating_point_operations(L, h, f, a, g, s, V, B, swiglu=True,
+                                             causal=causal, windows=[s, s]) == full
+    with pytest.raises(ValueError, match="windows has 1 entries for 2 layers"):
+        num_floating_point_operations(L, h, f, a, g, s, V, B, swiglu=True, windows=[2])
+
+
 def _megatron_closed_form(L, h, f, a, g, s, V, B, swiglu, d):
     """Megatron-LM's expression (dense, no MoE), transcribed as floats."""
     q_ratio = d * a / h

@@ -11,7 +11,7 @@ themselves); elsewhere query blocks of ``block`` rows against only the keys thei
 reach, one SDPA call per block with a [block, block + W] mask: memory O(s (block + W)), never
 s x s.
 """
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,11 @@ def layer_window(config, layer_number: int) -> Optional[int]:
     if freq and layer_number % freq == 0:
         return None
     return window[0]
+
+
+def layer_windows(config) -> List[Optional[int]]:
+    """Every layer's window (None: full), for the FLOP count."""
+    return [layer_window(config, n) for n in range(1, config.num_layers + 1)]
 
 
 def check_window(window_size, seq_length: Optional[int] = None) -> None:

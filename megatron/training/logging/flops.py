@@ -23,12 +23,16 @@ d = kv_channels (default h / a), V vocabulary; counts are multiply-adds (MACs) p
 weight gradients). Element-wise work (norms, softmax, activations, RoPE) is left out, as in
 Megatron.
 
+Sliding windows (``windows``, one entry per layer: W or None): a windowed layer's query
+sees at most W + 1 keys, so its score and value terms count s * min(s, W + 1) pairs per head
+instead of s * s (causal: the sum over queries of min(i + 1, W + 1)).
+
 Causal masking: the attention score terms count the full s x s matrix, not the causal
 half. Megatron's classic formula does the same, and matching it is the point: logs and MFU
 stay comparable with Megatron's. (Flash attention kernels skip the masked half, so on
 long sequences this overstates the work done by up to ``6*B*s*L*s*a*d`` FLOPs.)
 """
-from typing import Optional
+from typing import Optional, Sequence
 
 
 def _per_layer_macs_per_token(hidden_size: int, ffn_hidden_size: int,
@@ -46,16 +50,29 @@ def _per_layer_macs_per_token(hidden_size: int, ffn_hidden_size: int,
     return qkv + scores + attend_values + out_proj + mlp
 
 
+def _attention_pairs(seq_length: int, window: Optional[int], causal: bool) -> int:
+    """Query-key pairs of one head and sequence that the count charges (docstring)."""
+    s = seq_length
+    if window is None or window + 1 >= s:
+        return s * (s + 1) // 2 if causal else s * s
+    keys = window + 1
+    if not causal:
+        return s * keys
+    return keys * (keys + 1) // 2 + (s - keys) * keys
+
+
 def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_size: int,
                                   num_attention_heads: int, num_query_groups: int,
                                   seq_length: int, vocab_size: int, batch_size: int,
                                   swiglu: bool, kv_channels: Optional[int] = None,
-                                  causal: bool = False) -> int:
+                                  causal: bool = False,
+                                  windows: Sequence[Optional[int]] = ()) -> int:
     """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
 
     ``causal=True`` counts only the scores and values a causal kernel computes: query i
     attends to i + 1 keys, s (s + 1) / 2 pairs per head instead of s * s (Megatron's figure,
-    the default, counts all s * s).
+    the default, counts all s * s). ``windows``: each layer's sliding window (None: full
+    attention); empty: every layer full.
 
     ``num_query_groups`` equals ``num_attention_heads`` for plain multi-head attention.
     ``vocab_size`` should be the padded vocabulary, the size of the real logits GEMM.
@@ -70,14 +87,20 @@ def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_
     if num_attention_heads % num_query_groups:
         raise ValueError(f"num_attention_heads {num_attention_heads} is not a multiple of "
                          f"num_query_groups {num_query_groups}.")
+    windows = list(windows) or [None] * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"windows has {len(windows)} entries for {num_layers} layers.")
     per_layer = _per_layer_macs_per_token(hidden_size, ffn_hidden_size, num_attention_heads,
                                           num_query_groups, seq_length, kv_channels, swiglu)
     macs_per_token = num_layers * per_layer + hidden_size * vocab_size
     flops_per_mac, fwd_plus_bwd = 2, 3
     macs = batch_size * seq_length * macs_per_token
-    if causal:  # scores and values: 2 s^2 a d MACs per sequence and layer -> s (s + 1) a d
-        skipped_pairs = seq_length * (seq_length - 1)
-        macs -= batch_size * num_layers * skipped_pairs * kv_channels * num_attention_heads
+    # The score and value terms above charge s * s pairs per head and layer (2 s^2 a d MACs
+    # a sequence): take off what the mask and the windows leave out.
+    full = seq_length * seq_length
+    for window in windows:
+        skipped = full - _attention_pairs(seq_length, window, causal)
+        macs -= batch_size * 2 * skipped * kv_channels * num_attention_heads
     return fwd_plus_bwd * flops_per_mac * macs
 
 

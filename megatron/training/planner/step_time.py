@@ -52,6 +52,7 @@ CP every per-microbatch activation below is that of s/c tokens):
 from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
+from megatron.core.transformer.sliding_window import layer_windows
 from megatron.training.logging.flops import mfu, num_floating_point_operations
 from megatron.training.memory.estimate import MemoryEstimate, dtype_bytes
 from megatron.training.memory.params import chunk_span
@@ -142,12 +143,23 @@ class StepTime:
 
 
 def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
-    return num_floating_point_operations(
-        num_layers=num_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=effective_ffn_hidden_size(config),
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
-        batch_size=batch, swiglu=config.activation == "swiglu", kv_channels=config.kv_channels)
+    """FLOPs of ``num_layers`` transformer layers and a ``vocab``-row logits layer. With
+    sliding windows on some layers a layer's share is the mean over the model's layers: exact
+    for the whole model (the MFU numerator), within one layer's window saving per stage."""
+    def count(layers, rows, windows=()):
+        return num_floating_point_operations(
+            num_layers=layers, hidden_size=config.hidden_size,
+            ffn_hidden_size=effective_ffn_hidden_size(config),
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=rows,
+            batch_size=batch, swiglu=config.activation == "swiglu",
+            kv_channels=config.kv_channels, windows=windows)
+
+    logits = count(0, vocab)
+    if num_layers == 0:
+        return logits
+    all_layers = count(config.num_layers, 0, layer_windows(config))
+    return logits + all_layers * num_layers // config.num_layers
 
 
 def weight_gradient_seconds(config, layout: Layout, seq_length: int, layers: int,
