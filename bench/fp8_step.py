@@ -123,16 +123,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run(args)
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    gpu_step.run_once(run, parse_args(argv))
 
 
 if __name__ == "__main__":

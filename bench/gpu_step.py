@@ -321,9 +321,14 @@ def main(argv=None):
     if args.print_flags:  # shtools/gpu_run.sh runs pretrain_llama.py with the same model
         print(" ".join(megatron_flags(args)))
         return
+    run_once(run, args)
+
+
+def run_once(fn, args):
+    """``fn(args)`` in this process's one Megatron world, torn down after it."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args)
+    fn(args)
     import torch.distributed as dist
     from megatron.core import parallel_state
 
