@@ -11,7 +11,8 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.fp8 import Fp8Config
-from megatron.core.fp8.linear import Fp8Gemms, use_fp8
+from megatron.core.fp8.linear import Fp8Gemms
+from megatron.core.transformer.fp8_layers import use_fp8
 from megatron.core.fp8.quantize import (
     BLOCKS_128x128,
     ROWWISE,

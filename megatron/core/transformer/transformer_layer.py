@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.config import layer_fp8
-from megatron.core.fp8.linear import use_fp8
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.fp8_layers import use_fp8
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norms import build_norm

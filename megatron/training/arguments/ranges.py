@@ -65,6 +65,7 @@ FLAG_RANGES = {
     "moe_expert_capacity_factor": (_POSITIVE, "unset = no token dropping"),
     "tiktoken_num_special_tokens": (_NON_NEGATIVE, "ids reserved below the BPE ranks"),
     "fp8_margin": (_NON_NEGATIVE, "0 = amax at the largest FP8 value"),
+    "window_attn_skip_freq": (_AT_LEAST_1, "every N-th layer keeps full attention"),
     "num_layers_at_start_in_bf16": (_NON_NEGATIVE, ""),
     "num_layers_at_end_in_bf16": (_NON_NEGATIVE, ""),
     "reduce_bucket_size": (_AT_LEAST_1, "elements per bucket"),
