@@ -1,7 +1,8 @@
 """Bad FP8 settings, as a user types them: one ``error:`` line naming the flag and the fix,
 exit 2, no traceback, no iteration. (FP8 on a GPU older than sm89 and sizes cuBLAS cannot
-tile are CUDA-only: tests/unit/test_fp8_checks.py calls the same check with those
-devices.)"""
+tile are CUDA-only: tests/unit/test_fp8_checks.py calls the same check with those devices;
+the FP8 flags' ranges and dependencies go through the tables tests/unit/test_arguments.py
+and test_flag_dependencies.py check as a whole.)"""
 import pytest
 
 from tests.e2e.bad_inputs.harness import assert_clean_error, run
@@ -15,12 +16,6 @@ CASES = [
       "use --fp8-format e4m3"]),
     ("recipe-without-format", ["--fp8-recipe", "rowwise"],
      ["--fp8-recipe has no effect without --fp8-format e4m3|hybrid"]),
-    ("end-layers-without-switch", ["--fp8-format", "e4m3", "--num-layers-at-end-in-bf16", "2"],
-     ["--num-layers-at-end-in-bf16 has no effect without --first-last-layers-bf16"]),
-    ("negative-margin", ["--fp8-format", "e4m3", "--fp8-margin", "-1"],
-     ["--fp8-margin must be >= 0, got -1"]),
-    ("unknown-recipe", ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
-     ["--fp8-recipe: invalid choice: 'delayed'"]),
 ]
 
 

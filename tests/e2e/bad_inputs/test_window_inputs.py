@@ -1,5 +1,6 @@
 """Bad sliding-window settings, as a user types them: one ``error:`` line naming the flag and
-the fix, exit 2, no traceback, no iteration."""
+the fix, exit 2, no traceback, no iteration. (A negative left size: the same check,
+tests/unit/test_sliding_window.py; --window-attn-skip-freq alone: the dependency table.)"""
 import pytest
 
 from tests.e2e.bad_inputs.harness import assert_clean_error, run
@@ -10,9 +11,6 @@ CASES = [
      ["--window-size 4,2: only causal windows are supported", "e.g. --window-size 4,0"]),
     ("not-two-integers", ["--window-size", "4096"],
      ["--window-size: '4096' is not LEFT,RIGHT (two integers, e.g. 4095,0)"]),
-    ("negative-left", ["--window-size=-3,0"], ["the left size must be >= 0"]),
-    ("skip-freq-without-window", ["--window-attn-skip-freq", "2"],
-     ["--window-attn-skip-freq has no effect without --window-size LEFT,0"]),
 ]
 
 
