@@ -19,7 +19,7 @@ TOL = 1e-5  # as tests/e2e/test_pretrain.py: the layouts differ in the order of 
 FLIP_TOL = 3e-4  # after updates: FP8 rounding flips (docstring), ~2x the largest measured
 
 
-@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "e4m3"), ("rowwise", "hybrid")])
+@pytest.mark.parametrize("recipe,fmt", [("rowwise", "hybrid")])  # the TP amax all-reduces
 def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe, fmt):
     flags = TINY + LLAMA + ["--fp8-format", fmt, "--fp8-recipe", recipe]
     single, single_valid = parse_losses(run_script("pretrain_llama.py", flags))
@@ -73,12 +73,11 @@ def high_precision_curve(quickstart_data):
     return _curve(quickstart_data, [])
 
 
-@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "e4m3"), ("rowwise", "hybrid"),
-                                        ("blockwise", "e4m3")])
+@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "e4m3"), ("blockwise", "e4m3")])
 def test_fp8_loss_curve_follows_high_precision(quickstart_data, high_precision_curve, recipe,
                                                fmt):
     """The corpus is learnable (the loss falls by over 1.0 in 30 iterations: measured 6.28 to
-    3.01); each FP8 recipe's loss stays within 3 % of the fp32 run's at every iteration, and
+    3.01); each FP8 recipe's loss (rowwise: the MoE curve below) stays within 3 % of the fp32 run's at every iteration, and
     its mean over the last 10 iterations within 2 % (measured: at most 1.1-1.6 % and
     0.3-1.0 %)."""
     fp8 = _curve(quickstart_data, ["--fp8-format", fmt, "--fp8-recipe", recipe])

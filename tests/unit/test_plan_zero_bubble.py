@@ -95,3 +95,15 @@ def test_zero_bubble_rows_rank_above_their_1f1b_twins():
                 assert twin.step.step_s < row.step.step_s
                 assert twin.step.bubble_fraction < row.step.bubble_fraction
     assert twins > 0
+
+
+def test_weight_gradient_time_ignores_sliding_windows():
+    """W is the weight-gradient GEMMs: a layer's linear work, the same with or without a
+    window on its attention (the window shrinks only the attention core it leaves out)."""
+    lay = Layout(1, 2, None, 1, 1, 4, None, False, schedule="zb-h1")
+    plain = layout_config(_workload(), lay)
+    windowed = dataclasses.replace(plain, window_size=(15, 0))
+    cluster = Cluster(num_gpus=2)
+    rate = cluster.peak_tflops * 1e12 * cluster.compute_efficiency
+    assert weight_gradient_seconds(windowed, lay, 512, 2, True, 1024, rate) == \
+        weight_gradient_seconds(plain, lay, 512, 2, True, 1024, rate) > 0

@@ -142,23 +142,24 @@ class StepTime:
     expert_parallel_s: float = 0.0  # that stage's MoE all-to-alls for one microbatch
 
 
+def _count(config, seq_length: int, batch: int, layers: int, vocab: int, windows=()) -> int:
+    return num_floating_point_operations(
+        num_layers=layers, hidden_size=config.hidden_size,
+        ffn_hidden_size=effective_ffn_hidden_size(config),
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
+        batch_size=batch, swiglu=config.activation == "swiglu",
+        kv_channels=config.kv_channels, windows=windows)
+
+
 def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
     """FLOPs of ``num_layers`` transformer layers and a ``vocab``-row logits layer. With
     sliding windows on some layers a layer's share is the mean over the model's layers: exact
     for the whole model (the MFU numerator), within one layer's window saving per stage."""
-    def count(layers, rows, windows=()):
-        return num_floating_point_operations(
-            num_layers=layers, hidden_size=config.hidden_size,
-            ffn_hidden_size=effective_ffn_hidden_size(config),
-            num_attention_heads=config.num_attention_heads,
-            num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=rows,
-            batch_size=batch, swiglu=config.activation == "swiglu",
-            kv_channels=config.kv_channels, windows=windows)
-
-    logits = count(0, vocab)
+    logits = _count(config, seq_length, batch, 0, vocab)
     if num_layers == 0:
         return logits
-    all_layers = count(config.num_layers, 0, layer_windows(config))
+    all_layers = _count(config, seq_length, batch, config.num_layers, 0, layer_windows(config))
     return logits + all_layers * num_layers // config.num_layers
 
 
@@ -169,7 +170,7 @@ def weight_gradient_seconds(config, layout: Layout, seq_length: int, layers: int
     its attention core (Q K^T and softmax x V: 2 x 2 b s^2 a d), and the output layer's."""
     b, s = layout.micro_batch_size, seq_length
     core = 2 * 2 * b * s * s * config.num_attention_heads * config.kv_channels
-    linear = _flops(config, s, b, 1, 0) // 3 - core
+    linear = _count(config, s, b, 1, 0) // 3 - core  # a full layer's: windows change the core
     logits = _flops(config, s, b, 0, padded_vocab_size) // 3 if has_logits else 0
     return (layers * linear + logits) / flop_rate
 
