@@ -225,3 +225,47 @@ def test_compiled_head_layout_copies_less_on_every_kernel(gpu_env):
         # compiled one's RoPE and split are one Triton pass each way (first H100 run: 5
         # copies against 10 under cuDNN, with a sum's stride-0 gradient).
         assert copies < eager_copies, results
+
+
+def _windowed_on_cuda(window, packed):
+    """A windowed layer on CUDA in bf16 (torch's varlen flash kernel with its window_size)
+    against the blocked path of sliding_window.py on the same Q, K, V (what CPU runs)."""
+    from megatron.core import device
+    from megatron.core.models import llama_config
+    from megatron.core.packed_seq_params import packed_seq_params_from_eod
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.sliding_window import blocked_window_attention
+
+    dev = device.current_device()
+    s = 1024
+    config = llama_config(num_layers=1, hidden_size=1024, num_attention_heads=8,
+                          num_query_groups=4, ffn_hidden_size=64, attention_dropout=0.0,
+                          params_dtype=torch.bfloat16, window_size=(window, 0))
+    layer = SelfAttention(config, 1).to(torch.bfloat16)
+    b = 1 if packed else 2
+    params, docs = None, [s]
+    if packed:
+        tokens = torch.ones(1, s, dtype=torch.long, device=dev)
+        tokens[0, [300, 700]] = 0
+        params = packed_seq_params_from_eod(tokens, 0)
+        docs = [301, 400, 323]
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(b, s, n, 128, device=dev, dtype=torch.bfloat16, generator=g)
+               for n in (8, 4, 4))
+    got = layer._core_attention(q, k, v, None, params).float()  # [s, b, 8 * 128]
+    parts, start = [], 0
+    for n in docs:  # the reference: blocked, in fp32, per document
+        piece = [t[:, start:start + n].transpose(1, 2).float() for t in (q, k, v)]
+        parts.append(blocked_window_attention(*piece, window, enable_gqa=True))
+        start += n
+    want = torch.cat(parts, dim=2).permute(2, 0, 1, 3).reshape(s, b, -1)
+    return _relative(got, want), layer._varlen_applies(q, 0.0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_sliding_window_runs_flash_on_cuda(gpu_env, packed):
+    (err, flash), = run_on_gpu(_windowed_on_cuda, world_size=1, backend="nccl", tp=1,
+                               window=127, packed=packed)
+    assert flash, "the windowed path did not take torch's varlen flash kernel"
+    # bf16 against the fp32 blocked reference: BF16_RELATIVE_TOL, as the other kernels.
+    assert err <= BF16_RELATIVE_TOL, err

@@ -285,7 +285,8 @@ class SelfAttention(torch.nn.Module):
 
     def _varlen_applies(self, query, dropout: float) -> bool:
         return (_varlen_attn is not None and query.is_cuda and dropout == 0
-                and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM)
+                and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM
+                and (self.window is None or "window_size" in _VARLEN_PARAMS))
 
     def _varlen(self, query, key, value, cu_seqlens, max_seqlen):
         """[tokens, heads|groups, d] -> [tokens, heads, d]: torch's variable-length flash
