@@ -48,17 +48,25 @@ def _moe_layer_experts_in_fp8():
     tokens = torch.randint(0, 128, (2, 16))
     loss = model(tokens, labels=tokens).mean()
     loss.backward()
-    return (len(experts), all(e.fp8 is not None for e in experts),
-            all(getattr(r, "fp8", None) is None for r in routers),
-            torch.isfinite(loss).item(), all(e.weight1.grad is not None for e in experts))
+    configured = (len(experts), all(e.fp8 is not None for e in experts),
+                  all(getattr(r, "fp8", None) is None for r in routers),
+                  all(e.weight1.grad is not None for e in experts))
+    with torch.no_grad():  # the same model with its experts in high precision
+        for e in experts:
+            e.fp8 = None
+        high = model(tokens, labels=tokens).mean()
+    return configured, loss.item(), high.item()
 
 
 def test_an_moe_model_runs_its_experts_in_fp8():
+    """The model's experts take the FP8 path (the loss moves off the high-precision one by
+    FP8's rounding) and the router does not."""
     from tests.distributed import run_distributed
 
-    (count, experts_fp8, routers_high, finite, grads), = run_distributed(
+    ((count, experts_fp8, routers_high, grads), loss, high), = run_distributed(
         _moe_layer_experts_in_fp8, world_size=1, tp=1)
-    assert count == 2 and experts_fp8 and routers_high and finite and grads
+    assert count == 2 and experts_fp8 and routers_high and grads
+    assert 0 < abs(loss - high) < 1e-2 * abs(high), (loss, high)
 
 
 def _expert_projections_at_this_etp(fp8_config):

@@ -33,7 +33,7 @@ def fp8_unsupported_reason(config, device_type: str, capability: Optional[Tuple[
                 f"--fp8-format to train in bf16.")
     if fp8.layers_at_start_in_high_precision + fp8.layers_at_end_in_high_precision >= \
             config.num_layers:
-        return None  # no FP8 layer: nothing to check (the config warns)
+        return None  # the end layers in high precision cover them all: no FP8 GEMM runs
     align, why = CUDA_ALIGNMENT, "cuBLAS's FP8 GEMMs need multiples of 16"
     if fp8.recipe == "blockwise":
         align, why = TILE, "the blockwise recipe's 128-wide tiles need multiples of 128"

@@ -40,7 +40,9 @@ class _Fp8ExpertLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gemms = ctx.gemms
         grad = grad.contiguous()
-        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        # Every row belongs to an expert (the counts sum to N); an idle expert's weight
+        # gradient stays zero.
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         start = 0
         for e, n in enumerate(ctx.counts):

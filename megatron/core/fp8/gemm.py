@@ -5,8 +5,9 @@ K last), accumulated in fp32, returned in ``out_dtype``.
   kernel on CPU), whose decode scales multiply the fp32 accumulator once per output element.
 - blockwise (1 x 128 tiles times 128 x 128 blocks, or tiles times tiles): on CUDA through
   ``torch.nn.functional.scaled_mm`` with its block scalings where this torch has them; else,
-  and on CPU, one rowwise ``_scaled_mm`` per 128-wide slice of K, summed in fp32 (the same
-  arithmetic: DeepSeek-V3's kernels also apply each K block's scales to an fp32 partial sum).
+  and on CPU, one ``_scaled_mm`` per 128-wide slice of K in fp32, its block scales applied
+  to that partial sum, summed in fp32 (the same arithmetic: DeepSeek-V3's kernels also apply
+  each K block's scales to an fp32 partial sum).
 """
 import functools
 
@@ -35,13 +36,16 @@ def _row_scale(q: Quantized, k_tile: int) -> torch.Tensor:
 
 
 def _blockwise_by_slices(a: Quantized, b: Quantized) -> torch.Tensor:
-    k = a.shape[1]
+    """Each 128-wide K slice's FP8 product accumulated in fp32 (unit scales: the tensorwise
+    kernel writes fp32 on every device, where CUDA's rowwise one writes bf16 only), then
+    scaled by its rows' and columns' decode scales, summed in fp32."""
+    one = torch.ones((), device=a.data.device)
     out = None
-    for t, lo in enumerate(range(0, k, TILE)):
+    for t, lo in enumerate(range(0, a.shape[1], TILE)):
         part = torch._scaled_mm(
             a.data[:, lo:lo + TILE].contiguous(), b.data[:, lo:lo + TILE].contiguous().t(),
-            _row_scale(a, t)[:, None].contiguous(), _row_scale(b, t)[None, :].contiguous(),
-            out_dtype=torch.float32)
+            one, one, out_dtype=torch.float32)
+        part.mul_(_row_scale(a, t)[:, None]).mul_(_row_scale(b, t)[None, :])
         out = part if out is None else out.add_(part)
     return out
 

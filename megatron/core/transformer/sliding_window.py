@@ -33,7 +33,7 @@ def layer_windows(config) -> List[Optional[int]]:
     return [layer_window(config, n) for n in range(1, config.num_layers + 1)]
 
 
-def check_window(window_size, seq_length: Optional[int] = None) -> None:
+def check_window(window_size) -> None:
     """ValueError for a window this attention cannot run: right context (not causal)."""
     left, right = window_size
     if right != 0:

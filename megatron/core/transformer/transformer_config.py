@@ -6,6 +6,7 @@ from megatron.core.fp8.config import Fp8Config
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel.layer_split import stage_layer_counts
 from megatron.core.transformer.moe.moe_config import MoEConfig
+from megatron.core.transformer.sliding_window import check_window
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
@@ -95,7 +96,6 @@ class TransformerConfig(ModelParallelConfig):
         except ValueError as exc:
             need(False, str(exc))
         if self.window_size is not None:
-            from megatron.core.transformer.sliding_window import check_window
             try:
                 check_window(self.window_size)
             except ValueError as exc:
