@@ -47,5 +47,5 @@ setup(
     ],
     # setuptools >= 70.1 builds wheels without the "wheel" package: tests/e2e/test_packaging.py
     # runs `pip install --no-build-isolation .` with this Python's setuptools.
-    extras_require={"dev": ["pytest>=7.4", "setuptools>=70.1", WANDB], "wandb": [WANDB]},
+    extras_require={"dev": ["pytest>=7.4", "pytest-xdist>=3.5", "setuptools>=70.1", WANDB], "wandb": [WANDB]},
 )

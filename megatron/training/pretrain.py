@@ -15,6 +15,7 @@ from megatron.core import device, parallel_state
 from megatron.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.core.transformer.sliding_window import layer_windows
 from megatron.training.arguments import ConfigError, build_configs, parse_args
 from megatron.training.arguments.configs import check_training_microbatches
@@ -144,7 +145,7 @@ def _flops(configs, args) -> int:
     return num_floating_point_operations(
         tc.num_layers, tc.hidden_size, effective_ffn_hidden_size(tc), tc.num_attention_heads,
         tc.num_query_groups, args.seq_length, configs.model_kwargs["padded_vocab_size"],
-        configs.training.global_batch_size, tc.activation == "swiglu", tc.kv_channels,
+        configs.training.global_batch_size, tc.activation in GATED_ACTIVATIONS, tc.kv_channels,
         windows=layer_windows(tc))
 
 

@@ -54,6 +54,16 @@ def test_cp2_tp2_dp2_with_sp_and_distributed_optimizer_equals_one_process():
         "--sequence-parallel", "--use-distributed-optimizer"], nproc=8)
 
 
+def test_cp2_tp2_sliding_windows_and_attention_sinks_equal_one_process():
+    """gpt-oss's attention under CP: learned sinks, a 5-token window on odd layers (the
+    ring's distance mask), full attention on even ones."""
+    flags = BASE + LLAMA + ["--softmax-type", "learnable", "--window-size", "5,0",
+                            "--window-attn-skip-freq", "2"]
+    _assert_equal_to_single("pretrain_llama.py", flags, [
+        "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel"], nproc=4)
+
+
 def test_cp2_pp2_dp2_interleaved_recompute_packed_documents_equals_one_process():
     flags = BASE + LLAMA + ["--reset-attention-mask", "--reset-position-ids",
                             "--eod-mask-loss", "--recompute-granularity", "full",

@@ -30,6 +30,19 @@ CASES = {
                           "--pipeline-model-parallel-size", "2",
                           "--num-layers-per-virtual-pipeline-stage", "1",
                           "--use-distributed-optimizer"]),
+    # gpt-oss's layer (biased experts and router, clamped quick-GeGLU, learned attention sinks,
+    # alternating 5-token windows, YaRN) at TP 2 x PP 2 x DP 2 with EP 2 (expert TP 1)
+    "gpt_oss_tp2_pp2_dp2": (8, ["--quick-geglu", "--glu-linear-offset", "1",
+                                "--activation-func-clamp-value", "0.5", "--moe-router-bias",
+                                "--moe-grouped-gemm", "--softmax-type", "learnable",
+                                "--window-size", "5,0", "--window-attn-skip-freq", "2",
+                                "--rope-type", "yarn", "--rotary-scaling-factor", "4",
+                                "--original-max-position-embeddings", "8",
+                                "--no-yarn-correction-range-round-to-int", "--add-qkv-bias"],
+                            ["--expert-model-parallel-size", "2",
+                             "--expert-tensor-parallel-size", "1",
+                             "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--pipeline-model-parallel-size", "2"]),
     # 1F1B with expert TP but no dense TP, the overlapped distributed optimizer
     "ep2_etp2_pp2": (8, [], ["--expert-model-parallel-size", "2",
                              "--expert-tensor-parallel-size", "2",
@@ -52,7 +65,10 @@ def _grad_norms(proc):
                                                  else []) for c in CASES])
 def test_expert_parallel_run_equals_one_process(case):
     nproc, model, layout = CASES[case]
-    flags = TINY + LLAMA + MOE + model
+    llama = LLAMA
+    if case.startswith("gpt_oss"):  # biases everywhere; its gated MLP is quick-GeGLU
+        llama = [f for f in LLAMA if f not in ("--disable-bias-linear", "--swiglu")]
+    flags = TINY + llama + MOE + model
     runs = [start_script("pretrain_llama.py", flags),
             start_script("pretrain_llama.py", flags + layout, nproc=nproc)]
     (one, parallel) = [finish(run, timeout=400) for run in runs]

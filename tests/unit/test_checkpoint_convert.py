@@ -331,7 +331,8 @@ def _damaged(tmp_path, hf_dirs, kind):
                  "(model_type mistral), GPT2LMHeadModel (model_type gpt2), "
                  "Qwen2ForCausalLM (model_type qwen2), Qwen3ForCausalLM (model_type qwen3), "
                  "MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
-                 "qwen2_moe), Qwen3MoeForCausalLM (model_type qwen3_moe)."),
+                 "qwen2_moe), Qwen3MoeForCausalLM (model_type qwen3_moe), GptOssForCausalLM "
+                 "(model_type gpt_oss)."),
     ("linear_rope", [], "rope scaling type 'linear' is not supported"),
     ("gelu_llama", [], "hidden_act 'gelu' is not supported"),
     ("no_config", [], "has no config.json"),

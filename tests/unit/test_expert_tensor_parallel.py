@@ -15,12 +15,16 @@ rank. The rows each expert sees, and their order, are then the same as at EP>1, 
   weight gradients' matmuls run on f/ETP-wide operands, which BLAS may block differently
   (1 ulp seen). Output, input, probs and weight gradients within 1e-5 absolute (values of
   order 1-10; at most 3.8e-6 seen).
+gpt-oss's experts (EP=2, ETP=1, the expert loop like the other world-2 rows): biases (drawn,
+not zeros) and the clamped quick-GeGLU with offset; outputs and the gathered gradients of
+weights and biases BITWISE equal too.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.transformer.mlp import gated_activation_func
 from megatron.core.transformer.moe.ep_dispatcher import DISPATCHERS
 from megatron.core.transformer.moe.experts import ExpertShard, SwiGLUExperts
 from megatron.core.transformer.moe.local_dispatcher import LocalDispatcher
@@ -87,22 +91,52 @@ def _gather_full(local, shard):
     return w1, w2
 
 
+def _gather_biases(local):
+    """Every expert's bias1/bias2 (or gradient) from the EP group's shards (ETP 1)."""
+    group = ps.get_expert_model_parallel_group()
+    out = []
+    for tensor in local:
+        every = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, tensor.contiguous(), group=group)
+        out.append(torch.cat(every))
+    return out
+
+
+def _gpt_oss_experts(grouped_gemm, shard=None):
+    """Biased experts with gpt-oss's activation; biases drawn whole from their own seed."""
+    torch.manual_seed(5)
+    experts = SwiGLUExperts(EXPERTS, HIDDEN, FFN, grouped_gemm, init_method_std=0.5,
+                            shard=shard, bias=True,
+                            activation_func=gated_activation_func("quick_geglu", 7.0, 1.0))
+    gen = torch.Generator().manual_seed(6)
+    full1, full2 = torch.randn(EXPERTS, 2 * FFN, generator=gen), torch.randn(EXPERTS, HIDDEN,
+                                                                             generator=gen)
+    with torch.no_grad():
+        experts.bias1.copy_(experts.shard.cut_biases(full1, full2)[0])
+        experts.bias2.copy_(experts.shard.cut_biases(full1, full2)[1])
+    return experts
+
+
 def _compare(got, want):
     """(bitwise equal, max abs difference)."""
     return torch.equal(got, want), (got - want).abs().max().item() if got.numel() else 0.0
 
 
-def _ep_etp_against_reference(dispatcher_type, ep, etp, tokens, grouped_gemm):
+def _ep_etp_against_reference(dispatcher_type, ep, etp, tokens, grouped_gemm, gpt_oss=False):
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp)
     group_ranks = ps.get_expert_tensor_and_model_parallel_ranks()
     me = group_ranks.index(dist.get_rank())
     shard = ExpertShard.from_parallel_state()
-    torch.manual_seed(5)
-    experts = SwiGLUExperts(EXPERTS, HIDDEN, FFN, grouped_gemm, init_method_std=0.5)
-    torch.manual_seed(5)
-    full = SwiGLUExperts(EXPERTS, HIDDEN, FFN, grouped_gemm, init_method_std=0.5,
-                         shard=ExpertShard())
+    if gpt_oss:
+        experts = _gpt_oss_experts(grouped_gemm)
+        full = _gpt_oss_experts(grouped_gemm, ExpertShard())
+    else:
+        torch.manual_seed(5)
+        experts = SwiGLUExperts(EXPERTS, HIDDEN, FFN, grouped_gemm, init_method_std=0.5)
+        torch.manual_seed(5)
+        full = SwiGLUExperts(EXPERTS, HIDDEN, FFN, grouped_gemm, init_method_std=0.5,
+                             shard=ExpertShard())
     result = dict(init=all(torch.equal(a, b) for a, b in zip(
         _gather_full((experts.weight1.data, experts.weight2.data), shard),
         (full.weight1.data, full.weight2.data))))
@@ -124,6 +158,10 @@ def _ep_etp_against_reference(dispatcher_type, ep, etp, tokens, grouped_gemm):
             probs_grad=_compare(probs.grad, ref["probs_grad"][me]),
             weight1_grad=_compare(grads[0], full.weight1.grad),
             weight2_grad=_compare(grads[1], full.weight2.grad),
+            **({} if not gpt_oss else dict(zip(("bias1_grad", "bias2_grad"), (
+                _compare(got, want) for got, want in zip(
+                    _gather_biases((experts.bias1.grad, experts.bias2.grad)),
+                    (full.bias1.grad, full.bias2.grad)))))),
             num_dropped=(state.num_dropped, ref["num_dropped"][me]),
             rows=rows.item() // etp,  # every ETP rank holds the same rows
             ref_counts=ref["counts"].sum(0))
@@ -138,19 +176,22 @@ LAYOUTS = [  # (world, EP, ETP, tokens per rank)
 
 
 @pytest.mark.parametrize("dispatcher", sorted(DISPATCHERS))
-@pytest.mark.parametrize("world,ep,etp,tokens", LAYOUTS)
-def test_ep_etp_equal_ep1(dispatcher, world, ep, etp, tokens):
+@pytest.mark.parametrize("world,ep,etp,tokens,gpt_oss",
+                         [(*layout, False) for layout in LAYOUTS] + [(*LAYOUTS[0], True)])
+def test_ep_etp_equal_ep1(dispatcher, world, ep, etp, tokens, gpt_oss):
     from tests.distributed import run_distributed
 
     grouped = world == 4  # torch._grouped_mm where it applies (h=8, f/ETP=4: aligned)
     results = run_distributed(_ep_etp_against_reference, world_size=world,
                               dispatcher_type=dispatcher, ep=ep, etp=etp, tokens=tokens,
-                              grouped_gemm=grouped)
+                              grouped_gemm=grouped, gpt_oss=gpt_oss)
+    keys = ("out", "hidden_grad", "probs_grad", "weight1_grad", "weight2_grad") + \
+        (("bias1_grad", "bias2_grad") if gpt_oss else ())
     for rank, result in enumerate(results):
         assert result.pop("init"), "global expert weights depend on EP/ETP"
         for name, got in result.items():
             where = f"rank {rank} {name}"
-            for key in ("out", "hidden_grad", "probs_grad", "weight1_grad", "weight2_grad"):
+            for key in keys:
                 assert got[key][0] if etp == 1 else got[key][1] <= TOL, f"{where} {key}: {got}"
             dropped, ref_dropped = got["num_dropped"]
             assert dropped == ref_dropped, where

@@ -22,7 +22,8 @@ EXAMPLES = {
         "--moe-router-pre-softmax": [], "--moe-router-topk-norm": [],
         "--moe-router-load-balancing-type": ["seq_aux_loss"], "--moe-aux-loss-coeff": ["0.01"],
         "--moe-z-loss-coeff": ["0.001"], "--moe-router-enable-expert-bias": [],
-        "--moe-router-bias-update-rate": ["0.01"], "--moe-expert-capacity-factor": ["1.0"],
+        "--moe-router-bias-update-rate": ["0.01"], "--moe-router-bias": [],
+        "--moe-expert-capacity-factor": ["1.0"],
         "--moe-token-drop-policy": ["position"], "--moe-pad-expert-input-to-capacity": [],
         "--moe-shared-expert-intermediate-size": ["24"], "--moe-shared-expert-gate": [],
         "--moe-grouped-gemm": [], "--moe-token-dispatcher-type": ["allgather"],
@@ -63,6 +64,9 @@ EXAMPLES = {
         "--loss-scale": "128", "--initial-loss-scale": "65536", "--min-loss-scale": "2",
         "--loss-scale-window": "500", "--hysteresis": "3"}.items()},
     ("--grad-reduce-in-bf16", "--bf16"): (small("--grad-reduce-in-bf16"), ["--bf16"]),
+    **{(flag, "--swiglu or --quick-geglu"): (small(flag, value), ["--quick-geglu"])
+       for flag, value in {"--glu-linear-offset": "1", "--activation-func-clamp-value": "7"
+                           }.items()},
     ("--window-attn-skip-freq", "--window-size LEFT,0"): (
         small("--window-attn-skip-freq", "2"), ["--window-size", "7,0"]),
     **{(flag, "--fp8-format e4m3|hybrid"): (small(flag, *value), ["--fp8-format", "e4m3"])
@@ -74,7 +78,15 @@ EXAMPLES = {
     **{(flag, "--position-embedding-type rope"): (
         small(flag, *value), ["--position-embedding-type", "rope"]) for flag, value in {
         "--rotary-base": ["500000"], "--rotary-percent": ["0.5"],
-        "--use-rope-scaling": []}.items()},
+        "--use-rope-scaling": [], "--rope-type": ["yarn"]}.items()},
+    **{(flag, "--rope-type yarn"): (
+        small("--position-embedding-type", "rope", flag, *value), ["--rope-type", "yarn"])
+       for flag, value in {"--rotary-scaling-factor": ["32"],
+                           "--original-max-position-embeddings": ["8192"],
+                           "--beta-fast": ["16"], "--beta-slow": ["2"], "--mscale": ["0.707"],
+                           "--mscale-all-dim": ["0.707"],
+                           "--no-yarn-correction-range-round-to-int": [],
+                           "--yarn-attention-factor": ["1.2"]}.items()},
     **{(flag, "--use-rope-scaling"): (
         small("--position-embedding-type", "rope", flag, value), ["--use-rope-scaling"])
        for flag, value in {"--rope-scaling-factor": "16", "--rope-low-freq-factor": "2",

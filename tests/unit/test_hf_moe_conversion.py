@@ -1,4 +1,4 @@
-"""HF conversion of Mixtral, Qwen2-MoE and Qwen3-MoE: state dicts HF -> ours -> HF bitwise in
+"""HF conversion of Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss: state dicts HF -> ours -> HF bitwise in
 both HF expert layouts, configs both ways, expert shard/merge over EP x ETP bitwise, and our
 model from the converted weights against HF's: logits, per-token loss and every gradient
 (mapped back to HF names) at EP=1, EP=2 and TP=2 x EP=2 (sequence parallel; Qwen3's q/k norm
@@ -39,6 +39,14 @@ def hf_config(name):
         return T.Qwen2MoeConfig(intermediate_size=40, moe_intermediate_size=24,
                                 shared_expert_intermediate_size=20, num_experts=4,
                                 mlp_only_layers=[1], **_COMMON)
+    if name == "gpt_oss":  # a 4-token window on layers 0 and 2; YaRN from 16 positions;
+        # a clamp that the random activations reach
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 16}
+        return T.GptOssConfig(intermediate_size=24, num_local_experts=4, head_dim=16,
+                              sliding_window=4, swiglu_limit=0.4, rope_parameters=yarn,
+                              **_COMMON)
     return T.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=4,
                             head_dim=16, norm_topk_prob=True, **_COMMON)
 
@@ -47,7 +55,7 @@ def build_hf_model(name):
     import transformers as T
 
     cls = {"mixtral": T.MixtralForCausalLM, "qwen2_moe": T.Qwen2MoeForCausalLM,
-           "qwen3_moe": T.Qwen3MoeForCausalLM}[name]
+           "qwen3_moe": T.Qwen3MoeForCausalLM, "gpt_oss": T.GptOssForCausalLM}[name]
     torch.manual_seed(0)
     model = cls(hf_config(name))
     with torch.no_grad():  # non-trivial norms, biases and routers, so their mapping counts
@@ -169,11 +177,21 @@ def test_expert_shard_merge_round_trip(ep, etp):
 def _gathered_grads(model):
     """Every rank's gradients merged into full tensors (TP-partial replicated ones summed).
     Every DP rank feeds the same batch here, and an expert sees the tokens of all of them: its
-    gradient is divided by DP, as DDP's 1/DP scaling does in training."""
+    gradient, summed over the expert-DP group, is divided by DP, as DDP's 1/DP scaling does in
+    training."""
     allreduce_sequence_parallel_grads([model])
     dp = ps.get_data_parallel_world_size()
-    local = {n: p.grad / dp if getattr(p, "expert_parallel", False) else p.grad.clone()
-             for n, p in model.named_parameters()}
+    expert_dp = ps.get_expert_data_parallel_group()
+    local = {}
+    for n, p in model.named_parameters():
+        if getattr(p, "expert_parallel", False):
+            # with expert TP below TP each TP rank's experts saw only its part of the
+            # sequence: the whole gradient is the sum over the expert-DP group
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=expert_dp)
+            local[n] = grad / dp
+        else:
+            local[n] = p.grad.clone()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (local, (ps.get_tensor_model_parallel_rank(),
                                               ps.get_expert_model_parallel_rank(),
@@ -181,9 +199,12 @@ def _gathered_grads(model):
     return merge_state_dicts([g for g, _ in everyone], True, [r for _, r in everyone])
 
 
-def _compare(name, tp_size, ep_size):
+def _compare(name, tp_size, ep_size, overrides=None):
     tp, ep = tp_size, ep_size
-    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
+    # gpt-oss's biased experts take expert TP 1 (the default expert TP is TP)
+    expert_tp = 1 if name == "gpt_oss" else None
+    ps.initialize_model_parallel(tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=expert_tp)
     etp = ps.get_expert_tensor_parallel_world_size()
     hf = build_hf_model(name)
     g = torch.Generator().manual_seed(1)
@@ -195,22 +216,28 @@ def _compare(name, tp_size, ep_size):
     hf_loss.sum().backward()
 
     config, kwargs = config_from_hf(hf.config, tensor_model_parallel_size=tp,
-                                    sequence_parallel=tp > 1, expert_model_parallel_size=ep)
+                                    sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+                                    expert_tensor_parallel_size=etp, **(overrides or {}))
     config.moe.moe_aux_loss_coeff = 0.0  # HF's loss here has none either
     model = GPTModel(config, padded_vocab_size=VOCAB, **kwargs)
     full = hf_to_megatron(hf.state_dict(), hf.config)
-    model.load_state_dict(shard_state_dict(full, tp, ps.get_tensor_model_parallel_rank(),
-                                           True, ep, ps.get_expert_model_parallel_rank(), etp,
-                                           ps.get_expert_tensor_parallel_rank()), strict=True)
+    shard = shard_state_dict(full, tp, ps.get_tensor_model_parallel_rank(), True, ep,
+                             ps.get_expert_model_parallel_rank(), etp,
+                             ps.get_expert_tensor_parallel_rank())
+    if overrides:  # a feature switched off may leave HF weights without a place (the sinks)
+        shard = {k: v for k, v in shard.items() if k in model.state_dict()}
+    model.load_state_dict(shard, strict=True)
     logits = model(tokens)
     parts = [torch.empty_like(logits) for _ in range(tp)]
     dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
     loss = model(tokens, labels=labels)
     loss.sum().backward()
-    grads = megatron_to_hf(_gathered_grads(model), hf.config,
-                           expert_layout=moe_hf.STACKED)
     errors = {"logits": (torch.cat(parts, -1) - hf_logits).abs().max().item(),
               "loss": (loss - hf_loss).abs().max().item()}
+    if overrides:  # another model than HF's: only how far its logits are
+        return errors
+    grads = megatron_to_hf(_gathered_grads(model), hf.config,
+                           expert_layout=moe_hf.STACKED)
     for hf_name, p in hf.named_parameters():
         errors[f"grad {hf_name}"] = (grads[hf_name] - p.grad).abs().max().item()
     return errors
@@ -235,3 +262,64 @@ def test_ep2_equals_hf(name):
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
 def test_tp2_ep2_equals_hf(name):
     _check(run_distributed(_compare, world_size=4, name=name, tp_size=2, ep_size=2))
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_gpt_oss_equals_hf(tp, ep):
+    """Sinks, alternating windows, YaRN, biased experts and router, the clamped quick-GeGLU:
+    logits, loss and every gradient (the sinks' included) at TP x EP."""
+    _check(run_distributed(_compare, world_size=tp * ep, name="gpt_oss", tp_size=tp,
+                           ep_size=ep))
+
+
+def test_gpt_oss_round_trip_is_bitwise_and_the_layout_is_ours():
+    hf = build_hf_model("gpt_oss")
+    state = hf.state_dict()
+    ours = hf_to_megatron(state, hf.config, 128)
+    back = megatron_to_hf(ours, hf.config)
+    assert set(back) == set(state)
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+    # expert 1's gate rows are HF's even columns, its up rows the odd ones, transposed
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"][1]
+    weight1 = ours["decoder.layers.1.mlp.experts.weight1"][1]
+    assert torch.equal(weight1[:24], gate_up[:, 0::2].t())
+    assert torch.equal(weight1[24:], gate_up[:, 1::2].t())
+    config, _ = config_from_hf(hf.config)
+    assert config.window_size == (3, 0) and config.window_attn_skip_freq == 2
+    assert config.softmax_type == "learnable" and config.activation == "quick_geglu"
+    assert config.rope_type == "yarn" and config.moe.moe_router_bias
+    fields = moe_hf.hf_moe_config_fields(config, "gpt_oss")
+    rebuilt = type(hf.config)(**{**hf.config.to_dict(), **fields})
+    assert config_from_hf(rebuilt)[0] == config
+    assert rebuilt.layer_types == hf.config.layer_types
+
+
+def test_gpt_oss_features_matter():
+    """Without the sinks, the window or the clamp our model differs from HF by far more than
+    the tolerance: the equality above can fail."""
+    for overrides in ({"softmax_type": "vanilla"}, {"window_size": None},
+                      {"activation_func_clamp_value": None}):
+        errors = run_distributed(_compare, world_size=1, name="gpt_oss", tp_size=1, ep_size=1,
+                                 overrides=overrides)[0]
+        assert errors["logits"] > 1e-3, (overrides, errors["logits"])
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(swiglu_alpha=1.5), "swiglu_alpha"),
+    (dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+     "layer_types")])
+def test_unrepresentable_gpt_oss_is_refused(change, words):
+    config = hf_config("gpt_oss")
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=words):
+        config_from_hf(config)
+
+
+def test_mxfp4_experts_are_refused_with_the_fix():
+    hf = build_hf_model("gpt_oss")
+    state = dict(hf.state_dict())
+    state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="MXFP4.*dequantize"):
+        hf_to_megatron(state, hf.config)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron.training.arguments import build_configs, parse_args
 from tests.unit.test_arguments import LAUNCH
@@ -21,7 +22,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "shtools", "**", "*.sh"), recursiv
                  + glob.glob(os.path.join(ROOT, "shtools", "**", "*.sbatch"), recursive=True))
 CONFIGS = {name: os.path.join(ROOT, "shtools", "configs", f"{name}.sh")
            for name in ("gpt_small", "llama2_7b", "llama_13b_megatron_llama", "mixtral_8x7b",
-                        "qwen3_moe_small", "qwen3_8b", "qwen2_5_7b")}
+                        "qwen3_moe_small", "qwen3_8b", "qwen2_5_7b", "gpt_oss_20b")}
 LAUNCHERS = ("single_node.sh", "multi_node.sh", "elastic.sh", "slurm.sbatch")
 
 
@@ -346,3 +347,36 @@ def test_dense_qwen_configs_have_the_published_shape(name, files):
     whole = configs_of(flags, world_size=1).transformer
     assert sum(s.numel for s in chunk_param_shapes(
         whole, rows, 0, 0, share_embeddings_and_output_weights=False)) == count
+
+
+def test_gpt_oss_20b_config_has_the_published_shape(files):
+    """Every gpt-oss feature on, the published shape, and the parameter count of HF's
+    GptOssForCausalLM of that shape (built on the meta device: 20,914,757,184)."""
+    import transformers as T
+    from megatron.training.memory.params import chunk_param_shapes
+
+    env = dict(DATA_PATH=f"{files['d']}/corpus_text_document", TOKENIZER_DIR=files["tok"],
+               CHECKPOINT_DIR=files["ck"], TENSORBOARD_DIR=files["tb"])
+    entry, _, flags = source_config(CONFIGS["gpt_oss_20b"], **env)
+    assert entry == "pretrain_llama.py"
+    t = configs_of(flags, world_size=8).transformer
+    assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_query_groups,
+            t.kv_channels) == (24, 2880, 64, 8, 64)
+    assert (t.moe.num_moe_experts, t.moe.moe_router_topk, t.moe.moe_ffn_hidden_size) == \
+        (32, 4, 2880)
+    assert t.expert_model_parallel_size == 8 and t.expert_tensor_parallel_size == 1
+    assert t.window_size == (127, 0) and t.window_attn_skip_freq == 2
+    assert t.softmax_type == "learnable" and t.activation == "quick_geglu"
+    assert (t.glu_linear_offset, t.activation_func_clamp_value) == (1.0, 7.0)
+    assert t.rope_type == "yarn" and t.rotary_scaling_factor == 32 and not t.yarn_truncate
+    assert t.moe.moe_router_bias and t.add_bias_linear and t.add_qkv_bias
+    hf = T.GptOssConfig(num_hidden_layers=24, hidden_size=2880, intermediate_size=2880,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                        sliding_window=128, tie_word_embeddings=False)
+    with torch.device("meta"):
+        count = sum(p.numel() for p in T.GptOssForCausalLM(hf).parameters())
+    _, _, flags = source_config(CONFIGS["gpt_oss_20b"], EP=1, **env)
+    whole = configs_of(flags, world_size=1).transformer
+    assert sum(s.numel for s in chunk_param_shapes(
+        whole, 201088, 0, 0, share_embeddings_and_output_weights=False)) == count

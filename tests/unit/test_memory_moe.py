@@ -44,14 +44,20 @@ from tests.unit.test_theoretical_memory import _measured_state, _ptrs, _unique_b
 HIDDEN, SEQ, MBS, VOCAB = 16, 6, 2, 64
 
 
-def _config(num_layers=2, tp=1, ep=1, etp=None, **moe):
-    base = dict(num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2)
+def _config(num_layers=2, tp=1, ep=1, etp=None, gpt_oss=False, **moe):
+    """gpt_oss: biases everywhere (experts, shared expert, router) and the clamped
+    quick-GeGLU."""
+    base = dict(num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2,
+                moe_router_bias=gpt_oss)
+    activation = dict(activation="quick_geglu", activation_func_clamp_value=7.0,
+                      glu_linear_offset=1.0, add_bias_linear=True) if gpt_oss else \
+        dict(activation="swiglu", add_bias_linear=False)
     return TransformerConfig(
-        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2, activation="swiglu",
-        add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2,
+        normalization="RMSNorm", hidden_dropout=0.0,
         attention_dropout=0.0, ffn_hidden_size=24, tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, moe=MoEConfig(**{**base, **moe}))
+        expert_tensor_parallel_size=etp, moe=MoEConfig(**{**base, **moe}), **activation)
 
 
 CASES = [dict(), dict(moe_grouped_gemm=True),
@@ -63,7 +69,9 @@ CASES = [dict(), dict(moe_grouped_gemm=True),
          dict(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True),
          dict(moe_expert_capacity_factor=0.5),
          dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
-              moe_grouped_gemm=True)]
+              moe_grouped_gemm=True),
+         dict(gpt_oss=True), dict(gpt_oss=True, moe_grouped_gemm=True),
+         dict(gpt_oss=True, moe_grouped_gemm=True, moe_shared_expert_intermediate_size=12)]
 
 
 def _saved_by_moe_layer(config):
@@ -123,11 +131,16 @@ def _real_params(config):
     return {name: p.numel() for name, p in MoELayer(config).named_parameters()}
 
 
-def test_moe_layer_params_at_ep1_equal_the_real_layer():
-    config = _config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True)
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_moe_layer_params_at_ep1_equal_the_real_layer(gpt_oss):
+    config = _config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True,
+                     gpt_oss=gpt_oss)
     real = run_distributed(_real_params, 1, tp=1, config=config)[0]
     estimated = {s.name.split("mlp.")[1]: s.numel for s in moe_mlp_params(config, "x.mlp.")}
     assert estimated == real
+    assert gpt_oss == all(name in real for name in (
+        "router.bias", "experts.bias1", "experts.bias2", "shared_experts.linear_fc1.bias",
+        "shared_experts.linear_fc2.bias"))
 
 
 def test_moe_layer_freq_picks_which_layers_have_experts():

@@ -37,6 +37,18 @@ HF_CONFIGS = {
     "qwen2_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2_untied": dict(num_attention_heads=4, num_key_value_heads=2,
                          tie_word_embeddings=False),
+    # YaRN (tests/unit/test_rope_yarn.py): trained at 8 positions, 16 run, 64 = 8 x 8 claimed.
+    # gpt-oss's unrounded range; betas that put the ramp's ends inside the 8 frequencies.
+    "llama_yarn": dict(num_attention_heads=4, num_key_value_heads=2,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                        "factor": 8.0, "original_max_position_embeddings": 8,
+                                        "beta_fast": 4.0, "beta_slow": 0.25,
+                                        "truncate": False}),
+    # Rounded range, DeepSeek's mscale ratio.
+    "qwen2_yarn": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 100.0,
+                                        "factor": 8.0, "original_max_position_embeddings": 8,
+                                        "mscale": 1.0, "mscale_all_dim": 0.5}),
 }
 
 

@@ -14,6 +14,7 @@ identical).
 import re
 from typing import NamedTuple, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -52,7 +53,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 class Cut(NamedTuple):
     """A layout: world size, TP, EP, optimizer kind, expert TP (None: TP), PP, virtual
     stages per rank, layers (2: [MoE, dense]; 4: [MoE, dense, MoE, MoE], so at PP=2 with
-    2 virtual stages rank 1's first chunk has no experts)."""
+    2 virtual stages rank 1's first chunk has no experts), and gpt-oss's MoE pieces (biases
+    everywhere, the experts' and the router's too, and the clamped quick-GeGLU)."""
     world: int
     tp: int
     ep: int
@@ -61,6 +63,7 @@ class Cut(NamedTuple):
     pp: int = 1
     vpp: Optional[int] = None
     layers: int = 2
+    gpt_oss: bool = False
 
 
 def _build(cut):
@@ -69,14 +72,18 @@ def _build(cut):
                                  expert_tensor_parallel_size=cut.etp)
     moe = MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                     moe_layer_freq=[1, 0, 1, 1] if cut.layers == 4 else [1, 0],
-                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2)
+                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2,
+                    moe_router_bias=cut.gpt_oss)
+    gpt_oss = dict(activation="quick_geglu", activation_func_clamp_value=7.0,
+                   glu_linear_offset=1.0, add_bias_linear=True) if cut.gpt_oss else {}
     # test_data_parallel's _config sizes, with the layer count of the cut
     config = llama_config(
         num_layers=cut.layers, hidden_size=32, num_attention_heads=8, num_query_groups=4,
         ffn_hidden_size=48, max_position_embeddings=SEQ, moe=moe,
         tensor_model_parallel_size=cut.tp, sequence_parallel=cut.tp > 1,
         expert_model_parallel_size=cut.ep, expert_tensor_parallel_size=cut.etp,
-        pipeline_model_parallel_size=cut.pp, virtual_pipeline_model_parallel_size=cut.vpp)
+        pipeline_model_parallel_size=cut.pp, virtual_pipeline_model_parallel_size=cut.vpp,
+        **gpt_oss)
     opt_config = _optimizer_config(cut.kind, clip_grad=1.0)
     ddp_config = DistributedDataParallelConfig() if cut.kind == "none" else \
         ddp_config_for_optimizer(opt_config)
@@ -215,6 +222,9 @@ def _save_then_load(tmp_path, saved, loads, fmts=FORMATS):
         _save_after_3_steps, world_size=saved.world, tmp_path=tmp_path, cut=saved,
         fmts=fmts)[0]
     assert any(".mlp.experts." in n for n in weights) and optim["exp_avg"]
+    if saved.gpt_oss:  # trained away from their zero init, so a load that missed them fails
+        for name in ("mlp.experts.bias1", "mlp.experts.bias2", "mlp.router.bias"):
+            assert weights[f"decoder.layers.0.{name}"].abs().sum() > 0, name
     for loaded in loads:
         by_format = run_distributed(_load_and_step, world_size=loaded.world,
                                     tmp_path=tmp_path, cut=loaded, fmts=fmts)[0]
@@ -229,9 +239,13 @@ def _save_then_load(tmp_path, saved, loads, fmts=FORMATS):
 
 # Expert-DP is 1 at (world 2, EP 2), (4, TP 2, EP 2), (4, TP 4, EP 1) and 2 at (4, TP 1, EP 2)
 # (experts gathered over / written spread over two replicas).
-def test_ep2_saves_and_loads_at_ep2_ep1_and_ep4(tmp_path):
-    _save_then_load(tmp_path, Cut(2, 1, 2, "distributed"),
-                    [Cut(2, 1, 2, "distributed"), Cut(1, 1, 1, "none"), Cut(4, 1, 4, "none")])
+# gpt-oss: biased experts (bias1/bias2 per global expert, like the weights) and router bias,
+# loaded at EP=1 only (the same cut rules as the weights, which the other layouts check).
+@pytest.mark.parametrize("gpt_oss,loads", [
+    (False, [Cut(2, 1, 2, "distributed"), Cut(1, 1, 1, "none"), Cut(4, 1, 4, "none")]),
+    (True, [Cut(1, 1, 1, "none", gpt_oss=True)])], ids=["swiglu", "gpt_oss"])
+def test_ep2_saves_and_loads_at_ep2_ep1_and_ep4(tmp_path, gpt_oss, loads):
+    _save_then_load(tmp_path, Cut(2, 1, 2, "distributed", gpt_oss=gpt_oss), loads)
 
 
 def test_tp2_ep2_with_sequence_parallel_loads_at_another_tp_and_ep(tmp_path):

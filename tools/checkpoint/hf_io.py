@@ -17,11 +17,12 @@ from conversion_utils import ConversionError, Progress
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
              "GPT2LMHeadModel": "gpt2", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
-             "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+             "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+             "GptOssForCausalLM": "gpt_oss"}
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gpt2": "GPT2Config",
                    "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                    "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
-                   "qwen3_moe": "Qwen3MoeConfig"}
+                   "qwen3_moe": "Qwen3MoeConfig", "gpt_oss": "GptOssConfig"}
 SUPPORTED_TEXT = ", ".join(f"{a} (model_type {t})" for a, t in SUPPORTED.items())
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -63,7 +64,8 @@ def read_config_file(path: str):
     import transformers  # deferred: seconds to import
 
     config = getattr(transformers, _CONFIG_CLASSES[model_type]).from_dict(raw)
-    if model_type != "gpt2" and getattr(config, "hidden_act", "silu") != "silu":
+    # gpt-oss's hidden_act is unused (its experts' clamped quick-GeGLU is fixed)
+    if model_type not in ("gpt2", "gpt_oss") and getattr(config, "hidden_act", "silu") != "silu":
         raise ConversionError(f"{path}: hidden_act {config.hidden_act!r} is not supported "
                               f"(LLaMA's MLP is SwiGLU: 'silu').")
     return config

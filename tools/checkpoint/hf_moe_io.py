@@ -1,6 +1,7 @@
-"""Hugging Face weight names of the MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE) for hf_io: the
-names a checkpoint must hold (experts per expert, as on disk), and transformers 5's stacked
-expert layout (``mlp.experts.gate_up_proj`` / ``down_proj``) rewritten to those names."""
+"""Hugging Face weight names of the MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) for
+hf_io: the names a checkpoint must hold (experts per expert, as on disk; gpt-oss's stacked, its
+only layout), and transformers 5's stacked expert layout (``mlp.experts.gate_up_proj`` /
+``down_proj``) rewritten to those names."""
 import re
 from typing import Dict, List
 
@@ -15,8 +16,15 @@ def is_moe(model_type: str) -> bool:
     return model_type in moe_hf.MOE_MODEL_TYPES
 
 
+_GPT_OSS_LAYER = ["mlp.router.weight", "mlp.router.bias"] + [
+    f"mlp.experts.{w}" for w in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                 "down_proj_bias")]
+
+
 def _attention_names(config) -> List[str]:
     names = [f"self_attn.{x}_proj.weight" for x in "qkvo"]
+    if config.model_type == moe_hf.GPT_OSS:
+        return names + [f"self_attn.{x}_proj.bias" for x in "qkvo"] + ["self_attn.sinks"]
     if config.model_type == moe_hf.QWEN2_MOE and getattr(config, "qkv_bias", True):
         names += [f"self_attn.{x}_proj.bias" for x in "qkv"]
     if config.model_type == moe_hf.QWEN3_MOE:
@@ -25,6 +33,8 @@ def _attention_names(config) -> List[str]:
 
 
 def _moe_mlp_names(config) -> List[str]:
+    if config.model_type == moe_hf.GPT_OSS:
+        return list(_GPT_OSS_LAYER)
     prefix, (g, u, d), router = moe_hf._expert_names(config.model_type)
     names = [router]
     for e in range(moe_hf.num_experts_of(config)):
@@ -48,7 +58,7 @@ def per_expert_weights(state: Dict[str, torch.Tensor], config) -> Dict[str, torc
     """``state`` with any stacked expert layer (transformers >= 5 in memory) rewritten to the
     per-expert names checkpoints on disk use; other entries unchanged."""
     layers = sorted({m.group(1) for m in map(_STACKED.match, state) if m})
-    if not layers:
+    if not layers or config.model_type == moe_hf.GPT_OSS:
         return state
     out = dict(state)
     experts = moe_hf.num_experts_of(config)

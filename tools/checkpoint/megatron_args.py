@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 
 import megatron_moe_args
 from conversion_utils import ConversionError
+from megatron.core.models import hf_moe_conversion as moe_hf
 from megatron.core.models.hf_conversion import GPT2, LLAMA, config_from_hf
 from megatron.training.arguments import get_parser
 from megatron.training.tokenizer.vocab_padding import check_splits_over_tensor_parallel
@@ -110,6 +111,10 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
         rotary_base=config.rotary_base, rotary_percent=1.0, use_rope_scaling=scaling,
         normalization=config.normalization, norm_epsilon=config.layernorm_epsilon,
         swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
+        quick_geglu=config.activation == "quick_geglu",
+        glu_linear_offset=config.glu_linear_offset,
+        activation_func_clamp_value=config.activation_func_clamp_value,
+        softmax_type=config.softmax_type,
         disable_bias_linear=not config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=not model_kwargs[
             "share_embeddings_and_output_weights"],
@@ -126,6 +131,13 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
                     rope_high_freq_factor=config.rope_high_freq_factor,
                     rope_original_max_position_embeddings=(
                         config.rope_original_max_position_embeddings))
+    if config.rope_type == "yarn":
+        args.update(rope_type="yarn", rotary_scaling_factor=config.rotary_scaling_factor,
+                    original_max_position_embeddings=config.original_max_position_embeddings,
+                    beta_fast=config.beta_fast, beta_slow=config.beta_slow,
+                    mscale=config.mscale, mscale_all_dim=config.mscale_all_dim,
+                    yarn_correction_range_round_to_int=config.yarn_truncate,
+                    yarn_attention_factor=config.yarn_attention_factor)
     args.update(megatron_moe_args.moe_args_from_config(config))
     return args
 
@@ -133,11 +145,13 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
 def architecture_of_args(args: Dict) -> str:
     """LLAMA or GPT2 for a checkpoint's args (defaults filled in), or ConversionError saying
     which settings have no Hugging Face counterpart here."""
-    arch = LLAMA if args["swiglu"] else GPT2
+    gated = args["swiglu"] or args.get("quick_geglu")
+    arch = LLAMA if gated else GPT2
     if arch == LLAMA:
         wanted = {"normalization": "RMSNorm", "position_embedding_type": "rope",
-                  "disable_bias_linear": True, "add_qkv_bias": False, "rotary_percent": 1.0}
-        del wanted["add_qkv_bias"]  # Qwen2 and Qwen2-MoE have them
+                  "disable_bias_linear": True, "rotary_percent": 1.0}
+        if megatron_moe_args.hf_model_type_of_args(args) == moe_hf.GPT_OSS:
+            del wanted["disable_bias_linear"]  # gpt-oss: biases everywhere
     else:
         wanted = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
                   "disable_bias_linear": False, "untie_embeddings_and_output_weights": False}
@@ -171,6 +185,8 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
                             "high_freq_factor": args["rope_high_freq_factor"],
                             "original_max_position_embeddings":
                                 args["rope_original_max_position_embeddings"]}
+        elif args.get("rope_type") == "yarn":  # saved args may predate the flag
+            rope_scaling = _yarn_rope_parameters(args)
         llama = dict(
             hidden_size=hidden, intermediate_size=args["ffn_hidden_size"],
             num_hidden_layers=args["num_layers"], num_attention_heads=heads,
@@ -205,19 +221,40 @@ def hf_config_from_args(args: Dict, vocab_size: int, dtype, token_ids: Dict):
     return config
 
 
+def _yarn_rope_parameters(args: Dict) -> Dict:
+    """HF's rope_parameters of a YaRN checkpoint (rope_theta is added by the config)."""
+    params = {"rope_type": "yarn", "factor": args["rotary_scaling_factor"],
+              "original_max_position_embeddings": args["original_max_position_embeddings"],
+              "beta_fast": args["beta_fast"], "beta_slow": args["beta_slow"],
+              "mscale": args["mscale"], "mscale_all_dim": args["mscale_all_dim"],
+              "truncate": args["yarn_correction_range_round_to_int"]}
+    if args.get("yarn_attention_factor") is not None:
+        params["attention_factor"] = args["yarn_attention_factor"]
+    return params
+
+
+def _llama3_scaling(llama: Dict) -> bool:
+    """LLaMA-3 rope scaling, which only LlamaForCausalLM has here (YaRN: all the families)."""
+    return bool(llama["rope_scaling"]) and llama["rope_scaling"]["rope_type"] == "llama3"
+
+
+def _rope_parameters(llama: Dict) -> Dict:
+    return {**(llama["rope_scaling"] or {"rope_type": "default"}),
+            "rope_theta": llama["rope_theta"]}
+
+
 def _qwen2_config(llama: Dict):
-    """LLaMA with q/k/v biases is Qwen2 (head_dim hidden/heads, rope without scaling)."""
+    """LLaMA with q/k/v biases is Qwen2 (head_dim hidden/heads, rope plain or YaRN)."""
     import transformers
 
     heads = llama["num_attention_heads"]
-    if llama["head_dim"] != llama["hidden_size"] // heads or llama["rope_scaling"]:
+    if llama["head_dim"] != llama["hidden_size"] // heads or _llama3_scaling(llama):
         raise ConversionError("this checkpoint's model has q/k/v biases (Qwen2) but "
-                              f"kv_channels {llama['head_dim']} or rope scaling, which "
-                              f"Qwen2ForCausalLM does not have.")
+                              f"kv_channels {llama['head_dim']} or LLaMA-3 rope scaling, "
+                              f"which Qwen2ForCausalLM does not have.")
     drop = ("head_dim", "rope_scaling", "rope_theta", "attention_bias", "mlp_bias")
     config = transformers.Qwen2Config(**{k: v for k, v in llama.items() if k not in drop},
-                                      rope_parameters={"rope_type": "default",
-                                                       "rope_theta": llama["rope_theta"]})
+                                      rope_parameters=_rope_parameters(llama))
     config.architectures = ["Qwen2ForCausalLM"]
     return config
 
@@ -228,29 +265,29 @@ def _mistral_config(args: Dict, llama: Dict):
 
     left, _ = args["window_size"]
     if args.get("window_attn_skip_freq") or args["add_qkv_bias"] or args.get("qk_layernorm") \
-            or llama["rope_scaling"]:
+            or _llama3_scaling(llama):
         raise ConversionError("this checkpoint's model has a sliding window and full-attention "
-                              "layers, q/k/v biases, q/k norms or rope scaling: "
+                              "layers, q/k/v biases, q/k norms or LLaMA-3 rope scaling: "
                               "MistralForCausalLM has a window on every layer and none of "
                               "those.")
-    drop = ("rope_scaling", "attention_bias", "mlp_bias")
+    drop = ("rope_scaling", "rope_theta", "attention_bias", "mlp_bias")
     config = transformers.MistralConfig(**{k: v for k, v in llama.items() if k not in drop},
+                                        rope_parameters=_rope_parameters(llama),
                                         sliding_window=left + 1)
     config.architectures = ["MistralForCausalLM"]
     return config
 
 
 def _qwen3_config(llama: Dict):
-    """LLaMA with per-head q/k RMSNorms is Qwen3 (any head dim; rope without scaling)."""
+    """LLaMA with per-head q/k RMSNorms is Qwen3 (any head dim; rope plain or YaRN)."""
     import transformers
 
-    if llama["rope_scaling"]:
-        raise ConversionError("this checkpoint's model has q/k norms (Qwen3) and rope "
+    if _llama3_scaling(llama):
+        raise ConversionError("this checkpoint's model has q/k norms (Qwen3) and LLaMA-3 rope "
                               "scaling, which Qwen3ForCausalLM does not have.")
     drop = ("rope_scaling", "rope_theta", "mlp_bias")
     config = transformers.Qwen3Config(**{k: v for k, v in llama.items() if k not in drop},
-                                      rope_parameters={"rope_type": "default",
-                                                       "rope_theta": llama["rope_theta"]})
+                                      rope_parameters=_rope_parameters(llama))
     config.architectures = ["Qwen3ForCausalLM"]
     return config
 
@@ -259,6 +296,18 @@ def _num(value) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return str(int(value)) if value >= 1 else repr(value)
     return repr(value) if isinstance(value, float) else str(value)
+
+
+def _yarn_flags(a: Dict) -> str:
+    text = (f"--rope-type yarn --rotary-scaling-factor {_num(a['rotary_scaling_factor'])} "
+            f"--original-max-position-embeddings {a['original_max_position_embeddings']} "
+            f"--beta-fast {_num(a['beta_fast'])} --beta-slow {_num(a['beta_slow'])} "
+            f"--mscale {_num(a['mscale'])} --mscale-all-dim {_num(a['mscale_all_dim'])}")
+    if not a["yarn_correction_range_round_to_int"]:
+        text += " --no-yarn-correction-range-round-to-int"
+    if a.get("yarn_attention_factor") is not None:
+        text += f" --yarn-attention-factor {_num(a['yarn_attention_factor'])}"
+    return text
 
 
 def architecture_flags(args: Dict) -> List[str]:
@@ -288,14 +337,23 @@ def architecture_flags(args: Dict) -> List[str]:
                          f"{_num(a['rope_high_freq_factor'])} "
                          f"--rope-original-max-position-embeddings "
                          f"{a['rope_original_max_position_embeddings']}")
+        if a.get("rope_type") == "yarn":
+            flags.append(_yarn_flags(a))
     flags.append(f"--normalization {a['normalization']} --norm-epsilon "
                  f"{_num(a['norm_epsilon'])}")
     flags += [flag for flag, on in (
         ("--swiglu", a["swiglu"]), ("--openai-gelu", a.get("openai_gelu")),
+        ("--quick-geglu", a.get("quick_geglu")),
         ("--disable-bias-linear", a["disable_bias_linear"]),
         ("--add-qkv-bias", a["add_qkv_bias"]),
         ("--untie-embeddings-and-output-weights", a["untie_embeddings_and_output_weights"]))
         if on]
+    if a.get("glu_linear_offset"):
+        flags.append(f"--glu-linear-offset {_num(a['glu_linear_offset'])}")
+    if a.get("activation_func_clamp_value") is not None:
+        flags.append(f"--activation-func-clamp-value {_num(a['activation_func_clamp_value'])}")
+    if a.get("softmax_type", "vanilla") != "vanilla":
+        flags.append(f"--softmax-type {a['softmax_type']}")
     if a.get("window_size"):
         left, right = a["window_size"]
         flags.append(f"--window-size {left},{right}")

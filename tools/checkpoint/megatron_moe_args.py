@@ -1,6 +1,6 @@
 """The mixture-of-experts part of a checkpoint's args (Megatron's flag names) for the HF MoE
-models (Mixtral, Qwen2-MoE, Qwen3-MoE): from our TransformerConfig, back to a HF config, and
-the launch flags."""
+models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): from our TransformerConfig, back to a HF
+config, and the launch flags."""
 from typing import Dict, List, Optional
 
 from conversion_utils import ConversionError
@@ -21,7 +21,7 @@ def moe_args_from_config(config) -> Dict:
                moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
                moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
                moe_shared_expert_gate=moe.moe_shared_expert_gate,
-               moe_layer_freq=moe.moe_layer_freq)
+               moe_layer_freq=moe.moe_layer_freq, moe_router_bias=moe.moe_router_bias)
     return out
 
 
@@ -29,6 +29,8 @@ def hf_model_type_of_args(args: Dict) -> Optional[str]:
     """Which HF MoE model a checkpoint's args describe (None: no experts)."""
     if args.get("num_experts") is None:
         return None
+    if args.get("moe_router_bias"):  # only gpt-oss's router has a learned bias
+        return moe_hf.GPT_OSS
     if args.get("qk_layernorm"):
         return moe_hf.QWEN3_MOE
     return moe_hf.QWEN2_MOE if args.get("moe_router_pre_softmax") else moe_hf.MIXTRAL
@@ -36,7 +38,8 @@ def hf_model_type_of_args(args: Dict) -> Optional[str]:
 
 _ARCHITECTURES = {moe_hf.MIXTRAL: "MixtralForCausalLM",
                   moe_hf.QWEN2_MOE: "Qwen2MoeForCausalLM",
-                  moe_hf.QWEN3_MOE: "Qwen3MoeForCausalLM"}
+                  moe_hf.QWEN3_MOE: "Qwen3MoeForCausalLM",
+                  moe_hf.GPT_OSS: "GptOssForCausalLM"}
 
 
 def hf_moe_config(args: Dict, llama_fields: Dict):
@@ -54,19 +57,29 @@ def hf_moe_config(args: Dict, llama_fields: Dict):
 
     holder = _Args()
     holder.__dict__.update(args)
+    gpt_oss = {"activation": "swiglu"}
+    if kind == moe_hf.GPT_OSS:
+        window = args.get("window_size")
+        gpt_oss = dict(activation="quick_geglu", glu_linear_offset=args["glu_linear_offset"],
+                       activation_func_clamp_value=args["activation_func_clamp_value"],
+                       softmax_type=args.get("softmax_type", "vanilla"),
+                       window_size=None if window is None else tuple(window),
+                       window_attn_skip_freq=args.get("window_attn_skip_freq"))
     ours = TransformerConfig(
         num_layers=args["num_layers"], hidden_size=args["hidden_size"],
         num_attention_heads=args["num_attention_heads"],
         ffn_hidden_size=args["ffn_hidden_size"], kv_channels=llama_fields["head_dim"],
-        normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+        normalization="RMSNorm", add_bias_linear=not args["disable_bias_linear"],
         add_qkv_bias=bool(args.get("add_qkv_bias")), qk_layernorm=bool(args.get("qk_layernorm")),
-        moe=moe_config_from_args(holder))
+        moe=moe_config_from_args(holder), **gpt_oss)
+    # rope_scaling is kept: the MoE families read rope_parameters as LLaMA does (YaRN too).
     fields = {k: v for k, v in llama_fields.items()
-              if k not in ("attention_bias", "mlp_bias", "rope_scaling")}
+              if k not in ("attention_bias", "mlp_bias")}
     fields.update(moe_hf.hf_moe_config_fields(ours, kind))
     cls = {moe_hf.MIXTRAL: transformers.MixtralConfig,
            moe_hf.QWEN2_MOE: transformers.Qwen2MoeConfig,
-           moe_hf.QWEN3_MOE: transformers.Qwen3MoeConfig}[kind]
+           moe_hf.QWEN3_MOE: transformers.Qwen3MoeConfig,
+           moe_hf.GPT_OSS: transformers.GptOssConfig}[kind]
     config = cls(**fields)
     config.architectures = [_ARCHITECTURES[kind]]
     return config
@@ -85,6 +98,7 @@ def moe_flags(args: Dict) -> List[str]:
               f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff']!r}"]
     flags += [flag for flag, on in (("--moe-router-pre-softmax", args["moe_router_pre_softmax"]),
                                     ("--moe-router-topk-norm", args["moe_router_topk_norm"]),
+                                    ("--moe-router-bias", args.get("moe_router_bias")),
                                     ("--moe-shared-expert-gate", args["moe_shared_expert_gate"]))
               if on]
     if args.get("moe_shared_expert_intermediate_size"):

@@ -36,6 +36,8 @@ _CONFIG_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "max_position_embeddings")
 _ROPE_FIELDS = ("rotary_base", "rope_scaling_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_position_embeddings")
+_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+                "beta_slow", "mscale", "mscale_all_dim", "yarn_truncate", "yarn_attention_factor")
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -148,6 +150,9 @@ def config_differences(hf_config, configs, vocab: int):
         fields += [f for f in _ROPE_FIELDS
                    if f == "rotary_base" or theirs.rope_scaling_factor is not None
                    or ours.rope_scaling_factor is not None]
+        fields.append("rope_type")
+        if "yarn" in (ours.rope_type, theirs.rope_type):
+            fields += _YARN_FIELDS
     lines = [f"{f}: checkpoint {getattr(ours, f)!r}, HF {getattr(theirs, f)!r}"
              for f in fields if getattr(ours, f) != getattr(theirs, f)]
     tied = configs.model_kwargs["share_embeddings_and_output_weights"]

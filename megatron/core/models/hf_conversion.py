@@ -1,9 +1,9 @@
 """Hugging Face <-> this project: configs and full (unsharded) state dicts.
 
-Supported: ``LlamaForCausalLM`` (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 rope scaling, tied or
-untied embeddings; Mistral shares the layout, Qwen2 adds q/k/v biases, Qwen3 per-head q/k
-RMSNorms and a head dim of its own), ``GPT2LMHeadModel``, and the LLaMA-like MoE
-models of ``hf_moe_conversion`` (Mixtral, Qwen2-MoE, Qwen3-MoE). Combine with ``tp_sharding``
+Supported: ``LlamaForCausalLM`` (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 or YaRN rope scaling,
+tied or untied embeddings; Mistral shares the layout, Qwen2 adds q/k/v biases, Qwen3 per-head
+q/k RMSNorms and a head dim of its own), ``GPT2LMHeadModel``, and the LLaMA-like MoE
+models of ``hf_moe_conversion`` (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss). Combine with ``tp_sharding``
 for a TP rank's or a pipeline stage's share.
 """
 from typing import Dict, Tuple
@@ -43,8 +43,11 @@ def _rope_settings(hf_config) -> dict:
     rope_type = (scaling or {}).get("rope_type", scaling.get("type") if scaling else None)
     if rope_type in (None, "default"):
         return out
+    if rope_type == "yarn":
+        return {**out, **_yarn_settings(scaling, hf_config.max_position_embeddings)}
     if rope_type != "llama3":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only 'llama3').")
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only 'llama3' "
+                         f"and 'yarn').")
     out.update(rope_scaling_factor=float(scaling["factor"]),
                rope_low_freq_factor=float(scaling["low_freq_factor"]),
                rope_high_freq_factor=float(scaling["high_freq_factor"]),
@@ -53,11 +56,35 @@ def _rope_settings(hf_config) -> dict:
     return out
 
 
+def _yarn_settings(scaling: dict, max_positions: int) -> dict:
+    """HF's yarn rope parameters as TransformerConfig fields, HF's defaults filled in: the
+    factor max_positions / original when unset, beta_fast 32 and beta_slow 1 when unset or 0."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = max_positions / original
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim") or 0.0
+    if mscale is None:
+        # HF takes the mscale ratio only when both are set: with mscale_all_dim alone, an
+        # unset mscale must be 0 (not our default 1), so that the same rule skips it here too.
+        mscale = 0.0 if mscale_all_dim else 1.0
+    attention_factor = scaling.get("attention_factor")
+    return dict(rope_type="yarn", rotary_scaling_factor=float(factor),
+                original_max_position_embeddings=original,
+                beta_fast=float(scaling.get("beta_fast") or 32.0),
+                beta_slow=float(scaling.get("beta_slow") or 1.0),
+                mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),
+                yarn_truncate=bool(scaling.get("truncate", True)),
+                yarn_attention_factor=None if attention_factor is None
+                else float(attention_factor))
+
+
 def config_from_hf(hf_config, **overrides) -> Tuple[TransformerConfig, dict]:
     """(TransformerConfig, model kwargs: vocab_size, share_embeddings_and_output_weights)."""
     arch = architecture_of(hf_config)
     if _llama_like(arch):
-        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        biased = getattr(hf_config, "attention_bias", False) and arch != moe_hf.GPT_OSS
+        if biased or getattr(hf_config, "mlp_bias", False):
             raise ValueError("LLaMA checkpoints with attention_bias or mlp_bias are not "
                              "supported.")
         heads = hf_config.num_attention_heads

@@ -1,6 +1,13 @@
 """Hugging Face <-> this project for the mixture-of-experts models: ``MixtralForCausalLM``,
-``Qwen2MoeForCausalLM`` (shared expert with a sigmoid gate, qkv biases) and
-``Qwen3MoeForCausalLM`` (q/k norms). Full, unsharded state dicts; ``tp_sharding`` cuts them.
+``Qwen2MoeForCausalLM`` (shared expert with a sigmoid gate, qkv biases),
+``Qwen3MoeForCausalLM`` (q/k norms) and ``GptOssForCausalLM`` (attention sinks and biases,
+alternating sliding-window and full layers, YaRN, biased experts and router, clamped
+quick-GeGLU). Full, unsharded state dicts; ``tp_sharding`` cuts them.
+
+gpt-oss keeps its experts transposed and interleaved: ``gate_up_proj`` [E, h, 2f] with gate
+and up in alternate columns (and ``gate_up_proj_bias`` [E, 2f] alike), ``down_proj`` [E, f, h];
+ours are [gate rows; up rows] [E, 2f, h] and [E, h, f]. Its released checkpoints quantize the
+experts to MXFP4 (``*_blocks`` / ``*_scales``): those must be dequantized to bf16 first.
 
 HF keeps the experts in one of two layouts, both read here: per expert (every checkpoint on
 disk, and transformers < 5: Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen's
@@ -14,8 +21,10 @@ import torch
 
 from megatron.core.transformer.moe.moe_config import MoEConfig
 
-MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral", "qwen2_moe", "qwen3_moe"
-MOE_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS = "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"
+MOE_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS)
+# gpt-oss's fixed activation: quick-GeGLU's sigmoid gain and the +1 on the up half.
+GPT_OSS_ALPHA, GPT_OSS_LINEAR_OFFSET = 1.702, 1.0
 PER_EXPERT, STACKED = "per_expert", "stacked"
 
 
@@ -29,15 +38,50 @@ def moe_layer_pattern(hf_config) -> List[int]:
     unless listed in mlp_only_layers, and only every decoder_sparse_step-th ((i + 1) % step
     == 0). Mixtral: every layer."""
     layers = hf_config.num_hidden_layers
-    if hf_config.model_type == MIXTRAL:
+    if hf_config.model_type in (MIXTRAL, GPT_OSS):
         return [1] * layers
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     return [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
 
 
+def _gpt_oss_windows(hf_config) -> dict:
+    """gpt-oss's layer_types as --window-size / --window-attn-skip-freq: sliding layers get
+    W = sliding_window - 1 (HF keeps keys with i - j < sliding_window); a pattern other than
+    all-sliding or sliding-then-full alternation cannot be expressed."""
+    types = list(getattr(hf_config, "layer_types", None) or [])
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or all(t == "full_attention" for t in types):
+        return {}
+    alternating = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    out = {"window_size": (int(window) - 1, 0)}
+    if types == alternating:
+        return {**out, "window_attn_skip_freq": 2}
+    if types == ["sliding_attention"] * n:
+        return out
+    raise ValueError(f"gpt_oss: layer_types {types} is not supported: only sliding and full "
+                     f"layers alternating (sliding first), or all sliding.")
+
+
+def _gpt_oss_kwargs(hf_config) -> dict:
+    """The TransformerConfig fields of a gpt-oss model (beyond LLaMA's)."""
+    alpha = float(getattr(hf_config, "swiglu_alpha", GPT_OSS_ALPHA))
+    if alpha != GPT_OSS_ALPHA:
+        raise ValueError(f"gpt_oss: swiglu_alpha {alpha} is not supported (quick-GeGLU's "
+                         f"gain is {GPT_OSS_ALPHA}).")
+    if not getattr(hf_config, "attention_bias", True):
+        raise ValueError("gpt_oss without attention_bias is not supported.")
+    return {"add_bias_linear": True, "add_qkv_bias": True, "softmax_type": "learnable",
+            "activation": "quick_geglu", "glu_linear_offset": GPT_OSS_LINEAR_OFFSET,
+            "activation_func_clamp_value": float(hf_config.swiglu_limit),
+            **_gpt_oss_windows(hf_config)}
+
+
 def _refuse_unsupported(hf_config) -> None:
     kind = hf_config.model_type
+    if kind == GPT_OSS:
+        return  # its activation, windows and biases are read by _gpt_oss_kwargs
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"{kind}: hidden_act {hf_config.hidden_act!r} is not supported (the "
                          f"experts are SwiGLU: 'silu').")
@@ -63,19 +107,22 @@ def moe_transformer_kwargs(hf_config) -> dict:
     out = {"qk_layernorm": kind == QWEN3_MOE,
            "add_qkv_bias": kind == QWEN2_MOE and bool(getattr(hf_config, "qkv_bias", True)),
            "moe": None}
+    if kind == GPT_OSS:
+        out.update(_gpt_oss_kwargs(hf_config))
     if not any(pattern):
         return out
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
     out["moe"] = MoEConfig(
         num_moe_experts=num_experts_of(hf_config),
-        moe_ffn_hidden_size=(hf_config.intermediate_size if kind == MIXTRAL
+        moe_ffn_hidden_size=(hf_config.intermediate_size if kind in (MIXTRAL, GPT_OSS)
                              else hf_config.moe_intermediate_size),
         moe_router_topk=hf_config.num_experts_per_tok,
-        # Mixtral: top-k of the logits, softmax over the k (Megatron's default). Qwen: softmax
-        # over all experts, top-k, renormalised only with norm_topk_prob.
-        moe_router_pre_softmax=kind != MIXTRAL,
-        moe_router_topk_norm=kind != MIXTRAL and bool(getattr(hf_config, "norm_topk_prob",
-                                                              False)),
+        # Mixtral, gpt-oss: top-k of the logits, softmax over the k (Megatron's default).
+        # Qwen: softmax over all experts, top-k, renormalised only with norm_topk_prob.
+        moe_router_pre_softmax=kind not in (MIXTRAL, GPT_OSS),
+        moe_router_topk_norm=kind not in (MIXTRAL, GPT_OSS) and bool(
+            getattr(hf_config, "norm_topk_prob", False)),
+        moe_router_bias=kind == GPT_OSS,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
         moe_shared_expert_intermediate_size=shared,
@@ -89,6 +136,8 @@ def hf_moe_config_fields(config, model_type: str) -> dict:
     moe = config.moe
     pattern = ([1] * config.num_layers if moe is None else
                [int(moe.is_moe_layer(i + 1)) for i in range(config.num_layers)])
+    if model_type == GPT_OSS:
+        return _gpt_oss_config_fields(config, pattern)
     if model_type == MIXTRAL:
         if moe is None or not all(pattern) or moe.moe_shared_expert_intermediate_size or \
                 moe.moe_router_pre_softmax or config.qk_layernorm or config.add_qkv_bias:
@@ -122,6 +171,78 @@ def hf_moe_config_fields(config, model_type: str) -> dict:
     return fields
 
 
+def _gpt_oss_config_fields(config, pattern) -> dict:
+    moe = config.moe
+    if (moe is None or not all(pattern) or moe.moe_router_pre_softmax or
+            not moe.moe_router_bias or config.activation != "quick_geglu" or
+            config.glu_linear_offset != GPT_OSS_LINEAR_OFFSET or
+            config.activation_func_clamp_value is None or config.softmax_type != "learnable"
+            or not config.add_bias_linear or moe.moe_shared_expert_intermediate_size or
+            config.qk_layernorm):
+        raise ValueError("not a gpt_oss model: it has biased experts in every layer and a "
+                         "biased router (top-k before the softmax), quick-GeGLU with offset 1 "
+                         "and a clamp, learned attention sinks, biases, no q/k norms.")
+    window = config.window_size
+    freq = config.window_attn_skip_freq
+    if window is not None and freq not in (None, 2):
+        raise ValueError(f"not a gpt_oss model: its full layers alternate with the windowed "
+                         f"ones (--window-attn-skip-freq 2), got {freq}.")
+    layer_types = [("full_attention" if window is None or (freq and (i + 1) % freq == 0)
+                    else "sliding_attention") for i in range(config.num_layers)]
+    return {"num_local_experts": moe.num_moe_experts, "num_experts_per_tok": moe.moe_router_topk,
+            "intermediate_size": moe.moe_ffn_hidden_size,
+            "router_aux_loss_coef": moe.moe_aux_loss_coeff,
+            "swiglu_limit": config.activation_func_clamp_value, "swiglu_alpha": GPT_OSS_ALPHA,
+            "sliding_window": None if window is None else window[0] + 1,
+            "layer_types": layer_types, "attention_bias": True, "head_dim": config.kv_channels}
+
+
+def _interleaved(gate_up: torch.Tensor, dim: int):
+    """gpt-oss's alternate gate/up entries along ``dim`` -> (gate, up)."""
+    return gate_up.index_select(dim, torch.arange(0, gate_up.shape[dim], 2)), \
+        gate_up.index_select(dim, torch.arange(1, gate_up.shape[dim], 2))
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
+    """(gate, up) -> alternate entries along ``dim`` (the inverse of _interleaved)."""
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def gpt_oss_layer_from_hf(hf, src: str, dst: str) -> Dict[str, torch.Tensor]:
+    """One gpt-oss layer's MLP (and its attention extras: the output projection's bias, the
+    sinks): HF names under ``src`` -> ours under ``dst``."""
+    experts = src + "mlp.experts."
+    if experts + "gate_up_proj_blocks" in hf:
+        raise ValueError("gpt_oss: the experts are MXFP4-quantized (gate_up_proj_blocks); "
+                         "dequantize the checkpoint to bf16 first (transformers' "
+                         "Mxfp4Config(dequantize=True), then save_pretrained).")
+    gate, up = _interleaved(hf[experts + "gate_up_proj"], 2)  # [E, h, f] each
+    bias_gate, bias_up = _interleaved(hf[experts + "gate_up_proj_bias"], 1)
+    return {dst + "mlp.experts.weight1": torch.cat([gate, up], dim=2).transpose(1, 2),
+            dst + "mlp.experts.bias1": torch.cat([bias_gate, bias_up], dim=1),
+            dst + "mlp.experts.weight2": hf[experts + "down_proj"].transpose(1, 2),
+            dst + "mlp.experts.bias2": hf[experts + "down_proj_bias"],
+            dst + "mlp.router.weight": hf[src + "mlp.router.weight"],
+            dst + "mlp.router.bias": hf[src + "mlp.router.bias"],
+            dst + "self_attention.linear_proj.bias": hf[src + "self_attn.o_proj.bias"],
+            dst + "self_attention.sinks": hf[src + "self_attn.sinks"]}
+
+
+def gpt_oss_layer_to_hf(state, src: str, dst: str) -> Dict[str, torch.Tensor]:
+    """Inverse of gpt_oss_layer_from_hf."""
+    gate, up = state[src + "mlp.experts.weight1"].transpose(1, 2).chunk(2, dim=2)
+    bias_gate, bias_up = state[src + "mlp.experts.bias1"].chunk(2, dim=1)
+    experts = dst + "mlp.experts."
+    return {experts + "gate_up_proj": _interleave(gate, up, 2),
+            experts + "gate_up_proj_bias": _interleave(bias_gate, bias_up, 1),
+            experts + "down_proj": state[src + "mlp.experts.weight2"].transpose(1, 2),
+            experts + "down_proj_bias": state[src + "mlp.experts.bias2"],
+            dst + "mlp.router.weight": state[src + "mlp.router.weight"],
+            dst + "mlp.router.bias": state[src + "mlp.router.bias"],
+            dst + "self_attn.o_proj.bias": state[src + "self_attention.linear_proj.bias"],
+            dst + "self_attn.sinks": state[src + "self_attention.sinks"]}
+
+
 def _expert_names(model_type: str):
     """(HF MLP prefix, per-expert (gate, up, down) names, router name) of one layer."""
     if model_type == MIXTRAL:
@@ -137,6 +258,8 @@ def moe_layer_from_hf(hf: Dict[str, torch.Tensor], src: str, dst: str, model_typ
                       num_experts: int) -> Dict[str, torch.Tensor]:
     """One MoE layer's MLP: HF names under ``src`` ("model.layers.{i}.") -> ours under
     ``dst`` ("decoder.layers.{i}.")."""
+    if model_type == GPT_OSS:
+        return gpt_oss_layer_from_hf(hf, src, dst)
     prefix, (g, u, d), router = _expert_names(model_type)
     out = {}
     if src + "mlp.experts.gate_up_proj" in hf:  # transformers >= 5, in memory
@@ -164,7 +287,9 @@ def moe_layer_to_hf(state: Dict[str, torch.Tensor], src: str, dst: str, model_ty
                     layout: str = PER_EXPERT) -> Dict[str, torch.Tensor]:
     """Inverse of moe_layer_from_hf: ours under ``src`` -> HF names under ``dst`` in
     ``layout`` (PER_EXPERT: what checkpoints on disk hold; STACKED: transformers 5's
-    modules)."""
+    modules; gpt-oss has one layout)."""
+    if model_type == GPT_OSS:
+        return gpt_oss_layer_to_hf(state, src, dst)
     w1, w2 = state[src + "mlp.experts.weight1"], state[src + "mlp.experts.weight2"]
     out = {}
     if layout == STACKED:

@@ -6,7 +6,8 @@ Parameter names are this project's (Megatron-core's): ``embedding.word_embedding
 
 The stacked MoE experts (``mlp.experts.weight1`` [E, 2f, h], ``weight2`` [E, h, f]) are split
 over expert-parallel ranks on dim 0 (contiguous: EP rank r holds experts r*E/EP ...), then
-over expert-TP ranks like linear_fc1 (dim 1, stride 2) and linear_fc2 (dim 2).
+over expert-TP ranks like linear_fc1 (dim 1, stride 2) and linear_fc2 (dim 2); their biases
+(``bias1`` [E, 2f], ``bias2`` [E, h]) by EP the same way (bias1 over expert TP like fc1).
 """
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -23,15 +24,25 @@ _PARTITION_DIMS = {
     "linear_fc1.bias": 0,
     "linear_proj.weight": 1,
     "linear_fc2.weight": 1,
+    "self_attention.sinks": 0,  # one logit per head, split with the heads
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-# stacked expert weight suffix -> (dim, stride) split over expert-TP ranks; dim 0 goes by EP.
-_EXPERT_ETP_DIMS = {"mlp.experts.weight1": (1, 2), "mlp.experts.weight2": (2, 1)}
+# stacked expert tensor suffix -> (dim, stride) split over expert-TP ranks; dim 0 goes by EP.
+# The biases (gpt-oss): bias1 [E, 2f] like weight1's rows; bias2 [E, h] is not split (biased
+# experts run at expert TP 1).
+_EXPERT_ETP_DIMS = {"mlp.experts.weight1": (1, 2), "mlp.experts.weight2": (2, 1),
+                    "mlp.experts.bias1": (1, 2), "mlp.experts.bias2": None}
+
+
+def is_stacked_expert_tensor(name: str) -> bool:
+    """``name`` is a stacked expert weight or bias ([E, ...], split over EP on dim 0)."""
+    return any(name.endswith(suffix) for suffix in _EXPERT_ETP_DIMS)
 
 
 def expert_partition_of(name: str) -> Optional[Tuple[int, int]]:
-    """(dim, stride) along which a stacked expert weight is split over expert-TP ranks (its
-    dim 0, the experts, goes by EP), or None if ``name`` is no stacked expert weight."""
+    """(dim, stride) along which a stacked expert tensor is split over expert-TP ranks (its
+    dim 0, the experts, goes by EP), or None if it is not split over them (bias2) or
+    ``name`` is no stacked expert tensor (see is_stacked_expert_tensor)."""
     for suffix, part in _EXPERT_ETP_DIMS.items():
         if name.endswith(suffix):
             return part
@@ -72,10 +83,11 @@ def shard_state_dict(full: Dict[str, torch.Tensor], tp_size: int, tp_rank: int,
     etp_size, etp_rank = (tp_size, tp_rank) if etp_size is None else (etp_size, etp_rank)
     out = {}
     for name, tensor in full.items():
-        expert = expert_partition_of(name)
-        if expert is not None:
+        if is_stacked_expert_tensor(name):
             mine = shard_tensor(tensor, 0, 1, ep_size, ep_rank)
-            out[name] = shard_tensor(mine, *expert, etp_size, etp_rank)
+            expert = expert_partition_of(name)
+            out[name] = mine if expert is None else shard_tensor(mine, *expert, etp_size,
+                                                                 etp_rank)
             continue
         part = partition_of(name, gated_mlp)
         out[name] = tensor.clone() if part is None else shard_tensor(tensor, *part, tp_size,
@@ -98,9 +110,10 @@ def merge_state_dicts(shards: List[Dict[str, torch.Tensor]], gated_mlp: bool,
     etp_size = 1 + max(r[2] for r in ranks)
     out = {}
     for name in shards[0]:
-        expert = expert_partition_of(name)
-        if expert is not None:
-            per_ep = [merge_tensor([by_expert[(e, x)][name] for x in range(etp_size)], *expert)
+        if is_stacked_expert_tensor(name):
+            expert = expert_partition_of(name)
+            per_ep = [by_expert[(e, 0)][name] if expert is None else
+                      merge_tensor([by_expert[(e, x)][name] for x in range(etp_size)], *expert)
                       for e in range(ep_size)]
             out[name] = torch.cat(per_ep)
             continue

@@ -20,8 +20,10 @@ from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's rule: biases and 1-D weights (norms) are not decayed."""
-    return name.endswith(".bias") or param.dim() == 1
+    """Megatron's rule: biases and 1-D weights (norms) are not decayed. The stacked experts'
+    bias1 / bias2 ([E, ...], Megatron's per-expert biases in one tensor) are biases too."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.rstrip("0123456789") == "bias" or param.dim() == 1
 
 
 def get_param_groups(model_chunks: List[torch.nn.Module],

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core import parallel_state
+from megatron.core import device, parallel_state
 from megatron.core.compiled import compiled
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import (
@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel import (
     checkpoint,
     get_rng_tracker,
 )
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.context_parallel.blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
 from megatron.core.transformer.norms import build_norm
@@ -153,6 +154,18 @@ def _build_head_norm(config):
     return norm
 
 
+def _learned_sinks(config, local_heads: int) -> torch.nn.Parameter:
+    """gpt-oss's per-head sink logits of this rank's heads: drawn for all heads, then this
+    rank's slice (the same model at any TP), split over TP with the heads."""
+    full = torch.empty(config.num_attention_heads, dtype=torch.float32)
+    torch.nn.init.normal_(full, std=config.init_method_std)
+    first = parallel_state.get_tensor_model_parallel_rank() * local_heads
+    sinks = torch.nn.Parameter(full[first:first + local_heads].to(
+        device=device.current_device(), dtype=config.params_dtype))
+    set_tensor_model_parallel_attributes(sinks, True, 0)
+    return sinks
+
+
 class SelfAttention(torch.nn.Module):
     def __init__(self, config, layer_number: int):
         super().__init__()
@@ -181,6 +194,12 @@ class SelfAttention(torch.nn.Module):
         if config.qk_layernorm:
             self.q_layernorm = _build_head_norm(config)
             self.k_layernorm = _build_head_norm(config)
+        # One more logit per head in the softmax's denominator, or none ("vanilla").
+        if config.softmax_type == "off-by-one":  # a fixed 0: the denominator + 1
+            self.register_buffer("sinks", device.zeros(self.local_heads), persistent=False)
+        else:
+            self.sinks = _learned_sinks(config, self.local_heads) \
+                if config.softmax_type == "learnable" else None
 
     def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
                 packed_seq_params: Optional[PackedSeqParams] = None):
@@ -209,7 +228,7 @@ class SelfAttention(torch.nn.Module):
     def _attend(self, query, key, value, attention_mask, packed_seq_params):
         """[b, s, heads|groups, d] Q, K, V (RoPE applied) -> (output [s, b, h], bias)."""
         dropout = self.config.attention_dropout if self.training else 0.0
-        if self.config.context_parallel_size > 1:
+        if self.config.context_parallel_size > 1 or self.sinks is not None:
             return self.linear_proj(self._context_parallel_attention(
                 query, key, value, attention_mask, packed_seq_params, dropout))
         kernel, _ = self._kernel(query, attention_mask if packed_seq_params is None else None,
@@ -226,14 +245,17 @@ class SelfAttention(torch.nn.Module):
     def _context_parallel_attention(self, query, key, value, attention_mask, packed_seq_params,
                                     dropout: float):
         """[b, s/CP, heads|groups, d] of this rank's two chunks -> [s/CP, b, heads * d]: causal
-        (per document with ``packed_seq_params``) over the whole sequence, the other chunks'
-        keys/values coming from the CP ranks (context_parallel/). It saves what flash
-        attention saves (q, k, v, output, log-sum-exp), so selective recomputation has
-        nothing to do here."""
+        (per document with ``packed_seq_params``, within the layer's window) over the whole
+        sequence, the other chunks' keys/values coming from the CP ranks (context_parallel/).
+        Attention sinks take this path at any CP size (one rank: no communication, its
+        kernels return the log-sum-exp the sinks need). It saves what flash attention saves
+        (q, k, v, output, log-sum-exp), so selective recomputation has nothing to do here."""
         if attention_mask is not None:
-            raise ValueError("context parallelism cannot split an explicit [b, 1, s, s] "
-                             "attention mask; pass document boundaries (packed_seq_params) "
-                             "instead, as --reset-attention-mask does.")
+            what = ("context parallelism cannot split" if self.config.context_parallel_size > 1
+                    else "attention sinks cannot take")
+            raise ValueError(f"{what} an explicit [b, 1, s, s] attention mask; pass document "
+                             f"boundaries (packed_seq_params) instead, as "
+                             f"--reset-attention-mask does.")
         b, s = query.shape[:2]
         seed = context_parallel_dropout_seed(query.device) if dropout > 0 else None
         out = context_parallel_attention(
@@ -242,7 +264,7 @@ class SelfAttention(torch.nn.Module):
             comm_type=self.config.cp_comm_type, dropout_p=dropout, dropout_seed=seed,
             head_offset=parallel_state.get_tensor_model_parallel_rank() * self.local_heads,
             document_ids=None if packed_seq_params is None else packed_seq_params.document_ids,
-            softmax_scale=None)
+            softmax_scale=None, window=self.window, sinks=self.sinks)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
     def _kernel(self, query, attention_mask, dropout: float) -> Tuple[str, bool]:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.compiled import compiled
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS, glu_function
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -46,21 +47,33 @@ def _gelu_tanh(x):
 _ACTIVATIONS = {"swiglu": _swiglu, "gelu_tanh": _gelu_tanh, "gelu": F.gelu}
 
 
+def gated_activation_func(activation, clamp=None, offset=0.0, compile=False):
+    """The function of fc1's [gate | up] output for a gated activation (gated_linear_unit.py):
+    plain SwiGLU keeps SwiGLUFunction (and its compiled form), the others, and SwiGLU with a
+    clamp or offset, the gated-linear-unit function. Shared by the MLP and the MoE experts."""
+    if activation == "swiglu" and clamp is None and not offset:
+        return compiled(_swiglu) if compile else SwiGLUFunction.apply
+    if compile:
+        return compiled(glu_function(activation, clamp, offset, plain=True))
+    return glu_function(activation, clamp, offset)
+
+
 class MLP(torch.nn.Module):
     def __init__(self, config, ffn_hidden_size=None):
         """``ffn_hidden_size`` overrides the config's (an MoE layer's shared expert)."""
         super().__init__()
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         self.activation = config.activation
-        activation = _ACTIVATIONS[config.activation]
+        gated = config.activation in GATED_ACTIVATIONS
         # --torch-compile: SwiGLU's chunk, SiLU and product become one kernel.
-        if config.torch_compile:
-            self.activation_func = compiled(activation)
-        elif config.activation == "swiglu":
-            self.activation_func = SwiGLUFunction.apply
+        if gated:
+            self.activation_func = gated_activation_func(
+                config.activation, config.activation_func_clamp_value,
+                config.glu_linear_offset, config.torch_compile)
+        elif config.torch_compile:
+            self.activation_func = compiled(_ACTIVATIONS[config.activation])
         else:
-            self.activation_func = activation
-        gated = config.activation == "swiglu"
+            self.activation_func = _ACTIVATIONS[config.activation]
         out_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
                     if config.scaled_output_init else init_method_normal(config.init_method_std))
         self.linear_fc1 = ColumnParallelLinear(

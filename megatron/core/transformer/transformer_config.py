@@ -5,12 +5,15 @@ from typing import Optional, Tuple
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel.layer_split import stage_layer_counts
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.sliding_window import check_window
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh") + GATED_ACTIVATIONS
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+ROPE_TYPES = ("rope", "yarn")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 
@@ -27,6 +30,11 @@ class TransformerConfig(ModelParallelConfig):
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu"  # gelu (exact), gelu_tanh (GPT-2's), swiglu (LLaMA's)
+    # or quick_geglu (gpt-oss's gate * sigmoid(1.702 gate))
+    # Gated activations only (gated_linear_unit.py): added to the up half before the product
+    # (gpt-oss: 1), and the clamp of both halves (gate from above, up both sides; gpt-oss: 7).
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     add_bias_linear: bool = True
     add_qkv_bias: Optional[bool] = None  # default add_bias_linear
     # config.normalization over each query and key head's dim before RoPE (Qwen3's q/k_norm).
@@ -42,6 +50,19 @@ class TransformerConfig(ModelParallelConfig):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # "yarn": YaRN rotary scaling (gpt-oss, DeepSeek-V3, long-context Qwen), with the
+    # parameters below, named as Megatron's MLA config names them. Not with LLaMA-3 scaling.
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    # Floor/ceil the correction range to whole dims (HF's "truncate"; gpt-oss: False).
+    yarn_truncate: bool = True
+    # The cos/sin multiplier; None derives it from the factor and mscale(s), as HF does.
+    yarn_attention_factor: Optional[float] = None
     init_method_std: float = 0.02
     # Scale the init of output projections by 1/sqrt(2 * num_layers) (GPT-2 / Megatron).
     scaled_output_init: bool = True
@@ -68,6 +89,9 @@ class TransformerConfig(ModelParallelConfig):
     # 0); every window_attn_skip_freq-th layer keeps full attention (sliding_window.py).
     window_size: Optional[Tuple[int, int]] = None
     window_attn_skip_freq: Optional[int] = None
+    # The softmax over keys (Megatron's --softmax-type): "vanilla"; "learnable" adds a learned
+    # logit per head to the denominator (gpt-oss's attention sinks); "off-by-one" a fixed 0.
+    softmax_type: str = "vanilla"
 
     def __post_init__(self):
         def need(cond, message):
@@ -100,9 +124,6 @@ class TransformerConfig(ModelParallelConfig):
                 check_window(self.window_size)
             except ValueError as exc:
                 need(False, str(exc))
-            need(self.context_parallel_size == 1,
-                 "--window-size with context parallelism is not supported yet: train the "
-                 "windowed model with --context-parallel-size 1.")
         need(self.window_attn_skip_freq is None or self.window_attn_skip_freq >= 1,
              f"window_attn_skip_freq must be >= 1, got {self.window_attn_skip_freq}.")
         if self.kv_channels is None:
@@ -121,11 +142,18 @@ class TransformerConfig(ModelParallelConfig):
             self.add_qkv_bias = self.add_bias_linear
         need(self.normalization in NORMALIZATIONS,
              f"normalization {self.normalization!r} not in {NORMALIZATIONS}.")
+        need(self.softmax_type in SOFTMAX_TYPES,
+             f"softmax_type {self.softmax_type!r} not in {SOFTMAX_TYPES}.")
         need(self.activation in ACTIVATIONS, f"activation {self.activation!r} not in {ACTIVATIONS}.")
+        self._check_glu(need)
         need(self.position_embedding_type in POSITION_EMBEDDINGS,
              f"position_embedding_type {self.position_embedding_type!r} not in "
              f"{POSITION_EMBEDDINGS}.")
         need(0.0 < self.rotary_percent <= 1.0, "rotary_percent must be in (0, 1].")
+        need(self.rope_type in ROPE_TYPES,
+             f"rope_type {self.rope_type!r} not in {ROPE_TYPES} (--rope-type).")
+        if self.rope_type == "yarn":
+            self._check_yarn(need)
         need(self.recompute_granularity in RECOMPUTE_GRANULARITIES,
              f"recompute_granularity {self.recompute_granularity!r} not in "
              f"{RECOMPUTE_GRANULARITIES}.")
@@ -145,11 +173,50 @@ class TransformerConfig(ModelParallelConfig):
         if self.moe is not None:
             self._check_moe(need)
 
+    def _check_yarn(self, need):
+        need(self.position_embedding_type == "rope",
+             f"rope_type 'yarn' scales rotary embeddings, but position_embedding_type is "
+             f"{self.position_embedding_type!r}; use --position-embedding-type rope.")
+        need(self.rope_scaling_factor is None,
+             "YaRN (--rope-type yarn) and LLaMA-3 rope scaling (--use-rope-scaling) both "
+             "rescale the rotary frequencies; use one of them.")
+        need(self.rotary_scaling_factor >= 1.0,
+             f"rotary_scaling_factor must be >= 1 (the context extension), got "
+             f"{self.rotary_scaling_factor}.")
+        need(self.original_max_position_embeddings >= 1,
+             f"original_max_position_embeddings must be >= 1, got "
+             f"{self.original_max_position_embeddings}.")
+        need(self.beta_fast > 0 and self.beta_slow > 0,
+             f"beta_fast and beta_slow must be > 0, got {self.beta_fast} and {self.beta_slow}.")
+        need(self.mscale >= 0 and self.mscale_all_dim >= 0,
+             f"mscale and mscale_all_dim must be >= 0, got {self.mscale} and "
+             f"{self.mscale_all_dim}.")
+        need(self.yarn_attention_factor is None or self.yarn_attention_factor > 0,
+             f"yarn_attention_factor must be > 0 (or None), got {self.yarn_attention_factor}.")
+
+    def _check_glu(self, need):
+        clamp = self.activation_func_clamp_value
+        if self.activation not in GATED_ACTIVATIONS:
+            need(clamp is None and self.glu_linear_offset == 0.0,
+                 f"activation_func_clamp_value and glu_linear_offset change a gated "
+                 f"activation's halves; activation {self.activation!r} has none: use "
+                 f"--swiglu or --quick-geglu, or drop them.")
+        need(clamp is None or 0 < clamp < float("inf"),
+             f"activation_func_clamp_value must be a finite value > 0 (or None), got {clamp}.")
+        need(abs(self.glu_linear_offset) < float("inf"),
+             f"glu_linear_offset must be finite, got {self.glu_linear_offset}.")
+
     def _check_moe(self, need):
         moe, tp, ep = self.moe, self.tensor_model_parallel_size, self.expert_model_parallel_size
-        need(self.activation == "swiglu" and not self.add_bias_linear,
-             "the MoE experts are SwiGLU FFNs without biases: use --swiglu and "
-             "--disable-bias-linear.")
+        need(self.activation in GATED_ACTIVATIONS,
+             f"the MoE experts are gated FFNs ([gate; up] fc1 rows); activation "
+             f"{self.activation!r} is not: use --swiglu or --quick-geglu.")
+        # With biases, each expert-TP rank would add fc2's bias to its partial output, and
+        # the ETP sum would count it ETP times.
+        need(not self.add_bias_linear or self.expert_tensor_parallel_size == 1,
+             f"MoE experts with biases (no --disable-bias-linear) need "
+             f"expert_tensor_parallel_size 1, got {self.expert_tensor_parallel_size}: add "
+             f"--expert-tensor-parallel-size 1 or --disable-bias-linear.")
         need(moe.num_moe_experts % ep == 0,
              f"num_moe_experts {moe.num_moe_experts} is not divisible by "
              f"expert_model_parallel_size {ep}; every EP rank holds the same number of experts.")

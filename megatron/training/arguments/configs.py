@@ -249,6 +249,27 @@ def _window_of(args):
     return None if window is None else tuple(window)
 
 
+def _yarn_of(args) -> dict:
+    """The YaRN fields of TransformerConfig (saved args may predate the flags: plain RoPE)."""
+    if getattr(args, "rope_type", "rope") != "yarn":
+        return {}
+    return dict(rope_type="yarn", rotary_scaling_factor=args.rotary_scaling_factor,
+                original_max_position_embeddings=args.original_max_position_embeddings,
+                beta_fast=args.beta_fast, beta_slow=args.beta_slow, mscale=args.mscale,
+                mscale_all_dim=args.mscale_all_dim,
+                yarn_truncate=args.yarn_correction_range_round_to_int,
+                yarn_attention_factor=args.yarn_attention_factor)
+
+
+def activation_of(args) -> str:
+    """TransformerConfig.activation of the flags (saved args may predate --quick-geglu)."""
+    if args.swiglu:
+        return "swiglu"
+    if getattr(args, "quick_geglu", False):
+        return "quick_geglu"
+    return "gelu_tanh" if args.openai_gelu else "gelu"
+
+
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """The model and its parallel layout (TP/PP/VPP/SP, recomputation, dtype) of parsed flags;
     no world-size or file checks (``build_configs`` does those). Shared with
@@ -271,12 +292,16 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        activation="swiglu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu",
+        activation=activation_of(args),
+        # saved args may predate these two
+        glu_linear_offset=getattr(args, "glu_linear_offset", 0.0),
+        activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
         add_bias_linear=not args.disable_bias_linear,
         add_qkv_bias=True if args.add_qkv_bias else None,
         qk_layernorm=getattr(args, "qk_layernorm", False),  # saved args may predate it
         window_size=_window_of(args),
         window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
+        softmax_type=getattr(args, "softmax_type", "vanilla"),  # saved args may predate it
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         position_embedding_type=args.position_embedding_type,
         max_position_embeddings=args.max_position_embeddings, rotary_base=args.rotary_base,
@@ -285,6 +310,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         rope_low_freq_factor=args.rope_low_freq_factor,
         rope_high_freq_factor=args.rope_high_freq_factor,
         rope_original_max_position_embeddings=args.rope_original_max_position_embeddings,
+        **_yarn_of(args),
         init_method_std=args.init_method_std,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

@@ -62,6 +62,33 @@ def _window_size(text: str):
     return left, right
 
 
+def _add_yarn_args(g):
+    """YaRN rotary scaling, Megatron's names (its MLA flags); each needs --rope-type yarn."""
+    g.add_argument("--rope-type", default="rope", choices=["rope", "yarn"],
+                   help="yarn: YaRN rotary scaling (gpt-oss, DeepSeek-V3, long-context Qwen); "
+                        "not with --use-rope-scaling.")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="YaRN: how many times the original context is stretched (gpt-oss 32).")
+    g.add_argument("--original-max-position-embeddings", type=int, default=4096,
+                   help="YaRN: the context length trained before scaling.")
+    g.add_argument("--beta-fast", type=float, default=32.0,
+                   help="YaRN: dims turning more often over the original context keep their "
+                        "frequency.")
+    g.add_argument("--beta-slow", type=float, default=1.0,
+                   help="YaRN: dims turning less often are fully interpolated.")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: attention temperature coefficient (with --mscale-all-dim).")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="YaRN: divides the --mscale temperature (DeepSeek); 0 = plain YaRN.")
+    g.add_argument("--yarn-correction-range-round-to-int",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="YaRN: round the interpolation ramp's ends to whole dims (Hugging "
+                        "Face's truncate; gpt-oss uses --no-yarn-correction-range-round-to-int).")
+    g.add_argument("--yarn-attention-factor", type=float, default=None,
+                   help="YaRN: the cos/sin multiplier (Hugging Face's attention_factor); "
+                        "default: derived from the factor and mscales.")
+
+
 def _add_network_args(parser):
     g = parser.add_argument_group("network size and architecture")
     g.add_argument("--num-layers", type=int, default=None)
@@ -96,12 +123,23 @@ def _add_network_args(parser):
     g.add_argument("--rope-original-max-position-embeddings", type=int, default=8192,
                    help="LLaMA-3.1 RoPE scaling: the context length before scaling (with "
                         "--use-rope-scaling).")
+    _add_yarn_args(g)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--RMSNorm", action="store_true",
                    help="Old spelling of --normalization RMSNorm.")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
                    default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLP with gate * sigmoid(1.702 * gate) in place of SwiGLU's SiLU "
+                        "(gpt-oss); the --ffn-hidden-size default stays 4 * hidden (the 2/3 "
+                        "rule is --swiglu's).")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="with --swiglu or --quick-geglu: added to the up half before the "
+                        "product (gpt-oss: 1).")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="with --swiglu or --quick-geglu: clamp the gate half to at most this "
+                        "and the up half to +-this (gpt-oss: 7).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GeLU's tanh approximation (GPT-2's 'gelu_new') instead of the exact one.")
     g.add_argument("--disable-bias-linear", action="store_true")
@@ -113,6 +151,10 @@ def _add_network_args(parser):
                         "itself (RIGHT 0: causal); Hugging Face's sliding_window S is S-1,0")
     g.add_argument("--window-attn-skip-freq", type=int, default=None,
                    help="with --window-size: every N-th layer keeps full attention (gpt-oss 2)")
+    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"),
+                   default="vanilla",
+                   help="attention softmax: learnable adds a learned logit per head to the "
+                        "denominator (gpt-oss's attention sinks), off-by-one a fixed 0")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.1)

@@ -52,7 +52,7 @@ _MOE_FLAGS = (
     "--moe-layer-freq", "--moe-ffn-hidden-size", "--moe-router-topk",
     "--moe-router-score-function", "--moe-router-pre-softmax", "--moe-router-topk-norm",
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
-    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-router-bias",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy",
     "--moe-pad-expert-input-to-capacity", "--moe-shared-expert-intermediate-size",
     "--moe-shared-expert-gate", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
@@ -61,6 +61,10 @@ _FP16_FLAGS = ("--loss-scale", "--initial-loss-scale", "--min-loss-scale",
                "--loss-scale-window", "--hysteresis")
 _ROPE_SCALING_FLAGS = ("--rope-scaling-factor", "--rope-low-freq-factor",
                        "--rope-high-freq-factor", "--rope-original-max-position-embeddings")
+# --no-...: the one spelling that differs from the default (rounding on).
+_YARN_FLAGS = ("--rotary-scaling-factor", "--original-max-position-embeddings", "--beta-fast",
+               "--beta-slow", "--mscale", "--mscale-all-dim",
+               "--no-yarn-correction-range-round-to-int", "--yarn-attention-factor")
 _TENSORBOARD_FLAGS = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
                       "--log-validation-ppl-to-tensorboard",
                       "--no-log-learning-rate-to-tensorboard",
@@ -95,6 +99,9 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                  "--recompute-granularity full")
       for flag in ("--recompute-method", "--recompute-num-layers",
                    "--distribute-saved-activations")),
+    # the MLP's activation
+    *(Dependency(flag, lambda a: a.swiglu or a.quick_geglu, "--swiglu or --quick-geglu")
+      for flag in ("--glu-linear-offset", "--activation-func-clamp-value")),
     # attention
     Dependency("--window-attn-skip-freq", lambda a: a.window_size is not None,
                "--window-size LEFT,0"),
@@ -108,9 +115,11 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
     Dependency("--grad-reduce-in-bf16", lambda a: a.bf16, "--bf16"),
     # positions
     *(Dependency(flag, _rope, "--position-embedding-type rope")
-      for flag in ("--rotary-base", "--rotary-percent", "--use-rope-scaling")),
+      for flag in ("--rotary-base", "--rotary-percent", "--use-rope-scaling", "--rope-type")),
     *(Dependency(flag, lambda a: a.use_rope_scaling, "--use-rope-scaling")
       for flag in _ROPE_SCALING_FLAGS),
+    *(Dependency(flag, lambda a: a.rope_type == "yarn", "--rope-type yarn")
+      for flag in _YARN_FLAGS),
     # optimizer and learning rate
     *(Dependency(flag, lambda a: a.lr_decay_style == "WSD", "--lr-decay-style WSD")
       for flag in ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples")),

@@ -53,6 +53,9 @@ def add_moe_args(parser) -> None:
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-bias", action="store_true",
+                   help="a learned bias on the router's logits, trained like its weight "
+                        "(gpt-oss's router bias); unrelated to --moe-router-enable-expert-bias")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     g.add_argument("--moe-token-drop-policy", choices=TOKEN_DROP_POLICIES, default="probs")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
@@ -82,6 +85,7 @@ def moe_config_from_args(args) -> Optional[MoEConfig]:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_bias=getattr(args, "moe_router_bias", False),  # saved args may predate it
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,

@@ -186,8 +186,16 @@ def _check_flags(args):
           or args.rope_high_freq_factor > args.rope_low_freq_factor,
           f"--rope-high-freq-factor {args.rope_high_freq_factor} must be greater than "
           f"--rope-low-freq-factor {args.rope_low_freq_factor} (LLaMA-3.1: 4 and 1).")
-    _need(not (args.swiglu and args.openai_gelu),
-          "--swiglu and --openai-gelu both choose the MLP activation; give one.")
+    _need(not (getattr(args, "use_rope_scaling", False)
+               and getattr(args, "rope_type", "rope") == "yarn"),
+          "--use-rope-scaling (LLaMA-3.1) and --rope-type yarn both rescale the rotary "
+          "frequencies; give one.")
+    activations = [flag for flag, dest in (("--swiglu", "swiglu"), ("--quick-geglu", "quick_geglu"),
+                                           ("--openai-gelu", "openai_gelu"))
+                   if getattr(args, dest, False)]
+    _need(len(activations) < 2,
+          f"{' and '.join(activations)} {'all' if len(activations) > 2 else 'both'} choose "
+          f"the MLP activation; give one.")
     _need(args.num_query_groups == 1 or args.group_query_attention,
           "--num-query-groups needs --group-query-attention (Megatron ignores it otherwise).")
     _need(not args.sequence_parallel or args.tensor_model_parallel_size > 1,
@@ -229,7 +237,9 @@ def _check_positions(args):
     if args.position_embedding_type == "rope":
         # Past the trained context, unscaled RoPE meets rotation angles it never saw: name
         # the scaling flags unless they are on already.
-        scaling = "" if getattr(args, "use_rope_scaling", False) else (
+        scaled = getattr(args, "use_rope_scaling", False) or \
+            getattr(args, "rope_type", "rope") == "yarn"
+        scaling = "" if scaled else (
             f", or, to extend a model trained at {table} positions, --use-rope-scaling "
             f"--rope-scaling-factor {seq / table:g} --rope-original-max-position-embeddings "
             f"{table}")

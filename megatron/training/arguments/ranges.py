@@ -21,6 +21,8 @@ class _Range:
         return above and below
 
     def __str__(self) -> str:
+        if self.low == -math.inf and self.high == math.inf:
+            return "a finite number"
         if self.high == math.inf:
             return f"{'>' if self.low_open else '>='} {self.low:g}"
         return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
@@ -32,6 +34,7 @@ _NON_NEGATIVE = _Range(0)
 _POSITIVE = _Range(0, low_open=True)
 _PROBABILITY = _Range(0, 1)  # [0, 1): a dropout of 1 zeroes everything
 _FRACTION = _Range(0, 1, high_open=False)
+_FINITE = _Range(-math.inf)  # any value but inf and nan (check_flag_ranges refuses those)
 
 # Every numeric flag's valid values, checked before any rule that divides or multiplies by
 # them (so "--hidden-size -8" is named, not a "negative dimension" deep in the model, and no
@@ -66,6 +69,15 @@ FLAG_RANGES = {
     "tiktoken_num_special_tokens": (_NON_NEGATIVE, "ids reserved below the BPE ranks"),
     "fp8_margin": (_NON_NEGATIVE, "0 = amax at the largest FP8 value"),
     "window_attn_skip_freq": (_AT_LEAST_1, "every N-th layer keeps full attention"),
+    "activation_func_clamp_value": (_POSITIVE, "the bound of both halves; gpt-oss 7"),
+    "glu_linear_offset": (_FINITE, "added to the up half; gpt-oss 1"),
+    "rotary_scaling_factor": (_AT_LEAST_1, "YaRN's context extension; 1 = none"),
+    "original_max_position_embeddings": (_AT_LEAST_1, "YaRN's context before scaling"),
+    "beta_fast": (_POSITIVE, "YaRN: rotations over the original context, e.g. 32"),
+    "beta_slow": (_POSITIVE, "YaRN: rotations over the original context, e.g. 1"),
+    "mscale": (_NON_NEGATIVE, ""),
+    "mscale_all_dim": (_NON_NEGATIVE, "0 = plain YaRN temperature"),
+    "yarn_attention_factor": (_POSITIVE, "unset = derived from the factor"),
     "num_layers_at_start_in_bf16": (_NON_NEGATIVE, ""),
     "num_layers_at_end_in_bf16": (_NON_NEGATIVE, ""),
     "reduce_bucket_size": (_AT_LEAST_1, "elements per bucket"),

@@ -31,8 +31,17 @@ def _rope_scaling(args: Dict) -> bool:
     return _rope(args) and bool(args.get("use_rope_scaling"))
 
 
+def _yarn(args: Dict) -> bool:
+    return _rope(args) and args.get("rope_type") == "yarn"
+
+
 def _learned_positions(args: Dict) -> bool:
     return args.get("position_embedding_type") == "learned_absolute"
+
+
+def _gated(args: Dict) -> bool:
+    """--swiglu or --quick-geglu: the MLP has [gate; up] halves to clamp and offset."""
+    return bool(args.get("swiglu") or args.get("quick_geglu"))
 
 
 def _experts(args: Dict) -> bool:
@@ -112,6 +121,16 @@ def _windowed(args: Dict) -> bool:
     return args.get("window_size") is not None
 
 
+def _softmax_type(args: Dict):
+    return args.get("softmax_type") or "vanilla"  # checkpoints from before the flag
+
+
+class _BooleanPair(Setting):
+    """A --flag / --no-flag pair (argparse.BooleanOptionalAction): shown as typed."""
+    def show(self, value) -> str:
+        return self.flag if value else self.flag.replace("--", "--no-", 1)
+
+
 class _Window(Setting):
     def show(self, value) -> str:
         return f"{self.flag} {value[0]},{value[1]}" if value else f"no {self.flag}"
@@ -141,15 +160,29 @@ ARCHITECTURE: List[Setting] = [
     Setting("rope_high_freq_factor", "--rope-high-freq-factor", _rope_scaling),
     Setting("rope_original_max_position_embeddings", "--rope-original-max-position-embeddings",
             _rope_scaling),
+    Setting("rope_type", "--rope-type", _rope),
+    Setting("rotary_scaling_factor", "--rotary-scaling-factor", _yarn),
+    Setting("original_max_position_embeddings", "--original-max-position-embeddings", _yarn),
+    Setting("beta_fast", "--beta-fast", _yarn),
+    Setting("beta_slow", "--beta-slow", _yarn),
+    Setting("mscale", "--mscale", _yarn),
+    Setting("mscale_all_dim", "--mscale-all-dim", _yarn),
+    _BooleanPair("yarn_correction_range_round_to_int", "--yarn-correction-range-round-to-int",
+                 _yarn),
+    Setting("yarn_attention_factor", "--yarn-attention-factor", _yarn),
     Setting("normalization", "--normalization"),
     Setting("norm_epsilon", "--norm-epsilon"),
     Setting("swiglu", "--swiglu", switch=True),
+    Setting("quick_geglu", "--quick-geglu", switch=True),
+    Setting("glu_linear_offset", "--glu-linear-offset", _gated),
+    Setting("activation_func_clamp_value", "--activation-func-clamp-value", _gated),
     Setting("openai_gelu", "--openai-gelu", switch=True),
     Setting("disable_bias_linear", "--disable-bias-linear", switch=True),
     Setting("add_qkv_bias", "--add-qkv-bias", switch=True),
     Setting("qk_layernorm", "--qk-layernorm", switch=True),
     _Window("window_size", "--window-size", value=_window),
     Setting("window_attn_skip_freq", "--window-attn-skip-freq", _windowed),
+    Setting("softmax_type", "--softmax-type", value=_softmax_type),
     Setting("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights",
             switch=True),
     Setting("num_experts", "--num-experts"),
@@ -160,6 +193,7 @@ ARCHITECTURE: List[Setting] = [
     Setting("moe_router_topk_norm", "--moe-router-topk-norm", _experts, switch=True),
     Setting("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", _experts,
             switch=True),
+    Setting("moe_router_bias", "--moe-router-bias", _experts, switch=True),
     Setting("moe_ffn_hidden_size", "--moe-ffn-hidden-size", _experts,
             value=_moe_ffn_hidden_size, needs=("ffn_hidden_size",)),
     Setting("moe_layer_freq", "--moe-layer-freq", _experts),

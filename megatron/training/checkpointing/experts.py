@@ -5,6 +5,9 @@ A rank's stacked ``decoder.layers.{i}.mlp.experts.weight1`` [E/EP, 2f/ETP, h] (a
 ``decoder.layers.{i}.mlp.experts.{g}.linear_fc1.weight`` [2f, h] (``linear_fc2`` [h, f]).
 Their names end like a dense MLP's, so the linear_fc1 (dim 0, stride 2) and linear_fc2
 (dim 1) split rules apply, with expert TP in place of TP; a new EP is a new choice of g.
+Expert biases (gpt-oss) go the same way: ``bias1`` [E/EP, 2f] and ``bias2`` [E/EP, h] as
+``...experts.{g}.linear_fc1.bias`` ([gate; up], split like fc1's rows) and ``linear_fc2.bias``
+(not split).
 Optimizer state (flat ranges of the stacked tensor) is cut the same way, per expert.
 """
 import re
@@ -16,18 +19,18 @@ from megatron.core import parallel_state
 from megatron.core.models.tp_sharding import merge_tensor, partition_of, shard_tensor
 from megatron.core.transformer.moe.experts import ExpertShard
 
-_STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.weight(?P<which>[12])$")
-_PER_EXPERT = re.compile(r"^.*\.mlp\.experts\.\d+\.linear_fc[12]\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>weight|bias)(?P<which>[12])$")
+_PER_EXPERT = re.compile(r"^.*\.mlp\.experts\.\d+\.linear_fc[12]\.(weight|bias)$")
 _LINEAR = {"1": "linear_fc1", "2": "linear_fc2"}
 
 
 def is_stacked_expert(name: str) -> bool:
-    """``name`` (chunk-local, or "{chunk}/name") is a stacked routed-expert weight."""
+    """``name`` (chunk-local, or "{chunk}/name") is a stacked routed-expert weight or bias."""
     return _STACKED.match(name) is not None
 
 
 def is_expert_name(name: str) -> bool:
-    """``name`` is a per-expert (layout-free) routed-expert weight."""
+    """``name`` is a per-expert (layout-free) routed-expert weight or bias."""
     return _PER_EXPERT.match(name) is not None
 
 
@@ -39,7 +42,7 @@ def expert_names(stacked: str, num_local: int, ep_rank: int) -> List[str]:
     """The per-expert names of a stacked weight's ``num_local`` experts held by ``ep_rank``."""
     match = _STACKED.match(stacked)
     first = ep_rank * num_local
-    return [f"{match['prefix']}.{first + l}.{_LINEAR[match['which']]}.weight"
+    return [f"{match['prefix']}.{first + l}.{_LINEAR[match['which']]}.{match['kind']}"
             for l in range(num_local)]
 
 
@@ -67,9 +70,17 @@ def merge_expert_tensor_parallel(shards: Dict[str, Dict[int, torch.Tensor]]
     out = {}
     for name, by_rank in shards.items():
         ordered = [by_rank[r] for r in range(len(by_rank))]
-        out[name] = ordered[0] if len(ordered) == 1 else merge_tensor(
-            ordered, *partition_of(name, True))
+        part = partition_of(name, True)  # None: fc2's bias, the same on every ETP rank
+        out[name] = ordered[0] if len(ordered) == 1 or part is None else merge_tensor(
+            ordered, *part)
     return out
+
+
+def expert_tensor_parallel_shard(full: torch.Tensor, name: str, etp_size: int,
+                                 etp_rank: int) -> torch.Tensor:
+    """ETP rank ``etp_rank``'s piece of a whole per-expert tensor (fc2's bias: all of it)."""
+    part = partition_of(name, True)
+    return full.clone() if part is None else shard_tensor(full, *part, etp_size, etp_rank)
 
 
 def stack_for_rank(full: Dict[str, torch.Tensor], stacked: str, num_local: int,
@@ -80,8 +91,8 @@ def stack_for_rank(full: Dict[str, torch.Tensor], stacked: str, num_local: int,
     for expert in expert_names(stacked, num_local, shard.ep_rank):
         if expert not in full:
             raise KeyError(expert)
-        pieces.append(shard_tensor(full[expert], *partition_of(expert, True),
-                                   shard.etp_size, shard.etp_rank))
+        pieces.append(expert_tensor_parallel_shard(full[expert], expert, shard.etp_size,
+                                                   shard.etp_rank))
     return torch.stack(pieces)
 
 

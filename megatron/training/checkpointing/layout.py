@@ -3,6 +3,7 @@ from typing import Dict, List
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.training.checkpointing.experts import expert_layout
 
 
@@ -27,7 +28,7 @@ def current_layout(model_chunks, configs) -> Dict:
         "layer_ranges": [chunk_layer_range(c) for c in model_chunks],
         "vocab_size": getattr(configs, "checkpoint_vocab_size", None) or first.vocab_size,
         "padded_vocab_size": first.padded_vocab_size,
-        "gated_mlp": tc.activation == "swiglu",
+        "gated_mlp": tc.activation in GATED_ACTIVATIONS,
         "tied_output": bool(first.share_embeddings_and_output_weights),
         "distributed_optimizer": bool(configs.optimizer.sharded),
         **expert_layout(),

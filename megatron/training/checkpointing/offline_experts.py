@@ -12,13 +12,17 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.core.models.tp_sharding import partition_of, shard_tensor
 from megatron.training.checkpointing.expert_files import EXPERT_FILE, _read_expert_files, _whole
-from megatron.training.checkpointing.experts import is_expert_name, is_stacked_expert, split_stacked
+from megatron.training.checkpointing.experts import (
+    expert_tensor_parallel_shard,
+    is_expert_name,
+    is_stacked_expert,
+    split_stacked,
+)
 from megatron.training.checkpointing.safe_io import atomic_save
 
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<g>\d+)\.linear_fc(?P<w>[12])\.weight$")
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<g>\d+)\.linear_fc(?P<w>[12])\.(?P<kind>weight|bias)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -53,7 +57,7 @@ def stack_experts(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         if match is None:
             out[name] = tensor
         else:
-            key = f"{match['prefix']}.weight{match['w']}"
+            key = f"{match['prefix']}.{match['kind']}{match['w']}"
             groups.setdefault(key, {})[int(match["g"])] = tensor
     for key, by_expert in groups.items():
         if sorted(by_expert) != list(range(len(by_expert))):
@@ -86,7 +90,7 @@ def write_expert_files(staging: str, experts: Dict[str, torch.Tensor], layout: D
                      if any(s <= _layer_of(n) < e for s, e in chunk_ranges)
                      and int(_PER_EXPERT.match(n)["g"]) in mine]
             for etp_rank in range(etp):
-                model = {n: shard_tensor(experts[n], *partition_of(n, True), etp, etp_rank)
+                model = {n: expert_tensor_parallel_shard(experts[n], n, etp, etp_rank)
                          for n in names}
                 path = os.path.join(staging, f"mp_rank_{etp_rank:02d}_{pp_rank:03d}_"
                                     f"{ep_rank:03d}", EXPERT_FILE)

@@ -41,6 +41,7 @@ import torch
 
 from megatron.core.pipeline_parallel.schedule_order import FORWARD, schedule_order
 from megatron.core.transformer.attention import compiled_head_layout, sdpa_kernel_for
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.training.memory.moe import dispatch_buffer_bytes, is_moe_layer, moe_layer_terms
 from megatron.training.memory.params import chunk_span
 from megatron.training.memory.schedules import (
@@ -133,7 +134,8 @@ def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, 
             add(name, value)
         return terms
     add("MLP input", e * sharded_tokens * h)
-    add("MLP intermediate", e * tokens * f // tp * (3 if config.activation == "swiglu" else 2))
+    gated = config.activation in GATED_ACTIVATIONS
+    add("MLP intermediate", e * tokens * f // tp * (3 if gated else 2))
     return terms
 
 

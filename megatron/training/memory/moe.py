@@ -3,11 +3,12 @@ design: TransformerConfig.moe, ModelParallelConfig.expert_model_parallel_size EP
 expert_tensor_parallel_size ETP).
 
 Parameters of one MoE layer on one rank, in registration order (router, experts, shared
-expert): the router [E, h] (replicated), the E/EP local experts' weight1 [E/EP, 2f/ETP, h]
-and weight2 [E/EP, h, f/ETP], the shared expert split over TP like a dense MLP and its gate
-[1, h]. Expert weights live in DDP buffers of their own, reduced over the expert-data-parallel
-group and sharded over it by the distributed optimizer: EDP = world / (ETP x EP x PP) =
-DP x CP x TP / (ETP x EP).
+expert): the router [E, h] (replicated) and its bias [E] (--moe-router-bias), the E/EP local
+experts' weight1 [E/EP, 2f/ETP, h] and weight2 [E/EP, h, f/ETP] and, with biases (expert TP
+1), bias1 [E/EP, 2f] and bias2 [E/EP, h], the shared expert split over TP like a dense MLP
+(with its biases) and its gate [1, h]. Expert weights live in DDP buffers of their own,
+reduced over the expert-data-parallel group and sharded over it by the distributed
+optimizer: EDP = world / (ETP x EP x PP) = DP x CP x TP / (ETP x EP).
 
 Activations of one MoE layer, one microbatch, from what autograd saves in MoELayer (measured
 by tests/unit/test_memory_moe.py): with T tokens on the rank (T/TP under sequence
@@ -21,6 +22,7 @@ EP > 1, N is the rows this rank's experts receive, k T when the routing is balan
 - experts: the input rows [N, h], the fc1 output 2f/ETP and the SwiGLU product f/ETP per row
   (3f/ETP: the MLP's SwiGLU function recomputes the SiLU in backward); grouped GEMM's offsets (int32 [E/EP]); with a
   capacity, the kept choices' order (int64), and when padding each kept row's slot and gate;
+  with biases and the grouped GEMM, each row's expert (int64 [N], the bias rows' index);
 - shared expert: the dense MLP's terms (fc1 output and product, 3 x its f/TP per token), and
   with its gate the sigmoid [T, 1] and the expert's output [T, h];
 - combine: the expert output and the gate-weighted rows [N, h] each.
@@ -63,14 +65,24 @@ def moe_mlp_params(config, prefix: str) -> list:
     moe, h, tp = config.moe, config.hidden_size, config.tensor_model_parallel_size
     ep, etp = expert_sizes(config)
     local, f = moe.num_moe_experts // ep, moe.moe_ffn_hidden_size // etp
-    shapes = [ParamShape(prefix + "router.weight", moe.num_moe_experts * h, moe.num_moe_experts),
-              ParamShape(prefix + "experts.weight1", local * 2 * f * h, local),
-              ParamShape(prefix + "experts.weight2", local * h * f, local)]
+    biased = config.add_bias_linear  # gpt-oss: the experts' (and shared expert's) biases
+    shapes = [ParamShape(prefix + "router.weight", moe.num_moe_experts * h, moe.num_moe_experts)]
+    if getattr(moe, "moe_router_bias", False):
+        shapes.append(ParamShape(prefix + "router.bias", moe.num_moe_experts))
+    shapes += [ParamShape(prefix + "experts.weight1", local * 2 * f * h, local),
+               ParamShape(prefix + "experts.weight2", local * h * f, local)]
+    if biased:  # expert-TP 1 (TransformerConfig's rule), so f here is the whole f
+        shapes += [ParamShape(prefix + "experts.bias1", local * 2 * f, local),
+                   ParamShape(prefix + "experts.bias2", local * h, local)]
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None:
         fc1 = 2 * shared // tp
-        shapes += [ParamShape(prefix + "shared_experts.linear_fc1.weight", fc1 * h, fc1),
-                   ParamShape(prefix + "shared_experts.linear_fc2.weight", h * shared // tp, h)]
+        shapes.append(ParamShape(prefix + "shared_experts.linear_fc1.weight", fc1 * h, fc1))
+        if biased:
+            shapes.append(ParamShape(prefix + "shared_experts.linear_fc1.bias", fc1))
+        shapes.append(ParamShape(prefix + "shared_experts.linear_fc2.weight", h * shared // tp, h))
+        if biased:
+            shapes.append(ParamShape(prefix + "shared_experts.linear_fc2.bias", h))
         if moe.moe_shared_expert_gate:
             shapes.append(ParamShape(prefix + "shared_experts.gate_weight", h, 1))
     return shapes
@@ -137,6 +149,8 @@ def moe_layer_terms(config, tokens: int, e: int, sequences: int = 1) -> Dict[str
     index_arrays = 4 if ep > 1 and moe.moe_token_dispatcher_type == "alltoall" else 2
     terms["dispatch order, row tokens and gates"] = (index_arrays * INT64 + FP32) * rows
     terms["expert input rows"] = e * rows * h
+    if config.add_bias_linear and moe.moe_grouped_gemm:  # which bias row each row adds
+        terms["expert of each row (biases)"] = INT64 * rows
     terms["expert fc1 output and SwiGLU product"] = e * rows * 3 * f
     if moe.moe_grouped_gemm:
         terms["grouped GEMM offsets"] = INT32 * (experts // ep)

@@ -28,6 +28,7 @@ from typing import List, Tuple
 
 from megatron.core.pipeline_parallel.layer_split import chunk_layer_range
 from megatron.core.pipeline_placement import placement_for_schedule, virtual_stage_of
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.training.memory.base import FP32, ModelStateBytes, OptimizerSetup, ParamShape
 from megatron.training.memory.moe import is_moe_layer, moe_mlp_params
 
@@ -38,7 +39,7 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
     prefix = f"decoder.layers.{number}."
     norm = ["weight"] + (["bias"] if config.normalization == "LayerNorm" else [])
     qkv = (a + 2 * g) * d // tp
-    fc1 = tp_f * (2 if config.activation == "swiglu" else 1) // tp
+    fc1 = tp_f * (2 if config.activation in GATED_ACTIVATIONS else 1) // tp
     shapes = [ParamShape(prefix + "input_layernorm." + n, h) for n in norm]
     shapes.append(ParamShape(prefix + "self_attention.linear_qkv.weight", qkv * h, qkv))
     if config.add_qkv_bias:
@@ -49,6 +50,8 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
     if config.qk_layernorm:  # one norm over a head's dim, shared by the heads (Qwen3)
         shapes += [ParamShape(f"{prefix}self_attention.{q_or_k}_layernorm.{n}", d)
                    for q_or_k in "qk" for n in norm]
+    if getattr(config, "softmax_type", "vanilla") == "learnable":  # attention sinks per head
+        shapes.append(ParamShape(prefix + "self_attention.sinks", a // tp))
     shapes += [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
     if is_moe_layer(config, number):
         return shapes + moe_mlp_params(config, prefix + "mlp.")

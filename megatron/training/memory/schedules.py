@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel.schedule_order import (
     ZERO_BUBBLE,
     Step,
 )
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.training.memory.params import chunk_span
 
 
@@ -47,7 +48,7 @@ def _linear_records(config, setup) -> List[int]:
     tokens = setup.local_seq_length(config) * setup.micro_batch_size
     shard = tokens // tp if config.sequence_parallel and tp > 1 else tokens
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
-    fc1_out = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    fc1_out = config.ffn_hidden_size * (2 if config.activation in GATED_ACTIVATIONS else 1) // tp
     return [
         e * (tokens * (heads + 2 * groups) * d + shard * h),  # QKV: column, SP-shard input
         e * (tokens * h + tokens * heads * d),  # attention projection: row, full output grad

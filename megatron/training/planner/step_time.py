@@ -52,6 +52,7 @@ CP every per-microbatch activation below is that of s/c tokens):
 from dataclasses import dataclass
 
 from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
+from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.core.transformer.sliding_window import layer_windows
 from megatron.training.logging.flops import mfu, num_floating_point_operations
 from megatron.training.memory.estimate import MemoryEstimate, dtype_bytes
@@ -148,7 +149,7 @@ def _count(config, seq_length: int, batch: int, layers: int, vocab: int, windows
         ffn_hidden_size=effective_ffn_hidden_size(config),
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
-        batch_size=batch, swiglu=config.activation == "swiglu",
+        batch_size=batch, swiglu=config.activation in GATED_ACTIVATIONS,
         kv_channels=config.kv_channels, windows=windows)
 
 

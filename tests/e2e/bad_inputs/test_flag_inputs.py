@@ -142,8 +142,8 @@ CASES = [
      ["--num-experts", "4", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
      ["MoE with tensor_model_parallel_size 2 needs sequence_parallel", "--sequence-parallel"]),
     ("moe-gelu-experts", "pretrain_gpt.py", ["--num-experts", "4"], None,
-     ["the MoE experts are SwiGLU FFNs without biases: use --swiglu and "
-      "--disable-bias-linear."]),
+     ["the MoE experts are gated FFNs ([gate; up] fc1 rows); activation 'gelu' is not: use "
+      "--swiglu or --quick-geglu."]),
     ("moe-with-context-parallel", "pretrain_llama.py",
      ["--num-experts", "4", "--context-parallel-size", "2"], {"WORLD_SIZE": "2"},
      ["MoE does not compose with context parallelism yet", "--context-parallel-size"]),

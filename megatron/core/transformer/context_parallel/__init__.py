@@ -123,7 +123,9 @@ def _check_inputs(query, key, value, comm_type, dropout_p, dropout_seed, documen
 def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2p",
                                dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                                head_offset: int = 0, document_ids=None,
-                               softmax_scale: Optional[float] = None) -> torch.Tensor:
+                               softmax_scale: Optional[float] = None,
+                               window: Optional[int] = None,
+                               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, which is sharded over
     the CP ``group`` in the load-balanced layout (see load_balanced_positions).
 
@@ -134,19 +136,27 @@ def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2
     earlier-or-equal positions of its own document); the same full tensor on every CP rank.
     ``dropout_seed`` and ``head_offset`` (global index of local head 0) make the dropout mask
     a pure function of (seed, batch, global head, global query and key position): see
-    attention_dropout_keep. ``group`` None (or one rank) is plain causal attention."""
+    attention_dropout_keep. ``window`` W: each query sees only the keys at most W positions
+    before it (blocks wholly outside are skipped). ``sinks`` [hq] (gpt-oss): one learned
+    logit per local head added to every softmax's denominator, differentiable. ``group`` None
+    (or one rank) is plain causal attention, in query blocks when masked (never s x s)."""
     _check_inputs(query, key, value, comm_type, dropout_p, dropout_seed, document_ids)
     layout = _group_layout(group, query.shape[2], query.device)
     if document_ids is not None and document_ids.shape[1] != query.shape[2] * layout.size:
         raise ValueError(f"document_ids covers {document_ids.shape[1]} positions, the "
                          f"sequence has {query.shape[2] * layout.size}")
+    if sinks is not None and sinks.shape != (query.shape[1],):
+        raise ValueError(f"sinks must be [hq] = [{query.shape[1]}], got {tuple(sinks.shape)}")
     kernel = choose_block_kernel(query.device.type, query.dtype, query.shape[3],
-                                 document_ids is not None, dropout_p > 0)
+                                 document_ids is not None or window is not None, dropout_p > 0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[3])
     settings = BlockSettings(scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             head_offset=head_offset, document_ids=document_ids, kernel=kernel)
-    function = RingAttention if comm_type == "p2p" else AllGatherAttention
-    return function.apply(query, key, value, layout, settings)
+                             head_offset=head_offset, document_ids=document_ids, kernel=kernel,
+                             window=window)
+    # One rank has nothing to pass around; the all-gather plan then is its query blocks.
+    ring = comm_type == "p2p" and layout.size > 1
+    function = RingAttention if ring else AllGatherAttention
+    return function.apply(query, key, value, sinks, layout, settings)
 
 
 def _reference_causes(config, packed_documents: bool):
@@ -159,6 +169,9 @@ def _reference_causes(config, packed_documents: bool):
     if packed_documents:
         causes.append(("packed documents (the CUDA flash kernel takes no per-document mask)",
                        "train without --reset-attention-mask"))
+    if getattr(config, "window_size", None) is not None:
+        causes.append(("a sliding window (the CUDA flash kernel takes no window mask)",
+                       "no --window-size"))
     if dtype not in HALF_DTYPES:
         causes.append((f"{str(dtype).replace('torch.', '')} (the CUDA flash kernel needs "
                        f"fp16/bf16)", "--bf16"))
@@ -181,8 +194,9 @@ def reference_kernel_reason(config, device_type: str, seq_length: int,
     local = seq_length // cp
     if cp == 1 or device_type != "cuda" or local <= MAX_REFERENCE_LOCAL_TOKENS:
         return None
-    kernel = choose_block_kernel("cuda", config.params_dtype, config.kv_channels,
-                                 packed_documents, config.attention_dropout > 0)
+    masked = packed_documents or getattr(config, "window_size", None) is not None
+    kernel = choose_block_kernel("cuda", config.params_dtype, config.kv_channels, masked,
+                                 config.attention_dropout > 0)
     if kernel != "reference":
         return None
     causes = _reference_causes(config, packed_documents)

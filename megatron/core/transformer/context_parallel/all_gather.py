@@ -5,6 +5,10 @@ order; each local query chunk (global chunk m) attends to the keys before its ch
 fully visible block) and to its own chunk (one causal block), merged by log-sum-exp. Backward
 sums dK/dV over the gathered sequence and reduce-scatters them back to their owners.
 
+Under a sliding window (and for masked blocks on one rank) each chunk's queries go in blocks of
+WINDOW_QUERY_BLOCK rows against only the keys their window reaches: memory O(s (block + W)),
+never s x s.
+
 Simpler than the ring and one collective each way, but it holds the whole sequence's K/V:
 saved for backward per rank are local q and out, the gathered K and V and lse, i.e.
 2*b*hq*s_local*d * itemsize + 2*b*hkv*s_global*d * itemsize + b*hq*s_local * 4 bytes
@@ -18,10 +22,14 @@ from megatron.core import collectives
 from megatron.core.transformer.context_parallel.blocks import (
     BlockSettings,
     CPLayout,
+    add_sinks_,
     block_backward,
     block_forward,
     merge_partial_,
+    sinks_grad,
 )
+
+WINDOW_QUERY_BLOCK = 256
 
 
 def _chunk_sources(cp_size: int) -> torch.Tensor:
@@ -58,17 +66,33 @@ def _to_rank_order(full: torch.Tensor, cp_size: int) -> torch.Tensor:
     return in_rank_order.reshape(c, two, b, h, 2 * chunk, d)
 
 
-def _blocks(layout: CPLayout, s_local: int):
+def _blocks(layout: CPLayout, s_local: int, st: BlockSettings):
     """(query rows, key range in global order, causal) for both local query chunks."""
-    if layout.size == 1:
-        return [(slice(0, s_local), slice(0, s_local), True)]
-    chunk = s_local // 2
+    chunk = s_local if layout.size == 1 else s_local // 2
+    starts = (layout.rank,) if layout.size == 1 else \
+        (layout.rank, 2 * layout.size - 1 - layout.rank)
     plan = []
-    for half, m in enumerate((layout.rank, 2 * layout.size - 1 - layout.rank)):
+    for half, m in enumerate(starts):
+        if st.window is not None or (layout.size == 1 and st.masked):
+            plan += _query_blocks(half * chunk, m * chunk, chunk, st.window)
+            continue
         rows = slice(half * chunk, (half + 1) * chunk)
         if m > 0:
             plan.append((rows, slice(0, m * chunk), False))
         plan.append((rows, slice(m * chunk, (m + 1) * chunk), True))
+    return plan
+
+
+def _query_blocks(first_row: int, first_position: int, rows: int, window):
+    """Blocks of WINDOW_QUERY_BLOCK queries of one chunk (rows from ``first_row``, global
+    positions from ``first_position``), each against the keys from its window's start (or the
+    sequence's) to its last query; the mask (positions) does the rest."""
+    plan = []
+    for start in range(0, rows, WINDOW_QUERY_BLOCK):
+        stop = min(start + WINDOW_QUERY_BLOCK, rows)
+        first, last = first_position + start, first_position + stop
+        lo = 0 if window is None else max(0, first - window)
+        plan.append((slice(first_row + start, first_row + stop), slice(lo, last), True))
     return plan
 
 
@@ -81,18 +105,21 @@ def _gather_kv(k, v, layout: CPLayout) -> torch.Tensor:
     return _to_global_order(gathered, layout.size)
 
 
-def all_gather_forward(q, k, v, layout: CPLayout, st: BlockSettings):
-    """-> (out in q's dtype, lse fp32, gathered kv [2, b, hkv, s_global, d])."""
+def all_gather_forward(q, k, v, layout: CPLayout, st: BlockSettings, sinks=None):
+    """-> (out in q's dtype, lse fp32, gathered kv [2, b, hkv, s_global, d]); ``sinks`` [hq]
+    (or None): one more logit per head in the softmax (add_sinks_)."""
     kv = _gather_kv(k, v, layout)
     key_pos = torch.arange(kv.shape[3], device=q.device)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     q_pos = layout.positions[layout.rank]
-    for rows, cols, causal in _blocks(layout, q.shape[2]):
+    for rows, cols, causal in _blocks(layout, q.shape[2], st):
         part_out, part_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                            q_pos[rows], key_pos[cols], causal, st)
         merge_partial_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
         del part_out, part_lse  # before the next block allocates its own
+    if sinks is not None:
+        add_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse, kv
 
 
@@ -101,7 +128,7 @@ def all_gather_backward(dout, q, kv, out, lse, layout: CPLayout, st: BlockSettin
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     key_pos = torch.arange(kv.shape[3], device=q.device)
     q_pos = layout.positions[layout.rank]
-    for rows, cols, causal in _blocks(layout, q.shape[2]):
+    for rows, cols, causal in _blocks(layout, q.shape[2], st):
         dq_part, dk_part, dv_part = block_backward(
             dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
             out[:, :, rows], lse[:, :, rows], q_pos[rows], key_pos[cols], causal, st)
@@ -118,17 +145,18 @@ def all_gather_backward(dout, q, kv, out, lse, layout: CPLayout, st: BlockSettin
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper: saves q, the gathered K/V, out and lse."""
+    """Autograd wrapper: saves q, the gathered K/V, out and lse (and the sinks, [hq])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: CPLayout, st: BlockSettings):
-        out, lse, kv = all_gather_forward(q, k, v, layout, st)
-        ctx.save_for_backward(q, kv, out, lse)
+    def forward(ctx, q, k, v, sinks, layout: CPLayout, st: BlockSettings):
+        out, lse, kv = all_gather_forward(q, k, v, layout, st, sinks)
+        ctx.save_for_backward(q, kv, out, lse, sinks)
         ctx.layout, ctx.settings = layout, st
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = all_gather_backward(dout, q, kv, out, lse, ctx.layout, ctx.settings)
-        return dq, dk, dv, None, None
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None

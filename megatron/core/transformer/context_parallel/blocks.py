@@ -3,7 +3,8 @@ forward (output and log-sum-exp) and backward (given the GLOBAL output and log-s
 the log-sum-exp merge of partial outputs.
 
 A block is causal (its queries and keys hold the same global positions: lower-triangular) or
-fully visible (every key precedes every query); packed documents add a same-document mask.
+fully visible (every key precedes every query); packed documents add a same-document mask and
+a sliding window a distance mask (a query sees keys at most ``window`` positions before it).
 Backward of a block needs only the final output O and log-sum-exp L of its queries:
 P = exp(S - L) is the block's share of the global softmax and D = rowsum(dO * O), so the block
 grads computed independently sum to the grads of the whole attention (as in flash attention).
@@ -42,6 +43,17 @@ class BlockSettings:
     head_offset: int = 0  # global index of local head 0 (heads are sharded over TP)
     document_ids: Optional[torch.Tensor] = None  # long [b, s_global]
     kernel: str = "reference"
+    window: Optional[int] = None  # sliding window W: keys i - W .. i (None: all earlier)
+
+    @property
+    def masked(self) -> bool:
+        """Whether blocks need an explicit mask (the kernels' is_causal cannot express it)."""
+        return self.document_ids is not None or self.window is not None
+
+    def block_is_empty(self, q_first: int, k_last: int) -> bool:
+        """Whether a block whose earliest query is at ``q_first`` and latest key at ``k_last``
+        (global positions) lies wholly outside the window: nothing to compute."""
+        return self.window is not None and q_first - k_last > self.window
 
 
 @dataclass
@@ -52,6 +64,16 @@ class CPLayout:
     size: int
     global_ranks: List[int]
     positions: List[torch.Tensor]  # positions[j]: long [s_local], CP rank j's positions
+
+    def position(self, rank: int, index: int, s_local: int) -> int:
+        """Global position of row ``index`` of CP rank ``rank`` (host arithmetic, no sync).
+        Increasing in ``index``: a rank's head chunk precedes its tail chunk."""
+        if self.size == 1:
+            return index
+        chunk = s_local // 2
+        if index < chunk:
+            return rank * chunk + index
+        return (2 * self.size - 1 - rank) * chunk + index - chunk
 
     @property
     def next_peer(self) -> int:
@@ -113,6 +135,9 @@ def visible_mask(st: BlockSettings, q_pos, k_pos, causal: bool) -> Optional[torc
     mask = None
     if causal:
         mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if st.window is not None:
+        near = (q_pos[:, None] - k_pos[None, :] <= st.window)[None, None]
+        mask = near if mask is None else mask & near
     if st.document_ids is not None:
         docs = st.document_ids
         same_doc = (docs[:, q_pos][:, :, None] == docs[:, k_pos][:, None, :])[:, None]
@@ -185,7 +210,7 @@ def _additive_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
 
 def _cpu_flash_forward(q, k, v, q_pos, k_pos, causal, st: BlockSettings):
     op = getattr(torch.ops.aten, _CPU_FLASH)
-    if st.document_ids is None:  # causal blocks hold identical q/k positions: is_causal fits
+    if not st.masked:  # causal blocks hold identical q/k positions: is_causal fits
         out, lse = op(q, k, v, 0.0, causal, scale=st.scale)
         return out.float(), lse.float()
     mask = visible_mask(st, q_pos, k_pos, causal)
@@ -197,7 +222,7 @@ def _cpu_flash_forward(q, k, v, q_pos, k_pos, causal, st: BlockSettings):
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, q_pos, k_pos, causal, st: BlockSettings):
     op = getattr(torch.ops.aten, _CPU_FLASH + "_backward")
-    if st.document_ids is None:
+    if not st.masked:
         return op(dout, q, k, v, out, lse, 0.0, causal, scale=st.scale)
     mask = _additive_mask(visible_mask(st, q_pos, k_pos, causal), q.dtype)
     return op(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=st.scale)
@@ -261,3 +286,23 @@ def merge_partial_(out, lse, block_out, block_lse) -> None:
     out.mul_(torch.exp(lse - ref)[..., None])
     out.add_(block_out.mul_(torch.exp(block_lse - ref)[..., None]))
     lse.copy_(new_lse)
+
+
+def add_sinks_(out, lse, sinks) -> None:
+    """Attention sinks (gpt-oss): one more logit per head, ``sinks`` [hq], in each softmax's
+    denominator with no value behind it; in place on the merged fp32 ``out`` [b, hq, s, d] and
+    ``lse`` [b, hq, s]. The backward of the blocks then needs nothing else: it takes this
+    final output and log-sum-exp, as it takes the merged ones."""
+    sink = sinks.float()[None, :, None].expand_as(lse)
+    new_lse = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - new_lse)[..., None])
+    lse.copy_(new_lse)
+
+
+def sinks_grad(dout, out, lse, sinks) -> torch.Tensor:
+    """d loss / d sinks [hq]: a sink's probability p = exp(sink - L) scales every output down,
+    so d out / d sink = -p out and the gradient is -sum over batch and queries of
+    p * rowsum(dout * out)."""
+    prob = torch.exp(sinks.float()[None, :, None] - lse)
+    row_dot = (dout.float() * out.float()).sum(-1)
+    return -(prob * row_dot).sum(dim=(0, 2)).to(sinks.dtype)

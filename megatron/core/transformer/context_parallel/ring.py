@@ -7,7 +7,8 @@ With the head-tail layout every step is half a block of work:
   step 0, own block:        all local queries x all local keys, causal;
   block of rank j < r:      all local queries x its first chunk (all earlier), no mask;
   block of rank j > r:      the second local query chunk x its whole block, no mask.
-Partial outputs are merged by log-sum-exp. Backward walks the ring again: dQ accumulates
+Partial outputs are merged by log-sum-exp. Under a sliding window a block wholly outside it
+is not computed (its K/V still pass on). Backward walks the ring again: dQ accumulates
 locally; each block's dK/dV buffer travels one hop behind its K/V and, after CP hops, is back
 at its owner. Saved for backward: local q, k, v, out and lse only (no gathered K/V, no
 s x s tensor), i.e. per rank (2*b*hq*s*d + 2*b*hkv*s*d) * itemsize + b*hq*s * 4 bytes.
@@ -19,9 +20,11 @@ from torch.distributed import batch_isend_irecv
 from megatron.core.transformer.context_parallel.blocks import (
     BlockSettings,
     CPLayout,
+    add_sinks_,
     block_backward,
     block_forward,
     merge_partial_,
+    sinks_grad,
 )
 
 _KV_TAG, _DKV_TAG = 17, 18  # two streams between the same peers; tags keep them apart (gloo)
@@ -49,8 +52,15 @@ def block_plan(rank: int, src: int, s_local: int):
     return slice(half, s_local), slice(0, s_local), False  # only our tail chunk follows it
 
 
-def ring_forward(q, k, v, layout: CPLayout, st: BlockSettings):
-    """-> (out [b, hq, s, d] in q's dtype, lse fp32 [b, hq, s])."""
+def _outside_window(layout: CPLayout, st: BlockSettings, src: int, rows: slice, cols: slice,
+                    s_local: int) -> bool:
+    return st.block_is_empty(layout.position(layout.rank, rows.start, s_local),
+                             layout.position(src, cols.stop - 1, s_local))
+
+
+def ring_forward(q, k, v, layout: CPLayout, st: BlockSettings, sinks=None):
+    """-> (out [b, hq, s, d] in q's dtype, lse fp32 [b, hq, s]); ``sinks`` [hq] (or None):
+    one more logit per head in the softmax (add_sinks_)."""
     s_local = q.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -62,14 +72,17 @@ def ring_forward(q, k, v, layout: CPLayout, st: BlockSettings):
             incoming = torch.empty_like(kv)
             pending = _exchange(kv, incoming, layout, _KV_TAG)
         rows, cols, causal = block_plan(layout.rank, src, s_local)
-        part_out, part_lse = block_forward(
-            q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-            layout.positions[layout.rank][rows], layout.positions[src][cols], causal, st)
-        merge_partial_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
-        del part_out, part_lse  # before the next block allocates its own
+        if not _outside_window(layout, st, src, rows, cols, s_local):
+            part_out, part_lse = block_forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                layout.positions[layout.rank][rows], layout.positions[src][cols], causal, st)
+            merge_partial_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+            del part_out, part_lse  # before the next block allocates its own
         if pending is not None:
             _wait(pending)
             kv = incoming
+    if sinks is not None:
+        add_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -86,19 +99,22 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, st: BlockSettings):
             kv_incoming = torch.empty_like(kv)
             kv_pending = _exchange(kv, kv_incoming, layout, _KV_TAG)
         rows, cols, causal = block_plan(layout.rank, src, s_local)
-        dq_part, dk_part, dv_part = block_backward(
-            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-            out[:, :, rows], lse[:, :, rows],
-            layout.positions[layout.rank][rows], layout.positions[src][cols], causal, st)
-        dq[:, :, rows] += dq_part
+        parts = None
+        if not _outside_window(layout, st, src, rows, cols, s_local):
+            parts = block_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                out[:, :, rows], lse[:, :, rows],
+                layout.positions[layout.rank][rows], layout.positions[src][cols], causal, st)
+            dq[:, :, rows] += parts[0]
         if dkv_pending is None:  # step 0: start the buffer of our own block
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         else:  # the buffer of block src, filled by the ranks it visited before us
             _wait(dkv_pending)
             dkv = dkv_incoming
-        dkv[0][:, :, cols] += dk_part
-        dkv[1][:, :, cols] += dv_part
-        del dq_part, dk_part, dv_part  # before the next block allocates its own
+        if parts is not None:
+            dkv[0][:, :, cols] += parts[1]
+            dkv[1][:, :, cols] += parts[2]
+        del parts  # before the next block allocates its own
         if layout.size > 1:  # one hop on; after the last step it reaches its owner
             dkv_incoming = torch.empty_like(dkv)
             dkv_pending = _exchange(dkv, dkv_incoming, layout, _DKV_TAG)
@@ -112,17 +128,18 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, st: BlockSettings):
 
 
 class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: saves only q, k, v, out, lse."""
+    """Autograd wrapper: saves only q, k, v, out, lse (and the sinks, [hq])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: CPLayout, st: BlockSettings):
-        out, lse = ring_forward(q, k, v, layout, st)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, layout: CPLayout, st: BlockSettings):
+        out, lse = ring_forward(q, k, v, layout, st, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.layout, ctx.settings = layout, st
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.layout, ctx.settings)
-        return dq, dk, dv, None, None
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None

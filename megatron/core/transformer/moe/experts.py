@@ -15,6 +15,10 @@ expert l is global expert ep_rank*E/EP + l) and, of each, the ETP rank's slice o
 [E/EP, 2f/ETP, h] = [gate rows of the slice; up rows of the slice] (the stride-2 split of
 [gate; up]) and weight2 [E/EP, h, f/ETP]. With ETP > 1 the output is partial (fc2 over this
 rank's f slice); the dispatcher sums it over the ETP group.
+
+gpt-oss's experts: biases bias1 [E/EP, 2f] ([gate; up] like weight1) and bias2 [E/EP, h]
+(bias=True; ETP 1 only, or fc2's bias would enter the ETP sum once per rank), and another
+gated activation (activation_func, see transformer/gated_linear_unit.py).
 """
 from dataclasses import dataclass
 
@@ -62,6 +66,15 @@ class ExpertShard:
         gate, up = weight1[experts].chunk(2, dim=1)
         return torch.cat([gate[:, cols], up[:, cols]], dim=1), weight2[experts][:, :, cols]
 
+    def cut_biases(self, bias1, bias2):
+        """Full bias1 [E, 2f] and bias2 [E, h] -> this rank's [E/EP, 2f] and [E/EP, h]."""
+        if self.etp_size > 1:
+            raise ValueError("expert biases need expert-tensor-parallel-size 1 (fc2's bias "
+                             "would be added by every expert-TP rank).")
+        local = bias1.shape[0] // self.ep_size
+        experts = slice(self.ep_rank * local, (self.ep_rank + 1) * local)
+        return bias1[experts], bias2[experts]
+
 
 def grouped_mm_applies(x, weight1, weight2):
     """Whether torch._grouped_mm can run this input: it exists, the dtype is one its CPU and
@@ -88,6 +101,13 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _row_experts(tokens_per_expert, num_rows):
+    """The local expert of each of the grouped rows, without a host sync (the row count is
+    known): which bias row each row gets."""
+    experts = torch.arange(tokens_per_expert.numel(), device=tokens_per_expert.device)
+    return torch.repeat_interleave(experts, tokens_per_expert, output_size=num_rows)
+
+
 def _swiglu(x):
     """silu(gate) * up of x = [gate | up], with the MLP's autograd function: it keeps only x
     and writes both halves of the gradient into one buffer (no concatenation in backward),
@@ -97,16 +117,19 @@ def _swiglu(x):
 
 class SwiGLUExperts(torch.nn.Module):
     def __init__(self, num_experts, hidden_size, ffn_hidden_size, grouped_gemm=False,
-                 init_method_std=0.02, output_init_std=None, shard=None):
+                 init_method_std=0.02, output_init_std=None, shard=None, bias=False,
+                 activation_func=None):
         """shard: an ExpertShard (default: from parallel_state's expert groups). The FULL
         [E, ...] weights are drawn from the current RNG and this rank keeps its shard, so the
-        global weights do not depend on EP or ETP."""
+        global weights do not depend on EP or ETP. bias: bias1 and bias2, zeros (no RNG
+        draw). activation_func: of fc1's [gate | up] rows (default SwiGLU)."""
         super().__init__()
         self.shard = shard or ExpertShard.from_parallel_state()
         self.shard.check(num_experts, ffn_hidden_size)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.shard.ep_size
         self.grouped_gemm = grouped_gemm
+        self.activation_func = activation_func or _swiglu
         # (fc1's, fc2's) fp8.linear.Fp8Gemms: both projections in FP8 (set by use_fp8)
         self.fp8 = None
         full1 = torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size)
@@ -116,16 +139,30 @@ class SwiGLUExperts(torch.nn.Module):
         local1, local2 = self.shard.cut(full1, full2)
         self.weight1 = torch.nn.Parameter(local1.clone())
         self.weight2 = torch.nn.Parameter(local2.clone())
-        for weight in (self.weight1, self.weight2):
-            weight.expert_parallel = True  # reduced over the expert-DP group, not DP
-            weight.tensor_model_parallel = self.shard.etp_size > 1
+        self.bias1 = self.bias2 = None
+        if bias:
+            local1, local2 = self.shard.cut_biases(torch.zeros(num_experts, 2 * ffn_hidden_size),
+                                                   torch.zeros(num_experts, hidden_size))
+            self.bias1 = torch.nn.Parameter(local1.clone())
+            self.bias2 = torch.nn.Parameter(local2.clone())
+        for param in self.parameters():
+            param.expert_parallel = True  # reduced over the expert-DP group, not DP
+            param.tensor_model_parallel = self.shard.etp_size > 1
 
     @torch.no_grad()
-    def load_full(self, weight1, weight2):
-        """Copy this rank's shard of full weight1 [E, 2f, h] / weight2 [E, h, f]."""
+    def load_full(self, weight1, weight2, bias1=None, bias2=None):
+        """Copy this rank's shard of full weight1 [E, 2f, h] / weight2 [E, h, f] (and, for
+        experts with biases, bias1 [E, 2f] / bias2 [E, h])."""
         local1, local2 = self.shard.cut(weight1, weight2)
         self.weight1.copy_(local1)
         self.weight2.copy_(local2)
+        if (bias1 is None) != (self.bias1 is None) or (bias2 is None) != (self.bias2 is None):
+            raise ValueError("load_full: give bias1 and bias2 exactly when the experts have "
+                             "biases.")
+        if self.bias1 is not None:
+            local1, local2 = self.shard.cut_biases(bias1, bias2)
+            self.bias1.copy_(local1)
+            self.bias2.copy_(local2)
 
     def forward(self, expert_input, tokens_per_expert, host_tokens_per_expert=None):
         """expert_input [N, h] grouped by local expert, tokens_per_expert [E/EP] -> [N, h]
@@ -140,10 +177,16 @@ class SwiGLUExperts(torch.nn.Module):
 
     def _forward_grouped(self, x, tokens_per_expert):
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        rows = None if self.bias1 is None else _row_experts(tokens_per_expert, x.shape[0])
         fc1 = torch._grouped_mm(x.contiguous(), self.weight1.transpose(1, 2), offs=offsets)
-        act = _swiglu(fc1).contiguous()
+        act = self.activation_func(self._add_bias(fc1, self.bias1, rows)).contiguous()
         out = torch._grouped_mm(act, self.weight2.transpose(1, 2), offs=offsets)
-        return _ContiguousGrad.apply(out)
+        return _ContiguousGrad.apply(self._add_bias(out, self.bias2, rows))
+
+    @staticmethod
+    def _add_bias(out, bias, rows):
+        """out + each row's expert's bias (rows: _row_experts; None when no biases)."""
+        return out if bias is None else out + bias.index_select(0, rows)
 
     def _forward_fp8(self, x, tokens_per_expert, host_tokens_per_expert=None):
         """Both projections' GEMMs (and their two backward GEMMs) in FP8, expert by expert
@@ -153,14 +196,22 @@ class SwiGLUExperts(torch.nn.Module):
         if host_tokens_per_expert is None:
             host_tokens_per_expert = tokens_per_expert.tolist()  # a host sync on CUDA
         fc1_gemms, fc2_gemms = self.fp8
-        fc1 = fp8_expert_linear(x, self.weight1, host_tokens_per_expert, fc1_gemms)
-        return fp8_expert_linear(_swiglu(fc1), self.weight2, host_tokens_per_expert, fc2_gemms)
+        rows = None if self.bias1 is None else _row_experts(tokens_per_expert, x.shape[0])
+        # The biases stay high precision, added after each FP8 GEMM.
+        fc1 = self._add_bias(fp8_expert_linear(x, self.weight1, host_tokens_per_expert,
+                                               fc1_gemms), self.bias1, rows)
+        out = fp8_expert_linear(self.activation_func(fc1), self.weight2,
+                                host_tokens_per_expert, fc2_gemms)
+        return self._add_bias(out, self.bias2, rows)
 
     def _forward_loop(self, x, tokens_per_expert, host_tokens_per_expert=None):
         if host_tokens_per_expert is None:
             host_tokens_per_expert = tokens_per_expert.tolist()  # a host sync on CUDA
         outputs = []
+        bias1 = [None] * self.num_local_experts if self.bias1 is None else self.bias1
+        bias2 = [None] * self.num_local_experts if self.bias2 is None else self.bias2
         for expert, rows in enumerate(torch.split(x, host_tokens_per_expert)):
-            fc1 = F.linear(rows, self.weight1[expert])
-            outputs.append(F.linear(_swiglu(fc1), self.weight2[expert]))
+            fc1 = F.linear(rows, self.weight1[expert], bias1[expert])
+            outputs.append(F.linear(self.activation_func(fc1), self.weight2[expert],
+                                    bias2[expert]))
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])

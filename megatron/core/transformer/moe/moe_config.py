@@ -52,6 +52,10 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert-bias update."""
 
+    moe_router_bias: bool = False
+    """A learned bias [E] on the router's logits (gpt-oss), trained like its weight; it enters
+    the scores and the gate weights. Unrelated to moe_router_enable_expert_bias."""
+
     moe_expert_capacity_factor: Optional[float] = None
     """Keep at most ceil(T*k/E * factor) tokens per expert; None keeps every token."""
 

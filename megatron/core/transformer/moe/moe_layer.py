@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device, parallel_state
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp import MLP, gated_activation_func
 from megatron.core.transformer.moe.capacity import count_per_expert
 from megatron.core.transformer.moe.ep_dispatcher import DISPATCHERS
 from megatron.core.transformer.moe.experts import SwiGLUExperts
@@ -63,7 +63,9 @@ class SharedExpertMLP(MLP):
             _place(self.gate_weight, config)
 
     def forward(self, hidden):
-        out, _ = super().forward(hidden)
+        out, bias = super().forward(hidden)
+        if bias is not None:  # fc2 skips its bias add: the layer adds a dense MLP's
+            out = out + bias
         if self.gate_weight is not None:
             out = torch.sigmoid(F.linear(hidden, self.gate_weight)) * out
         return out
@@ -104,9 +106,15 @@ class MoELayer(torch.nn.Module):
         self.router = TopKRouter(moe, config.hidden_size, config.init_method_std, sequence_group)
         self.router.to(device.current_device())
         _place(self.router.weight, config)
+        if self.router.bias is not None:
+            _place(self.router.bias, config)
         self.experts = SwiGLUExperts(moe.num_moe_experts, config.hidden_size,
                                      moe.moe_ffn_hidden_size, moe.moe_grouped_gemm,
-                                     config.init_method_std, _output_init_std(config))
+                                     config.init_method_std, _output_init_std(config),
+                                     bias=config.add_bias_linear,
+                                     activation_func=gated_activation_func(
+                                         config.activation, config.activation_func_clamp_value,
+                                         config.glu_linear_offset))
         for param in self.experts.parameters():  # keeps the shard's parallel attributes
             param.data = param.data.to(device.current_device(), config.params_dtype)
         self.dispatcher = build_dispatcher(config)

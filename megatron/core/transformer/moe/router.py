@@ -107,6 +107,10 @@ class TopKRouter(torch.nn.Module):
         self.sequence_group = sequence_group  # the TP group under SP (see the module doc)
         self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, hidden_size))
         torch.nn.init.normal_(self.weight, std=init_method_std)
+        # gpt-oss's learned logit bias (zeros: no draw from the RNG, so the weights above and
+        # everything initialised after are those of a model without it)
+        self.bias = torch.nn.Parameter(torch.zeros(config.num_moe_experts)) \
+            if config.moe_router_bias else None
         if config.moe_router_enable_expert_bias:
             # Buffers, not parameters: the optimizer never sees them.
             experts = config.num_moe_experts
@@ -119,7 +123,8 @@ class TopKRouter(torch.nn.Module):
     def forward(self, hidden, num_sequences=1):
         """hidden [T, h] -> (probs [T, k] fp32, indices [T, k], losses dict)."""
         cfg = self.config
-        logits = F.linear(hidden.float(), self.weight.float())  # fp32 router
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(hidden.float(), self.weight.float(), bias)  # fp32 router
         probs, indices = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
                                cfg.moe_router_pre_softmax, cfg.moe_router_topk_norm,
                                self.expert_bias)
