@@ -39,6 +39,8 @@ _MODEL = "model"
 _EMBEDDING = "embedding"
 _POSITION_EMBEDDING = "position_embedding"
 _TENSOR_AND_DATA = "tensor_and_data"
+_TENSOR_AND_DATA_CONTEXT = "tensor_and_data_with_context"
+_TENSOR_AND_CONTEXT = "tensor_and_context"
 _CONTEXT = "context"
 _DATA_CONTEXT = "data_with_context"
 _DATA_CONTEXT_GLOO = "data_with_context_gloo"
@@ -74,6 +76,12 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int,
         _POSITION_EMBEDDING: [[ranks[0]] for ranks in pipeline],
         _TENSOR_AND_DATA: sorted([rank(t, c, d, p) for d in range(dp) for t in range(tp)]
                                  for c, p in every(cp, pp)),
+        # The ranks that split one micro batch's tokens (TP under SP, CP), without and with
+        # the DP replicas: the MoE router sums its token counts over them.
+        _TENSOR_AND_CONTEXT: sorted([rank(t, c, d, p) for c in range(cp) for t in range(tp)]
+                                    for d, p in every(dp, pp)),
+        _TENSOR_AND_DATA_CONTEXT: sorted([rank(t, c, d, p) for d in range(dp) for c in range(cp)
+                                          for t in range(tp)] for (p,) in every(pp)),
     }
 
 
@@ -273,8 +281,16 @@ def get_position_embedding_group() -> dist.ProcessGroup:
     return _group(_POSITION_EMBEDDING)
 
 
-def get_tensor_and_data_parallel_group() -> dist.ProcessGroup:
-    return _group(_TENSOR_AND_DATA)
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False
+                                       ) -> dist.ProcessGroup:
+    """TP x DP ranks of a pipeline stage (x CP with ``with_context_parallel``: every rank
+    of the stage)."""
+    return _group(_TENSOR_AND_DATA_CONTEXT if with_context_parallel else _TENSOR_AND_DATA)
+
+
+def get_tensor_and_context_parallel_group() -> dist.ProcessGroup:
+    """TP x CP ranks: together they hold one micro batch's whole sequences."""
+    return _group(_TENSOR_AND_CONTEXT)
 
 
 # --- global ranks of groups -------------------------------------------------------------------

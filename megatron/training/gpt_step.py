@@ -56,7 +56,10 @@ def forward_step(data_iterator, model, configs):
         tokens, labels, loss_mask, position_ids)
     timer.stop()
     # Under CP the positions are not 0..s-1: the model needs them (RoPE, learned positions).
+    # Multi-token prediction's losses are masked in the model (the mask shifted per depth).
+    transformer = getattr(configs, "transformer", None)
+    mtp = {"loss_mask": loss_mask} if getattr(transformer, "mtp_num_layers", None) else {}
     per_token_loss = model(
         tokens, position_ids=position_ids if data.reset_position_ids or context_parallel
-        else None, labels=labels, packed_seq_params=packed)
+        else None, labels=labels, packed_seq_params=packed, **mtp)
     return per_token_loss, lambda output: loss_func(loss_mask, output)

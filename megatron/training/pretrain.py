@@ -55,8 +55,9 @@ from megatron.training.guards.token_guard import (
 )
 from megatron.training.initialize import expert_sizes, initialize_megatron
 from megatron.training.logging.deferred import resolve_reports
-from megatron.training.logging.flops import num_floating_point_operations
+from megatron.training.logging.flops import latent_attention_of, num_floating_point_operations
 from megatron.training.logging.moe_metrics import gather_moe_metrics
+from megatron.training.logging.mtp_metrics import gather_mtp_metrics
 from megatron.training.logging.pipeline_tracing import finish_trace, start_trace
 from megatron.training.logging.timers import Timers, set_timers
 from megatron.training.logging.run_summary import closing_line, parameter_counts, start_block
@@ -135,8 +136,9 @@ def _log_moe(logger, model, configs, iteration: int) -> None:
     transformer = configs.transformer
     if transformer.moe is not None:
         logger.log_moe(iteration, gather_moe_metrics(
-            model, transformer.num_layers, transformer.moe.num_moe_experts,
-            transformer.tensor_model_parallel_size,
+            model, transformer.num_layers + (transformer.mtp_num_layers or 0),
+            transformer.moe.num_moe_experts,
+            transformer.tensor_model_parallel_size * transformer.context_parallel_size,
             transformer.moe.moe_expert_capacity_factor))
 
 
@@ -146,7 +148,7 @@ def _flops(configs, args) -> int:
         tc.num_layers, tc.hidden_size, effective_ffn_hidden_size(tc), tc.num_attention_heads,
         tc.num_query_groups, args.seq_length, configs.model_kwargs["padded_vocab_size"],
         configs.training.global_batch_size, tc.activation in GATED_ACTIVATIONS, tc.kv_channels,
-        windows=layer_windows(tc))
+        windows=layer_windows(tc), latent_attention=latent_attention_of(tc))
 
 
 # A user's mistake that can escape before or during training: one error line, no traceback.
@@ -323,6 +325,9 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
             if iteration % t.log_interval == 0:  # the logger just synchronized anyway
                 token_guard.check(iteration)
                 _log_moe(logger, model, configs, iteration)
+                if configs.transformer.mtp_num_layers:
+                    logger.log_mtp(iteration, gather_mtp_metrics(
+                        model, configs.transformer.mtp_num_layers))
             checkpoints.poll()
             if nan_guard.check(iteration, grad_norm, losses):
                 checkpoints.save(iteration, consumed_train, consumed_valid)  # the last good state

@@ -2,7 +2,7 @@
 alternating 4-token windows, YaRN, biased experts and router, the clamped quick-GeGLU). HF ->
 Megatron at TP 2 x EP 2 writes flags that rebuild every feature; verify.py computes HF's logits
 from the checkpoint (fp32, 1e-5); Megatron -> HF gives back a GptOssForCausalLM with every
-weight bit for bit."""
+weight bit for bit, and generate.py continues a prompt from it as the original model does."""
 import os
 import shlex
 
@@ -33,7 +33,7 @@ def _gpt_oss(path):
     return path
 
 
-def test_gpt_oss_converts_both_ways_and_computes_hf_logits(tmp_path):
+def test_gpt_oss_converts_both_ways_and_computes_hf_logits(tmp_path, capsys):
     import transformers
 
     src = _gpt_oss(str(tmp_path / "hf"))
@@ -70,3 +70,19 @@ def test_gpt_oss_converts_both_ways_and_computes_hf_logits(tmp_path):
     assert set(after) == set(before) and "model.layers.1.self_attn.sinks" in after
     for name, value in after.items():
         assert torch.equal(value, before[name]), name
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "generate", os.path.join(ROOT, "tools", "checkpoint", "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    capsys.readouterr()
+    assert generate.main(["--hf-dir", str(back), "--prompt", "w3 w4 w5",
+                          "--max-new-tokens", "4"]) == 0
+    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        ids = original.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, do_sample=False,
+                                pad_token_id=2)[0, 3:].tolist()
+    ids = ids[:ids.index(2)] if 2 in ids else ids  # generation stops at </s> (id 2)
+    assert f"-> {' '.join(f'w{i}' for i in ids)!r}" in capsys.readouterr().out

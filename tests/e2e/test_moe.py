@@ -1,5 +1,6 @@
 """Mixture-of-experts training through pretrain_llama.py equals one process (CPU, gloo, fp32):
-EP x TP x DP with SP, EP x PP x DP interleaved, and expert TP without dense TP under 1F1B.
+EP x TP x DP with SP, EP x PP x DP interleaved, EP x CP x DP with DeepSeek-V3's routing, and
+expert TP without dense TP under 1F1B.
 
 Each parallel run and its one-process reference are started together on the same flags and
 global batch: 10 iterations, the training and validation losses and the MoE layers' logged
@@ -43,6 +44,15 @@ CASES = {
                              "--expert-tensor-parallel-size", "1",
                              "--tensor-model-parallel-size", "2", "--sequence-parallel",
                              "--pipeline-model-parallel-size", "2"]),
+    # context parallelism: each CP rank routes its chunks (counts and loss shares summed over
+    # CP); DeepSeek-V3's routing (sigmoid, 2 groups of 2 experts, one kept, correction bias,
+    # scaled gates); expert-DP 2 over the DP x CP ranks, the distributed optimizer
+    "cp2_ep2_dp2": (4, ["--moe-router-score-function", "sigmoid", "--moe-router-topk-norm",
+                        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+                        "--moe-router-topk-scaling-factor", "2.5",
+                        "--moe-router-enable-expert-bias"],
+                    ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+                     "--use-distributed-optimizer"]),
     # 1F1B with expert TP but no dense TP, the overlapped distributed optimizer
     "ep2_etp2_pp2": (8, [], ["--expert-model-parallel-size", "2",
                              "--expert-tensor-parallel-size", "2",

@@ -174,3 +174,19 @@ def test_ring_skips_blocks_outside_the_window():
     r + 1's block precedes its tail); 10 of the 16 ring blocks, all 16 without a window."""
     assert run_distributed(_count_ring_blocks, world_size=4, window=2) == [2, 3, 3, 2]
     assert run_distributed(_count_ring_blocks, world_size=4, window=None) == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("with_docs", [False, True], ids=["batch", "packed"])
+def test_one_rank_sinks_and_window_build_no_s_by_s_tensor(with_docs):
+    """s = 1024, window 50: forward and backward create nothing of s x s elements (query
+    blocks of 256 against at most 306 keys)."""
+    from tests.unit.test_attention_paths import _LargestTensor
+
+    s = 1024
+    q, k, v, dout, sinks, docs = _inputs(s, with_docs)
+    leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+    with _LargestTensor() as seen:
+        out = context_parallel_attention(*leaves[:3], group=None, window=50, sinks=leaves[3],
+                                         document_ids=docs)
+        out.backward(dout)
+    assert seen.largest[0] < s * s, seen.largest

@@ -38,20 +38,29 @@ CHANGED = {
     "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
     "add_qkv_bias": True, "qk_layernorm": True, "untie_embeddings_and_output_weights": True,
     "window_size": (7, 0), "window_attn_skip_freq": 3, "softmax_type": "learnable",
+    "mtp_num_layers": 2,
     "num_experts": 8, "moe_router_topk": 1, "moe_router_score_function": "sigmoid",
     "moe_router_pre_softmax": True, "moe_router_topk_norm": True,
     "moe_router_enable_expert_bias": True, "moe_router_bias": True,
+    "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 2.5,
     "moe_ffn_hidden_size": 64, "moe_layer_freq": 2,
     "moe_shared_expert_intermediate_size": 96, "moe_shared_expert_gate": True,
     "vocab_size": 200, FINGERPRINT_ARG: {"vocab_size": 201, "sha256": "b"},
+    "multi_latent_attention": True,
 }
 # Rows that apply only under another setting than FLAGS': (their dest, that setting).
 _YARN_CHANGED = {"rotary_scaling_factor": 32.0, "original_max_position_embeddings": 8192,
                  "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                  "yarn_correction_range_round_to_int": False, "yarn_attention_factor": 1.2}
+_LATENT_ATTENTION_CHANGED = {"q_lora_rank": 32, "kv_lora_rank": 64, "qk_head_dim": 64,
+                             "qk_pos_emb_head_dim": 32, "v_head_dim": 64,
+                             "rotary_interleaved": True}
 CONDITION = {"max_position_embeddings": {"position_embedding_type": "learned_absolute"},
-             **{dest: {"rope_type": "yarn"} for dest in _YARN_CHANGED}}
-CHANGED_UNDER_CONDITION = {"max_position_embeddings": 64, **_YARN_CHANGED}
+             **{dest: {"rope_type": "yarn"} for dest in _YARN_CHANGED},
+             **{dest: {"multi_latent_attention": True} for dest in _LATENT_ATTENTION_CHANGED}}
+CHANGED_UNDER_CONDITION = {"max_position_embeddings": 64, **_YARN_CHANGED,
+                           **_LATENT_ATTENTION_CHANGED}
 
 
 def _run_args():

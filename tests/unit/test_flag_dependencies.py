@@ -23,6 +23,8 @@ EXAMPLES = {
         "--moe-router-load-balancing-type": ["seq_aux_loss"], "--moe-aux-loss-coeff": ["0.01"],
         "--moe-z-loss-coeff": ["0.001"], "--moe-router-enable-expert-bias": [],
         "--moe-router-bias-update-rate": ["0.01"], "--moe-router-bias": [],
+        "--moe-router-num-groups": ["2"], "--moe-router-group-topk": ["1"],
+        "--moe-router-topk-scaling-factor": ["2.5"],
         "--moe-expert-capacity-factor": ["1.0"],
         "--moe-token-drop-policy": ["position"], "--moe-pad-expert-input-to-capacity": [],
         "--moe-shared-expert-intermediate-size": ["24"], "--moe-shared-expert-gate": [],
@@ -69,6 +71,13 @@ EXAMPLES = {
                            }.items()},
     ("--window-attn-skip-freq", "--window-size LEFT,0"): (
         small("--window-attn-skip-freq", "2"), ["--window-size", "7,0"]),
+    ("--mtp-loss-scaling-factor", "--mtp-num-layers D"): (
+        small("--mtp-loss-scaling-factor", "0.3"), ["--mtp-num-layers", "1"]),
+    **{(flag, "--multi-latent-attention"): (
+        small(flag, *value), ["--multi-latent-attention", "--position-embedding-type", "rope"])
+       for flag, value in {"--q-lora-rank": ["12"], "--kv-lora-rank": ["16"],
+                           "--qk-head-dim": ["8"], "--qk-pos-emb-head-dim": ["4"],
+                           "--v-head-dim": ["6"], "--rotary-interleaved": []}.items()},
     **{(flag, "--fp8-format e4m3|hybrid"): (small(flag, *value), ["--fp8-format", "e4m3"])
        for flag, value in {"--fp8-recipe": ["rowwise"], "--fp8-margin": ["1"],
                            "--first-last-layers-bf16": []}.items()},

@@ -35,6 +35,7 @@ from megatron.training.memory.moe import (
     moe_layer_terms,
     moe_mlp_params,
 )
+from megatron.training.data.batch import shard_for_context_parallel
 from megatron.training.memory.params import chunk_param_shapes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
@@ -207,10 +208,20 @@ def test_whole_model_activations_equal_saved_bytes():
     assert measured == estimate
 
 
-def _state_after_a_step(ep, distributed):
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+def _context_parallel_forward_step(data_iterator, model):
+    tokens, labels = (t[:, :4].contiguous() for t in next(data_iterator))  # 2 x CP chunks
+    positions = torch.arange(4).expand_as(tokens)
+    tokens, labels, positions = shard_for_context_parallel(tokens, labels, positions)
+    per_token_loss = model(tokens, position_ids=positions, labels=labels)
+    return per_token_loss, lambda out: (out.mean(), {"lm loss": out.mean().detach()})
+
+
+def _state_after_a_step(ep, distributed, context_parallel=1):
+    cp = context_parallel  # not "cp": run_distributed would initialise the groups itself
+    ps.initialize_model_parallel(1, 1, context_parallel_size=cp,
+                                 expert_model_parallel_size=ep)
     try:
-        config = _llama_moe(expert_model_parallel_size=ep)
+        config = _llama_moe(expert_model_parallel_size=ep, context_parallel_size=cp)
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
         model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config, ddp, 42)
         optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -218,24 +229,26 @@ def _state_after_a_step(ep, distributed):
         g = torch.Generator().manual_seed(3)
         batch = [(torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
                   torch.randint(0, VOCAB, (MBS, SEQ), generator=g)) for _ in range(2)]
-        _, skipped, _, _ = train_step(_forward_step, iter(batch), model, optimizer, None, 2,
-                                      SEQ, MBS)
+        step = _forward_step if cp == 1 else _context_parallel_forward_step
+        _, skipped, _, _ = train_step(step, iter(batch), model, optimizer, None, 2, SEQ, MBS)
         assert not skipped
-        setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(),
-                               use_distributed_optimizer=distributed)
-        estimate = rank_state_bytes(config, VOCAB, setup, 0, 4, ps.get_data_parallel_rank(),
-                                    share_embeddings_and_output_weights=False)
+        # the estimate's DP size is DP x CP (estimate.optimizer_setup_from)
+        setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(
+            with_context_parallel=True), use_distributed_optimizer=distributed)
+        estimate = rank_state_bytes(config, VOCAB, setup, 0, 4, ps.get_data_parallel_rank(
+            with_context_parallel=True), share_embeddings_and_output_weights=False)
         return (dataclasses.asdict(_measured_state(model, optimizer)),
                 dataclasses.asdict(estimate))
     finally:
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("ep,distributed", [(2, True), (4, False)])
-def test_whole_model_state_equals_a_real_step(ep, distributed):
-    """4 ranks: dense state over DP 4, experts over expert-DP 4 / EP."""
+@pytest.mark.parametrize("ep,distributed,cp", [(2, True, 1), (4, False, 1), (2, True, 2)])
+def test_whole_model_state_equals_a_real_step(ep, distributed, cp):
+    """4 ranks: dense state over DP x CP 4, experts over expert-DP 4 / EP (CP ranks hold
+    the same weights: the expert-DP group spans them too)."""
     for rank, (measured, estimate) in enumerate(run_distributed(
-            _state_after_a_step, 4, ep=ep, distributed=distributed)):
+            _state_after_a_step, 4, ep=ep, distributed=distributed, context_parallel=cp)):
         assert measured == estimate, f"rank {rank}"
 
 

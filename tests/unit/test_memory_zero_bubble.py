@@ -129,9 +129,21 @@ def _estimate(config, rank, num_microbatches):
                           pytest.param("zbv", 4, 4, marks=pytest.mark.slow),
                           pytest.param("zbv", 4, 5, marks=pytest.mark.slow)])
 def test_estimate_equals_what_each_step_holds(schedule, layers, num_microbatches):
+    _assert_each_step_held(schedule, layers, num_microbatches)
+
+
+@pytest.mark.parametrize("qk_layernorm", [True, False], ids=["latent_norms", "no_norms"])
+def test_multi_latent_attention_estimate_equals_what_each_step_holds(qk_layernorm):
+    """Its down projections (replicated) and up projections defer their W too."""
+    _assert_each_step_held("zb-h1", 2, 2, multi_latent_attention=True, num_query_groups=None,
+                           q_lora_rank=12, kv_lora_rank=16, qk_head_dim=8,
+                           qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=qk_layernorm)
+
+
+def _assert_each_step_held(schedule, layers, num_microbatches, **extra):
     for run in run_distributed(_measured_run, world_size=2, tp=1, pp=2,
                                vpp=2 if schedule == "zbv" else None, schedule=schedule,
-                               layers=layers, num_microbatches=num_microbatches):
+                               layers=layers, num_microbatches=num_microbatches, **extra):
         order, per_step, stage = _estimate(run["config"], run["rank"], num_microbatches)
         assert run["steps"] == [(s.kind, s.microbatch, s.chunk) for s in order]
         received = 4 * SEQ * MBS * run["config"].hidden_size  # one [s, b, h] fp32 input

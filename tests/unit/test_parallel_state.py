@@ -224,6 +224,16 @@ def test_rank_layout_tensor_and_data_group():
     assert layout["position_embedding"] == [[0], [1], [2], [3]]
 
 
+def test_rank_layout_tensor_and_context_groups():
+    """The ranks splitting one micro batch's tokens (TP x CP), and with the DP replicas every
+    rank of a stage: the MoE router sums its token counts over them."""
+    layout = ps.rank_layout(16, 2, 2, 2)  # TP 2, PP 2, CP 2: DP 2
+    assert layout["tensor_and_context"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                            [12, 13, 14, 15]]
+    assert layout["tensor_and_data_with_context"] == [list(range(8)), list(range(8, 16))]
+    assert ps.rank_layout(8, 2, 2)["tensor_and_context"] == ps.rank_layout(8, 2, 2)["tensor"]
+
+
 def _lazy_gloo_copy_and_timeouts():
     """On a pretended nccl job: which groups initialize_model_parallel and the gloo accessor
     create, with which backend and timeout."""

@@ -35,8 +35,8 @@ def _config(kind, layers, pipe=1, virt=None, tp=1, **extra):
                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipe,
                  virtual_pipeline_model_parallel_size=virt, **extra)
     if kind == "llama":
-        return llama_config(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
-                            **sizes)
+        return llama_config(**{**dict(num_attention_heads=8, num_query_groups=4,
+                                      ffn_hidden_size=48), **sizes})
     return TransformerConfig(num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0,
                              **sizes)
 

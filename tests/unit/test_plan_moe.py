@@ -131,3 +131,13 @@ def test_tool_names_the_experts_says_why_and_prints_a_whole_command():
     script = command.index("pretrain_llama.py")
     configs = configs_of(command[script + 1:], CLUSTER.num_gpus, 1000)
     assert configs.transformer == best.config
+
+
+def test_moe_models_are_offered_context_parallelism():
+    """MoE composes with CP (each CP rank routes its own chunks): long-sequence CP sizes are
+    tried for MoE models as for dense ones."""
+    from megatron.training.planner.layouts import context_parallel_sizes
+
+    args = workload_from_flags(MOE, global_batch_size=32).args
+    assert context_parallel_sizes(args, 8, 1, with_cp=True) == [1, 2, 4, 8]
+    assert context_parallel_sizes(args, 8, 1, with_cp=False) == [1]

@@ -55,6 +55,17 @@ def _llama_config(**extra):
                         **extra)
 
 
+def _mla_config(**extra):
+    """DeepSeek-V3's attention (with both latents and their norms) in a LLaMA."""
+    return llama_config(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                        max_position_embeddings=SEQ, multi_latent_attention=True,
+                        q_lora_rank=12, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                        v_head_dim=6, qk_layernorm=True, rotary_interleaved=True, **extra)
+
+
+_CONFIGS = {"gpt": _gpt_config, "llama": _llama_config, "mla": _mla_config}
+
+
 def _unique_bytes(tensors, exclude=()) -> int:
     storages = {}
     for t in tensors:
@@ -88,7 +99,7 @@ def _measured_state(model, optimizer) -> ModelStateBytes:
 
 
 def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_microbatches):
-    config = (_gpt_config if arch == "gpt" else _llama_config)(
+    config = _CONFIGS[arch](
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
@@ -129,6 +140,7 @@ STATE_CASES = [
     (4, 1, 2, None, "llama", torch.bfloat16, True, True, 1500),
     (2, 1, 1, None, "gpt", torch.bfloat16, False, True, None),
     (4, 1, 1, None, "llama", torch.bfloat16, True, False, 700, 2),  # sharded over DP 2 x CP 2
+    (8, 2, 2, None, "mla", torch.float32, True, False, 1000),  # multi-latent attention
 ]
 
 
@@ -183,7 +195,7 @@ def _activation_case(arch, recompute, sequence_parallel, dropout, micro_batch_si
     elif recompute is not None:
         extra.update(recompute_granularity="full", recompute_method=recompute,
                      recompute_num_layers=2 if recompute == "uniform" else 3)
-    config = (_gpt_config if arch == "gpt" else _llama_config)(**extra)
+    config = _CONFIGS[arch](**extra)
     measured = _saved_bytes(config, GPTModel if arch == "gpt" else LlamaModel,
                             micro_batch_size)
     setup = ActivationSetup(SEQ, micro_batch_size, 4, VOCAB, device="cpu")
@@ -204,6 +216,11 @@ ACTIVATION_CASES = [
     (2, "llama", "selective", True, 0.0, MBS),
     (2, "gpt", None, False, 0.1, MBS),
     (2, "gpt", "uniform", True, 0.1, MBS),
+    # multi-latent attention: fused kernels (V padded), the math kernel (CPU with dropout)
+    (1, "mla", None, False, 0.0, MBS),
+    (1, "mla", None, False, 0.1, MBS),
+    (1, "mla", "selective", False, 0.1, MBS),
+    (2, "mla", None, True, 0.0, MBS),
 ]
 
 
@@ -214,6 +231,8 @@ def test_activation_estimate_matches_saved_tensors(world, arch, recompute, seque
     for measured, estimate in run_distributed(
             _activation_case, world_size=world, tp=world, arch=arch, recompute=recompute,
             sequence_parallel=sequence_parallel, dropout=dropout, micro_batch_size=micro_batch):
+        if arch == "mla":  # its terms are its saved tensors: to the byte
+            assert estimate == measured, (estimate, measured)
         assert abs(estimate - measured) <= ACTIVATION_TOL * measured, (estimate, measured)
 
 

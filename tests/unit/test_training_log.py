@@ -428,3 +428,34 @@ def test_an_fp8_run_reports_mfu_against_both_peaks():
         logger.training_log(1, {"lm loss": 1.0}, 1e-4, 1.0)
         assert want in printed[0], printed
         assert MEGATRON_LINE.match(printed[0])
+
+
+def test_multi_latent_attention_flops_count_its_projections_and_head_dims():
+    """DeepSeek-V3's attention sizes (q_lora_rank 1536, kv_lora_rank 512, d_qk = 128 + 64,
+    d_v = 128): every projection by hand, scores over d_qk and values over d_v channels a
+    head; the causal count takes the masked pairs off at a (d_qk + d_v) MACs each; without
+    the query latent the queries come straight from the hidden states."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.logging.flops import LatentAttention, latent_attention_of
+
+    L, h, f, a, s, V, B = 2, 7168, 18432, 128, 4096, 129280, 1
+    mla = LatentAttention(1536, 512, 128, 64, 128)
+    keys_values = h * (512 + 64) + 512 * a * (128 + 128)
+    rest = keys_values + s * a * 192 + s * a * 128 + a * 128 * h + 3 * h * f
+    want = 3 * 2 * B * s * (L * (h * 1536 + 1536 * a * 192 + rest) + h * V)
+    assert num_floating_point_operations(L, h, f, a, a, s, V, B, True, kv_channels=192,
+                                         latent_attention=mla) == want
+    masked = s * s - s * (s + 1) // 2
+    assert num_floating_point_operations(L, h, f, a, a, s, V, B, True, kv_channels=192,
+                                         causal=True, latent_attention=mla) == \
+        want - 3 * 2 * B * L * masked * a * (192 + 128)
+    no_latent = 3 * 2 * B * s * (L * (h * a * 192 + rest) + h * V)
+    assert num_floating_point_operations(L, h, f, a, a, s, V, B, True, kv_channels=192,
+                                         latent_attention=mla._replace(q_lora_rank=None)) == \
+        no_latent
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                               position_embedding_type="rope", multi_latent_attention=True,
+                               q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+                               qk_pos_emb_head_dim=4, v_head_dim=6)
+    assert latent_attention_of(config) == LatentAttention(16, 8, 8, 4, 6)
+    assert latent_attention_of(TransformerConfig()) is None

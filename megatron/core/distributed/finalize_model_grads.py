@@ -42,15 +42,16 @@ def allreduce_sequence_parallel_grads(model_chunks: List[torch.nn.Module]) -> No
 
 def update_router_expert_biases(model_chunks: List[torch.nn.Module]) -> None:
     """Aux-loss-free balancing: each router's token counts since the last step, summed over
-    every rank routing tokens for the same layers (TP x DP of the stage), move its expert
-    bias, identically on every rank (one collective for all routers)."""
+    every rank routing tokens for the same layers (TP x CP x DP of the stage), move its
+    expert bias, identically on every rank (one collective for all routers)."""
     routers = [m for chunk in model_chunks for m in unwrap_model(chunk).modules()
                if getattr(m, "expert_bias", None) is not None]
     if not routers:
         return
     counts = [r.local_tokens_per_expert for r in routers]
     flat = torch._utils._flatten_dense_tensors(counts)
-    dist.all_reduce(flat, group=parallel_state.get_tensor_and_data_parallel_group())
+    dist.all_reduce(flat, group=parallel_state.get_tensor_and_data_parallel_group(
+        with_context_parallel=True))
     for count, summed in zip(counts, torch._utils._unflatten_dense_tensors(flat, counts)):
         count.copy_(summed)
     for router in routers:

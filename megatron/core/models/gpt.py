@@ -12,7 +12,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.embedding import LanguageModelEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_lookup,
+)
 from megatron.core.transformer.context_parallel import load_balanced_positions
 from megatron.core.transformer.init_rng import (
     EMBEDDING_OFFSET,
@@ -21,6 +25,8 @@ from megatron.core.transformer.init_rng import (
     draw_base_seed,
     init_rng,
 )
+from megatron.core.transformer.moe.moe_layer import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MultiTokenPrediction
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -69,6 +75,18 @@ class GPTModel(torch.nn.Module):
         if pre_process and share_embeddings_and_output_weights and not post_process:
             # The other copy lives on the last stage (see tied_embeddings.py).
             self.embedding.word_embeddings.weight.tied_across_stages = True
+        # Multi-token prediction, with the output layer: it looks tokens up in the embedding
+        # here, or (a later stage) in the tied output layer that copies it.
+        self.mtp = None
+        if post_process and config.mtp_num_layers:
+            if not (pre_process or share_embeddings_and_output_weights):
+                raise ValueError("multi-token prediction on a pipeline stage without the "
+                                 "embedding needs tied embeddings (its copy of the "
+                                 "embedding is the output layer): drop "
+                                 "--untie-embeddings-and-output-weights or use PP 1.")
+            self.mtp = MultiTokenPrediction(config, base_seed)
+            if not pre_process:  # the lookups' gradient joins the fused head's (DDP)
+                self.output_layer.weight.has_other_uses = True
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """Hidden states from the previous pipeline stage (used when not pre_process)."""
@@ -96,9 +114,12 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+                packed_seq_params: Optional[PackedSeqParams] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``packed_seq_params`` (documents packed in each sample, from
-        ``packed_seq_params_from_eod``) replaces a per-document ``attention_mask``."""
+        ``packed_seq_params_from_eod``) replaces a per-document ``attention_mask``.
+        ``loss_mask`` [b, s]: which labels count, for multi-token prediction's losses (all
+        when None); the main per-token loss is returned unmasked as always."""
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         else:
@@ -108,19 +129,47 @@ class GPTModel(torch.nn.Module):
             if position_ids is None:  # a middle pipeline stage: this rank's positions
                 position_ids = self._local_positions(hidden).unsqueeze(0)
             cos, sin = self.rotary(position_ids)
-        hidden = self.decoder(hidden, attention_mask, cos, sin, packed_seq_params)
+        mtp = self.mtp is not None and labels is not None
+        hidden = self.decoder(hidden, attention_mask, cos, sin, packed_seq_params,
+                              return_pre_norm=mtp)
         if not self.post_process:
             return hidden
-
-        weight = None
-        if self.share_embeddings_and_output_weights and self.pre_process:
-            weight = self.embedding.word_embeddings.weight
-        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/TP]
+        if mtp:
+            hidden, pre_norm = hidden
+            losses = self.mtp.losses(
+                pre_norm, input_ids, labels,
+                torch.ones_like(labels) if loss_mask is None else loss_mask,
+                self._mtp_embed, self._per_token_loss, cos, sin, packed_seq_params)
+            scale = self.config.mtp_loss_scaling_factor / len(losses)
+            hidden = MoEAuxLossAutoScaler.apply(hidden, scale * sum(losses))
         if labels is None:
-            return logits.transpose(0, 1).contiguous()
+            return self._logits(hidden).transpose(0, 1).contiguous()
+        return self._per_token_loss(hidden, labels)
+
+    def _output_weight(self):
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return None
+
+    def _logits(self, hidden):
+        """[s, b, h] -> [s, b, vocab/TP]."""
+        logits, _ = self.output_layer(hidden, weight=self._output_weight())
+        return logits
+
+    def _per_token_loss(self, hidden, labels):
+        """[s, b, h], labels [b, s] -> the per-token loss [b, s]."""
         loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1),
+            self._logits(hidden), labels.transpose(0, 1),
             vocab_size=self.vocab_size if self.padded_vocab_size != self.vocab_size else None,
             inplace=True,  # the logits are ours and read by nothing else
             fused=self.config.torch_compile)  # no fp32 copy of the logits
         return loss.transpose(0, 1).contiguous()
+
+    def _mtp_embed(self, input_ids):
+        """[b, s] -> [s, b, h] (sequence-sharded under SP) from the embedding, or on a later
+        stage from the tied output layer that copies it."""
+        if self.pre_process:
+            return self.embedding(input_ids)
+        hidden = vocab_parallel_lookup(input_ids, self.output_layer.weight,
+                                       reduce_scatter=self.config.sequence_parallel)
+        return hidden if self.config.sequence_parallel else hidden.transpose(0, 1).contiguous()

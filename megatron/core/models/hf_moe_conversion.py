@@ -22,7 +22,8 @@ import torch
 from megatron.core.transformer.moe.moe_config import MoEConfig
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS = "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"
-MOE_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS)
+DEEPSEEK_V3 = "deepseek_v3"
+MOE_MODEL_TYPES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS, DEEPSEEK_V3)
 # gpt-oss's fixed activation: quick-GeGLU's sigmoid gain and the +1 on the up half.
 GPT_OSS_ALPHA, GPT_OSS_LINEAR_OFFSET = 1.702, 1.0
 PER_EXPERT, STACKED = "per_expert", "stacked"
@@ -40,6 +41,9 @@ def moe_layer_pattern(hf_config) -> List[int]:
     layers = hf_config.num_hidden_layers
     if hf_config.model_type in (MIXTRAL, GPT_OSS):
         return [1] * layers
+    if hf_config.model_type == DEEPSEEK_V3:  # dense first_k_dense_replace layers, then MoE
+        first = getattr(hf_config, "first_k_dense_replace", 0) or 0
+        return [int(i >= first) for i in range(layers)]
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     return [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
@@ -78,10 +82,31 @@ def _gpt_oss_kwargs(hf_config) -> dict:
             **_gpt_oss_windows(hf_config)}
 
 
+def _deepseek_moe(hf_config) -> dict:
+    """DeepSeek-V3's router and shared expert as MoEConfig fields: sigmoid scores with the
+    aux-loss-free correction bias, group-limited top-k, renormalised, scaled."""
+    groups = getattr(hf_config, "n_group", None) or 1
+    grouped = groups > 1
+    shared = hf_config.moe_intermediate_size * (getattr(hf_config, "n_shared_experts", 0) or 0)
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_num_groups=groups if grouped else None,
+                moe_router_group_topk=hf_config.topk_group if grouped else None,
+                moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+                moe_shared_expert_intermediate_size=shared or None,
+                moe_shared_expert_gate=False, moe_aux_loss_coeff=0.0)
+
+
 def _refuse_unsupported(hf_config) -> None:
     kind = hf_config.model_type
     if kind == GPT_OSS:
         return  # its activation, windows and biases are read by _gpt_oss_kwargs
+    if kind == DEEPSEEK_V3:
+        if getattr(hf_config, "attention_bias", False):
+            raise ValueError("deepseek_v3 with attention_bias is not supported.")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"deepseek_v3: hidden_act {hf_config.hidden_act!r} is not "
+                             f"supported (the experts are SwiGLU: 'silu').")
+        return
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"{kind}: hidden_act {hf_config.hidden_act!r} is not supported (the "
                          f"experts are SwiGLU: 'silu').")
@@ -112,6 +137,7 @@ def moe_transformer_kwargs(hf_config) -> dict:
     if not any(pattern):
         return out
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
+    deepseek = _deepseek_moe(hf_config) if kind == DEEPSEEK_V3 else {}
     out["moe"] = MoEConfig(
         num_moe_experts=num_experts_of(hf_config),
         moe_ffn_hidden_size=(hf_config.intermediate_size if kind in (MIXTRAL, GPT_OSS)
@@ -119,7 +145,8 @@ def moe_transformer_kwargs(hf_config) -> dict:
         moe_router_topk=hf_config.num_experts_per_tok,
         # Mixtral, gpt-oss: top-k of the logits, softmax over the k (Megatron's default).
         # Qwen: softmax over all experts, top-k, renormalised only with norm_topk_prob.
-        moe_router_pre_softmax=kind not in (MIXTRAL, GPT_OSS),
+        # DeepSeek-V3: sigmoid scores (_deepseek_moe), renormalised with norm_topk_prob.
+        moe_router_pre_softmax=kind not in (MIXTRAL, GPT_OSS, DEEPSEEK_V3),
         moe_router_topk_norm=kind not in (MIXTRAL, GPT_OSS) and bool(
             getattr(hf_config, "norm_topk_prob", False)),
         moe_router_bias=kind == GPT_OSS,
@@ -127,7 +154,7 @@ def moe_transformer_kwargs(hf_config) -> dict:
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=shared is not None,
-        moe_layer_freq=1 if all(pattern) else pattern)
+        moe_layer_freq=1 if all(pattern) else pattern, **deepseek)
     return out
 
 
@@ -274,13 +301,21 @@ def moe_layer_from_hf(hf: Dict[str, torch.Tensor], src: str, dst: str, model_typ
         out[dst + "mlp.experts.weight2"] = torch.stack(
             [hf[expert.format(e) + f"{d}.weight"] for e in range(num_experts)])
         out[dst + "mlp.router.weight"] = hf[src + router]
-    shared = src + "mlp.shared_expert."
+    shared = src + _shared_expert_prefix(model_type)
     if shared + "gate_proj.weight" in hf:
         out[dst + "mlp.shared_experts.linear_fc1.weight"] = _gated(
             hf[shared + "gate_proj.weight"], hf[shared + "up_proj.weight"])
         out[dst + "mlp.shared_experts.linear_fc2.weight"] = hf[shared + "down_proj.weight"]
-        out[dst + "mlp.shared_experts.gate_weight"] = hf[src + "mlp.shared_expert_gate.weight"]
+        if model_type != DEEPSEEK_V3:  # DeepSeek's shared experts have no gate
+            out[dst + "mlp.shared_experts.gate_weight"] = hf[
+                src + "mlp.shared_expert_gate.weight"]
+    if model_type == DEEPSEEK_V3:  # the aux-loss-free balancing bias (a buffer both sides)
+        out[dst + "mlp.router.expert_bias"] = hf[src + "mlp.gate.e_score_correction_bias"]
     return out
+
+
+def _shared_expert_prefix(model_type: str) -> str:
+    return "mlp.shared_experts." if model_type == DEEPSEEK_V3 else "mlp.shared_expert."
 
 
 def moe_layer_to_hf(state: Dict[str, torch.Tensor], src: str, dst: str, model_type: str,
@@ -308,10 +343,14 @@ def moe_layer_to_hf(state: Dict[str, torch.Tensor], src: str, dst: str, model_ty
         raise ValueError(f"expert layout {layout!r} is not one of {PER_EXPERT!r}, {STACKED!r}.")
     fc1 = state.get(src + "mlp.shared_experts.linear_fc1.weight")
     if fc1 is not None:
-        shared = dst + "mlp.shared_expert."
+        shared = dst + _shared_expert_prefix(model_type)
         out[shared + "gate_proj.weight"], out[shared + "up_proj.weight"] = fc1.chunk(2)
         out[shared + "down_proj.weight"] = state[src + "mlp.shared_experts.linear_fc2.weight"]
-        out[dst + "mlp.shared_expert_gate.weight"] = state[src + "mlp.shared_experts.gate_weight"]
+        if model_type != DEEPSEEK_V3:
+            out[dst + "mlp.shared_expert_gate.weight"] = state[
+                src + "mlp.shared_experts.gate_weight"]
+    if model_type == DEEPSEEK_V3:
+        out[dst + "mlp.gate.e_score_correction_bias"] = state[src + "mlp.router.expert_bias"]
     return out
 
 

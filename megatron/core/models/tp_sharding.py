@@ -25,6 +25,11 @@ _PARTITION_DIMS = {
     "linear_proj.weight": 1,
     "linear_fc2.weight": 1,
     "self_attention.sinks": 0,  # one logit per head, split with the heads
+    # Multi-latent attention: the projections to heads split by their rows (whole heads);
+    # linear_q_down_proj, linear_kv_down_proj and the latents' norms are replicated.
+    "linear_q_proj.weight": 0,
+    "linear_q_up_proj.weight": 0,
+    "linear_kv_up_proj.weight": 0,
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 # stacked expert tensor suffix -> (dim, stride) split over expert-TP ranks; dim 0 goes by EP.

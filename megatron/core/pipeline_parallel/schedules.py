@@ -63,10 +63,14 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
                  input_tensor: Optional[torch.Tensor], forward_data_store: List, config,
                  is_last_stage: bool, collect_non_loss_data: bool = False) -> torch.Tensor:
     """Run one microbatch through one model chunk; on the last stage turn it into the loss."""
-    if getattr(config, "moe", None) is not None:  # the MoE losses' share of the gradient
+    # The MoE and multi-token-prediction losses' share of the gradient
+    if getattr(config, "moe", None) is not None or getattr(config, "mtp_num_layers", None):
         scale = 1.0 if config.grad_scale_func is None else \
             float(config.grad_scale_func(torch.ones(1)))
-        set_aux_loss_scale(scale / num_microbatches)
+        # x CP like the main loss (gpt_step.loss_func): DDP averages over DP x CP, while the
+        # CP ranks' loss shares must add up.
+        cp = getattr(config, "context_parallel_size", 1)
+        set_aux_loss_scale(scale * cp / num_microbatches)
     unwrap_model(model).set_input_tensor(input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if not is_last_stage:

@@ -3,11 +3,13 @@ from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     initialize_affine_weight,
     param_is_tensor_parallel_duplicate,
     set_tensor_model_parallel_attributes,
+    vocab_parallel_lookup,
 )
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,

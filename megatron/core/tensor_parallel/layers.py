@@ -240,11 +240,21 @@ def _weight_grad_gemm(param, grad_output, total_input, fusion, fp8=None, grad_q=
             return fp8.wgrad(grad_2d, input_2d, grad_2d.dtype, grad_q)
         main_grad.add_(fp8.wgrad(grad_2d, input_2d, torch.float32, grad_q))
         param.grad_added_to_main_grad = True
-        return torch.empty_like(param)
+        return _fused_placeholder(param)
     if main_grad is None:
         return grad_2d.t().matmul(input_2d)
     accumulate_weight_grad(main_grad, grad_2d, input_2d)
     param.grad_added_to_main_grad = True
+    return _fused_placeholder(param)
+
+
+def _fused_placeholder(param):
+    """What a fused weight gradient returns to autograd: an uninitialised tensor (DDP's hook
+    ignores it), or zeros for a weight with ``has_other_uses`` (the last stage's tied
+    embedding copy that multi-token prediction also looks tokens up in): autograd adds those
+    uses' gradients to it, and the hook then adds the sum to main_grad."""
+    if getattr(param, "has_other_uses", False):
+        return torch.zeros_like(param)
     return torch.empty_like(param)
 
 
@@ -319,6 +329,46 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """Y = XA (+ b) with the whole A on every TP rank, applied to whatever X this rank has:
+    under sequence parallelism its sequence shard (Megatron's "duplicated" linear, e.g. the
+    down projections of multi-latent attention). No communication; the weights then see only
+    this rank's tokens, so they are marked ``sequence_parallel`` for the TP all-reduce that
+    finalising gradients performs. Without sequence parallelism every rank sees all tokens,
+    and the caller must make X's consumers deliver whole gradients (a column-parallel layer
+    after it all-reduces its input gradient). Initialised from the same full master as the
+    parallel layers, so the weight is the same at any TP size."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: Callable, bias: bool = False):
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.fp8 = None  # the GEMMs stay in high precision (no FP8 path sets it)
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        sequence_parallel = config.sequence_parallel and world_size > 1
+        self.weight = _new_weight(output_size, input_size, config)
+        if config.perform_initialization:
+            master = torch.empty(output_size, input_size, dtype=torch.float32)
+            init_method(master)
+            with torch.no_grad():
+                self.weight.copy_(master)
+        self.weight.sequence_parallel = sequence_parallel
+        if bias:
+            self.bias = _new_bias(output_size, config)
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        # LinearWithGradAllReduce without its communication: the fused weight-gradient
+        # accumulation and the zero-bubble split of the parallel layers.
+        output = LinearWithGradAllReduce.apply(input_, self.weight, self.bias, False, False,
+                                               self.gradient_accumulation_fusion, True,
+                                               self.fp8)
+        return output, None
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -402,21 +452,32 @@ class VocabParallelEmbedding(torch.nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        if tp_size > 1:
-            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
-            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-            partial = F.embedding(local_ids, self.weight)
-            partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
-        else:
-            partial = F.embedding(input_ids, self.weight)
-        if self.reduce_scatter_embeddings:
-            return reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1).contiguous())
-        return reduce_from_tensor_model_parallel_region(partial)
+        return vocab_parallel_lookup(input_ids, self.weight, self.reduce_scatter_embeddings)
+
+
+def vocab_parallel_lookup(input_ids: torch.Tensor, weight: torch.Tensor,
+                          reduce_scatter: bool = False) -> torch.Tensor:
+    """Look ``input_ids`` [b, s] up in this TP rank's rows ``weight`` of a vocab-parallel
+    table (an embedding, or the last pipeline stage's tied copy of it): [b, s, h] summed over
+    TP, or with ``reduce_scatter`` this rank's sequence shard of [s, b, h]."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_size > 1:
+        start, end = vocab_range_for_rank(weight.shape[0] * tp_size,
+                                          parallel_state.get_tensor_model_parallel_rank(),
+                                          tp_size)
+        outside = (input_ids < start) | (input_ids >= end)
+        local_ids = (input_ids - start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, weight)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+    else:
+        partial = F.embedding(input_ids, weight)
+    if reduce_scatter:
+        return reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1).contiguous())
+    return reduce_from_tensor_model_parallel_region(partial)
 
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_lookup",
     "LinearWithGradAllReduce", "initialize_affine_weight",
     "set_tensor_model_parallel_attributes", "param_is_tensor_parallel_duplicate",
 ]

@@ -175,6 +175,19 @@ class SelfAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.apply_rotary = rotary_function(config)  # compiled under --torch-compile
         self.window = layer_window(config, layer_number)  # None: full causal attention
+        self.softmax_scale = None  # None: 1 / sqrt(the query head dim), SDPA's default
+        self._build_projections(config, tp_size)
+        # One more logit per head in the softmax's denominator, or none ("vanilla").
+        if config.softmax_type == "off-by-one":  # a fixed 0: the denominator + 1
+            self.register_buffer("sinks", device.zeros(self.local_heads), persistent=False)
+        else:
+            self.sinks = _learned_sinks(config, self.local_heads) \
+                if config.softmax_type == "learnable" else None
+
+    def _build_projections(self, config, tp_size: int) -> None:
+        """The head layout (head_dim, heads_per_group, local_groups, local_heads) and the
+        layers that make Q, K, V and project the output: here the fused QKV (a subclass,
+        multi-latent attention, builds its own and reuses the attention below)."""
         self.heads_for_sdpa = compiled(_heads_for_sdpa) if compiled_head_layout(config) \
             else None
         self.head_dim = config.kv_channels
@@ -194,12 +207,6 @@ class SelfAttention(torch.nn.Module):
         if config.qk_layernorm:
             self.q_layernorm = _build_head_norm(config)
             self.k_layernorm = _build_head_norm(config)
-        # One more logit per head in the softmax's denominator, or none ("vanilla").
-        if config.softmax_type == "off-by-one":  # a fixed 0: the denominator + 1
-            self.register_buffer("sinks", device.zeros(self.local_heads), persistent=False)
-        else:
-            self.sinks = _learned_sinks(config, self.local_heads) \
-                if config.softmax_type == "learnable" else None
 
     def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
                 packed_seq_params: Optional[PackedSeqParams] = None):
@@ -227,10 +234,15 @@ class SelfAttention(torch.nn.Module):
 
     def _attend(self, query, key, value, attention_mask, packed_seq_params):
         """[b, s, heads|groups, d] Q, K, V (RoPE applied) -> (output [s, b, h], bias)."""
+        return self.linear_proj(self._attention(query, key, value, attention_mask,
+                                                packed_seq_params))
+
+    def _attention(self, query, key, value, attention_mask, packed_seq_params):
+        """[b, s, heads|groups, d] Q, K, V -> [s, b, heads * d_v], d_v being V's head dim."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.config.context_parallel_size > 1 or self.sinks is not None:
-            return self.linear_proj(self._context_parallel_attention(
-                query, key, value, attention_mask, packed_seq_params, dropout))
+            return self._context_parallel_attention(query, key, value, attention_mask,
+                                                    packed_seq_params, dropout)
         kernel, _ = self._kernel(query, attention_mask if packed_seq_params is None else None,
                                  dropout)
         # Selective recomputation pays only where the kernel keeps the s x s softmax (math);
@@ -240,7 +252,7 @@ class SelfAttention(torch.nn.Module):
                                  attention_mask, packed_seq_params)
         else:
             context = self._core_attention(query, key, value, attention_mask, packed_seq_params)
-        return self.linear_proj(context)
+        return context
 
     def _context_parallel_attention(self, query, key, value, attention_mask, packed_seq_params,
                                     dropout: float):
@@ -264,8 +276,8 @@ class SelfAttention(torch.nn.Module):
             comm_type=self.config.cp_comm_type, dropout_p=dropout, dropout_seed=seed,
             head_offset=parallel_state.get_tensor_model_parallel_rank() * self.local_heads,
             document_ids=None if packed_seq_params is None else packed_seq_params.document_ids,
-            softmax_scale=None, window=self.window, sinks=self.sinks)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+            softmax_scale=self.softmax_scale, window=self.window, sinks=self.sinks)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _kernel(self, query, attention_mask, dropout: float) -> Tuple[str, bool]:
         return sdpa_kernel_for(query.device.type, query.dtype, self.head_dim,
@@ -287,7 +299,7 @@ class SelfAttention(torch.nn.Module):
                 return self._windowed_attention(query, key, value, attention_mask, dropout)
             out = self._sdpa(*(t.transpose(1, 2) for t in (query, key, value)),
                              attention_mask, dropout)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _sdpa(self, query, key, value, attention_mask, dropout, is_causal=True):
         """[b, heads|groups, s, d] -> [b, heads, s, d]."""
@@ -301,9 +313,11 @@ class SelfAttention(torch.nn.Module):
                 value = value.repeat_interleave(self.heads_per_group, dim=1)
         if attention_mask is None:
             return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
-                                                  is_causal=is_causal, **kwargs)
+                                                  is_causal=is_causal,
+                                                  scale=self.softmax_scale, **kwargs)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
-                                              dropout_p=dropout, **kwargs)
+                                              dropout_p=dropout, scale=self.softmax_scale,
+                                              **kwargs)
 
     def _varlen_applies(self, query, dropout: float) -> bool:
         return (_varlen_attn is not None and query.is_cuda and dropout == 0
@@ -319,6 +333,8 @@ class SelfAttention(torch.nn.Module):
             kwargs = {"is_causal": True}
         if "enable_gqa" in _VARLEN_PARAMS:
             kwargs["enable_gqa"] = self.heads_per_group > 1
+        if self.softmax_scale is not None:
+            kwargs["scale"] = self.softmax_scale
         return _varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                             **kwargs)
 
@@ -344,7 +360,7 @@ class SelfAttention(torch.nn.Module):
     def _packed_attention(self, query, key, value, packed: PackedSeqParams, dropout: float):
         """[b, s, heads|groups, d] -> [b * s, heads, d], causal within each document."""
         b, s = query.shape[:2]
-        query, key, value = (t.reshape(b * s, t.shape[2], self.head_dim)
+        query, key, value = (t.reshape(b * s, t.shape[2], t.shape[3])
                              for t in (query, key, value))
         if self._varlen_applies(query, dropout):
             # One flash kernel over all documents (it has no dropout).

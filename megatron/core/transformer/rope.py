@@ -83,7 +83,8 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_max_positions: 
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.rotary_dim = int(config.kv_channels * config.rotary_percent)
+        self.rotary_dim = config.qk_pos_emb_head_dim if config.multi_latent_attention else \
+            int(config.kv_channels * config.rotary_percent)
         # YaRN scales cos and sin (so q.k by its square); None: no multiply at all, so the
         # plain path stays bitwise what it was.
         self.attention_factor = None
@@ -126,9 +127,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot, x[..., rot_dim:]), dim=-1) if rot_dim < x.shape[-1] else x_rot
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, heads, d], all d channels rotated as adjacent pairs (x0, x1), (x2, x3), ...,
+    pair i by angle i (DeepSeek's layout); the result holds the pairs' first members, then
+    their second members, as Hugging Face's ``apply_rotary_pos_emb_interleave`` writes it
+    (attention only takes dot products of queries and keys laid out alike)."""
+    half = cos.shape[-1] // 2  # cos/sin repeat their angles: the first half has each once
+    cos, sin = cos[..., :half], sin[..., :half]
+    dtype, x = x.dtype, x.float()  # one cast (none in fp32), the rotation in fp32
+    first, second = x[..., 0::2], x[..., 1::2]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin),
+                     dim=-1).to(dtype)
+
+
 def rotary_function(config):
-    """apply_rotary, torch.compile'd under --torch-compile (the casts, rotation and products
-    become one kernel; shared by all layers)."""
+    """apply_rotary (apply_rotary_interleaved with rotary_interleaved), torch.compile'd under
+    --torch-compile (the casts, rotation and products become one kernel; shared by all
+    layers)."""
+    rotate = apply_rotary_interleaved if config.rotary_interleaved else apply_rotary
     if config.torch_compile:
-        return compiled(apply_rotary)
-    return apply_rotary
+        return compiled(rotate)
+    return rotate

@@ -48,7 +48,9 @@ class TransformerBlock(torch.nn.Module):
         return [(i, i + 1, i < k) for i in range(n)]
 
     def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
-                packed_seq_params=None):
+                packed_seq_params=None, return_pre_norm: bool = False):
+        """-> the hidden states (after the final norm on the last stage); with
+        ``return_pre_norm`` (multi-token prediction's input) also those before it."""
         args = (hidden, attention_mask, rotary_cos, rotary_sin, packed_seq_params)
         for start, end, recompute in self._recompute_spans():
             if recompute:
@@ -57,6 +59,7 @@ class TransformerBlock(torch.nn.Module):
             else:
                 hidden = self._run(start, end)(*args)
             args = (hidden,) + args[1:]
+        pre_norm = hidden
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
-        return hidden
+        return (hidden, pre_norm) if return_pre_norm else hidden

@@ -92,6 +92,24 @@ class TransformerConfig(ModelParallelConfig):
     # The softmax over keys (Megatron's --softmax-type): "vanilla"; "learnable" adds a learned
     # logit per head to the denominator (gpt-oss's attention sinks); "off-by-one" a fixed 0.
     softmax_type: str = "vanilla"
+    # Multi-latent attention (DeepSeek-V2/V3, multi_latent_attention.py; Megatron's names and
+    # defaults): queries from the hidden states (or through a q_lora_rank latent), keys and
+    # values from one kv_lora_rank latent per token; a query/key head has qk_head_dim channels
+    # without position and qk_pos_emb_head_dim rotated ones (the key's shared by all heads),
+    # a value head v_head_dim. qk_layernorm then means the latents' norms (Megatron's).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: queries straight from the hidden states
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # RoPE on adjacent channel pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints, HF's
+    # rope_interleave) instead of the two halves; multi-latent attention only.
+    rotary_interleaved: bool = False
+    # Multi-token prediction (DeepSeek-V3): D modules after the model predicting 1..D tokens
+    # further, their mean losses times mtp_loss_scaling_factor / D added to the loss.
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         def need(cond, message):
@@ -124,8 +142,20 @@ class TransformerConfig(ModelParallelConfig):
                 check_window(self.window_size)
             except ValueError as exc:
                 need(False, str(exc))
+        if self.mtp_num_layers is not None:
+            need(self.mtp_num_layers >= 1,
+                 f"mtp_num_layers must be >= 1 (or None), got {self.mtp_num_layers}.")
+            need(self.context_parallel_size == 1,
+                 "multi-token prediction shifts the tokens along the sequence, which context "
+                 "parallelism splits over ranks: not supported yet; use "
+                 "--context-parallel-size 1 or drop --mtp-num-layers.")
         need(self.window_attn_skip_freq is None or self.window_attn_skip_freq >= 1,
              f"window_attn_skip_freq must be >= 1, got {self.window_attn_skip_freq}.")
+        if self.multi_latent_attention:  # before the kv_channels default: it sets its own
+            self._check_latent_attention(need)
+        need(not self.rotary_interleaved or self.multi_latent_attention,
+             "rotary_interleaved (--rotary-interleaved) is implemented for multi-latent "
+             "attention only; add --multi-latent-attention or drop it.")
         if self.kv_channels is None:
             need(self.hidden_size % self.num_attention_heads == 0,
                  f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -172,6 +202,46 @@ class TransformerConfig(ModelParallelConfig):
              "distribute_saved_activations is redundant with sequence_parallel; use one.")
         if self.moe is not None:
             self._check_moe(need)
+
+    def _check_latent_attention(self, need):
+        """Multi-latent attention's sizes, and what its attention path does not run. Sets
+        kv_channels to its query/key head dim, the one the attention kernels see (values are
+        zero-padded to it where a kernel needs one head dim)."""
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}.")
+        need(self.q_lora_rank is None or self.q_lora_rank >= 1,
+             f"q_lora_rank must be >= 1 (or None: no query latent), got {self.q_lora_rank}.")
+        need(self.qk_pos_emb_head_dim % 2 == 0,
+             f"qk_pos_emb_head_dim must be even (RoPE turns channel pairs), got "
+             f"{self.qk_pos_emb_head_dim}.")
+        qk = self.qk_head_dim + self.qk_pos_emb_head_dim
+        # Where a kernel needs one head dim, values are padded to the query/key one.
+        need(self.v_head_dim <= qk,
+             f"v_head_dim {self.v_head_dim} is larger than the query/key head dim "
+             f"qk_head_dim + qk_pos_emb_head_dim = {qk}: not supported.")
+        need(self.kv_channels in (None, qk),
+             f"kv_channels {self.kv_channels} does not apply to multi-latent attention, whose "
+             f"query/key head dim is qk_head_dim + qk_pos_emb_head_dim = {qk}: drop "
+             f"--kv-channels.")
+        self.kv_channels = qk
+        need(self.position_embedding_type == "rope",
+             f"multi-latent attention rotates qk_pos_emb_head_dim channels of each query and "
+             f"key: it needs --position-embedding-type rope, got "
+             f"{self.position_embedding_type!r}.")
+        need(self.rotary_percent == 1.0,
+             f"multi-latent attention rotates exactly its qk_pos_emb_head_dim channels: drop "
+             f"--rotary-percent {self.rotary_percent}.")
+        need(self.num_query_groups in (None, self.num_attention_heads),
+             f"multi-latent attention has a key and a value per head, not "
+             f"{self.num_query_groups} groups: drop --group-query-attention / "
+             f"--num-query-groups.")
+        need(self.window_size is None,
+             "multi-latent attention does not run sliding windows: drop --window-size.")
+        need(self.softmax_type == "vanilla",
+             f"multi-latent attention does not run attention sinks (--softmax-type "
+             f"{self.softmax_type}): drop --softmax-type.")
+        need(self.fp8 is None,
+             "multi-latent attention does not run FP8 GEMMs yet: drop --fp8-format.")
 
     def _check_yarn(self, need):
         need(self.position_embedding_type == "rope",
@@ -224,9 +294,6 @@ class TransformerConfig(ModelParallelConfig):
              f"MoE with tensor_model_parallel_size {tp} needs sequence_parallel (Megatron's "
              f"rule: each TP rank routes its own part of the sequence); add "
              f"--sequence-parallel.")
-        need(self.context_parallel_size == 1,
-             "MoE does not compose with context parallelism yet; drop "
-             "--context-parallel-size.")
         etp = self.expert_tensor_parallel_size
         need(moe.moe_ffn_hidden_size % etp == 0,
              f"moe_ffn_hidden_size {moe.moe_ffn_hidden_size} is not divisible by "

@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.fp8_layers import use_fp8
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norms import build_norm
 
@@ -23,14 +24,19 @@ def hidden_dropout_rng(config):
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config, layer_number: int):
+    def __init__(self, config, layer_number: int, moe=None):
+        """``moe``: whether the MLP is an MoE layer (None: as config.moe says for this
+        layer; a multi-token-prediction layer, numbered past the model's, says it)."""
         super().__init__()
         self.config = config
         self.layer_number = layer_number  # 1-based, global across pipeline stages
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number)
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        if config.moe is not None and config.moe.is_moe_layer(layer_number):
+        if moe is None:
+            moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
+        if moe:
             self.mlp = MoELayer(config, layer_number)
         else:
             self.mlp = MLP(config)

@@ -261,6 +261,17 @@ def _yarn_of(args) -> dict:
                 yarn_attention_factor=args.yarn_attention_factor)
 
 
+def _latent_attention_of(args) -> dict:
+    """The multi-latent attention fields of TransformerConfig (saved args may predate the
+    flags: none)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=args.q_lora_rank,
+                kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                rotary_interleaved=args.rotary_interleaved)
+
+
 def activation_of(args) -> str:
     """TransformerConfig.activation of the flags (saved args may predate --quick-geglu)."""
     if args.swiglu:
@@ -302,6 +313,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         window_size=_window_of(args),
         window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         softmax_type=getattr(args, "softmax_type", "vanilla"),  # saved args may predate it
+        **_latent_attention_of(args),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         position_embedding_type=args.position_embedding_type,
         max_position_embeddings=args.max_position_embeddings, rotary_base=args.rotary_base,

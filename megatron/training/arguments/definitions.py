@@ -89,6 +89,29 @@ def _add_yarn_args(g):
                         "default: derived from the factor and mscales.")
 
 
+def _add_latent_attention_args(g):
+    """Multi-latent attention (DeepSeek-V2/V3), Megatron's names and defaults; the sizes need
+    --multi-latent-attention."""
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="multi-latent attention (DeepSeek-V2/V3): queries and keys/values "
+                        "from low-rank latents, a rotated key part shared by the heads; "
+                        "needs --position-embedding-type rope")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA: the query latent's size; unset: queries straight from the "
+                        "hidden states")
+    g.add_argument("--kv-lora-rank", type=int, default=32,
+                   help="MLA: the key/value latent's size")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="MLA: the channels of a query/key head without position")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="MLA: the rotated channels of a query/key head")
+    g.add_argument("--v-head-dim", type=int, default=128,
+                   help="MLA: the channels of a value head")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE on adjacent channel pairs (DeepSeek's layout, Hugging Face's "
+                        "rope_interleave) instead of the two halves; MLA only")
+
+
 def _add_network_args(parser):
     g = parser.add_argument_group("network size and architecture")
     g.add_argument("--num-layers", type=int, default=None)
@@ -124,6 +147,7 @@ def _add_network_args(parser):
                    help="LLaMA-3.1 RoPE scaling: the context length before scaling (with "
                         "--use-rope-scaling).")
     _add_yarn_args(g)
+    _add_latent_attention_args(g)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--RMSNorm", action="store_true",
                    help="Old spelling of --normalization RMSNorm.")
@@ -145,12 +169,20 @@ def _add_network_args(parser):
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalize each query and key head before RoPE (Qwen3)")
+                   help="normalize each query and key head before RoPE (Qwen3); with "
+                        "--multi-latent-attention the query and key/value latents "
+                        "(Megatron's meaning; DeepSeek-V3 has them)")
     g.add_argument("--window-size", type=_window_size, default=None,
                    help="sliding-window attention: LEFT,RIGHT tokens a query sees around "
                         "itself (RIGHT 0: causal); Hugging Face's sliding_window S is S-1,0")
     g.add_argument("--window-attn-skip-freq", type=int, default=None,
                    help="with --window-size: every N-th layer keeps full attention (gpt-oss 2)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction (DeepSeek-V3): D modules after the model, "
+                        "depth k predicting the token k + 1 further ahead")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="with --mtp-num-layers: the MTP losses' weight (their mean times it "
+                        "is added to the loss)")
     g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"),
                    default="vanilla",
                    help="attention softmax: learnable adds a learned logit per head to the "

@@ -53,6 +53,7 @@ _MOE_FLAGS = (
     "--moe-router-score-function", "--moe-router-pre-softmax", "--moe-router-topk-norm",
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-router-bias",
+    "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy",
     "--moe-pad-expert-input-to-capacity", "--moe-shared-expert-intermediate-size",
     "--moe-shared-expert-gate", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
@@ -105,6 +106,11 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
     # attention
     Dependency("--window-attn-skip-freq", lambda a: a.window_size is not None,
                "--window-size LEFT,0"),
+    *(Dependency(flag, lambda a: a.multi_latent_attention, "--multi-latent-attention")
+      for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                   "--v-head-dim", "--rotary-interleaved")),
+    Dependency("--mtp-loss-scaling-factor", lambda a: a.mtp_num_layers is not None,
+               "--mtp-num-layers D"),
     # FP8
     *(Dependency(flag, lambda a: a.fp8_format is not None, "--fp8-format e4m3|hybrid")
       for flag in ("--fp8-recipe", "--fp8-margin", "--first-last-layers-bf16")),

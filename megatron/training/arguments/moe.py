@@ -53,6 +53,15 @@ def add_moe_args(parser) -> None:
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: cut the experts into N groups and let each "
+                        "token choose among its --moe-router-group-topk best (DeepSeek-V3's "
+                        "n_group)")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="groups each token may route to (DeepSeek-V3's topk_group)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiply the gate weights by this after any renormalisation "
+                        "(DeepSeek-V3's routed_scaling_factor)")
     g.add_argument("--moe-router-bias", action="store_true",
                    help="a learned bias on the router's logits, trained like its weight "
                         "(gpt-oss's router bias); unrelated to --moe-router-enable-expert-bias")
@@ -85,6 +94,10 @@ def moe_config_from_args(args) -> Optional[MoEConfig]:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        # saved args may predate these three
+        moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+        moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+        moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         moe_router_bias=getattr(args, "moe_router_bias", False),  # saved args may predate it
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_token_drop_policy=args.moe_token_drop_policy,

@@ -35,6 +35,10 @@ def _yarn(args: Dict) -> bool:
     return _rope(args) and args.get("rope_type") == "yarn"
 
 
+def _latent_attention(args: Dict) -> bool:
+    return bool(args.get("multi_latent_attention"))
+
+
 def _learned_positions(args: Dict) -> bool:
     return args.get("position_embedding_type") == "learned_absolute"
 
@@ -180,9 +184,17 @@ ARCHITECTURE: List[Setting] = [
     Setting("disable_bias_linear", "--disable-bias-linear", switch=True),
     Setting("add_qkv_bias", "--add-qkv-bias", switch=True),
     Setting("qk_layernorm", "--qk-layernorm", switch=True),
+    Setting("multi_latent_attention", "--multi-latent-attention", switch=True),
+    Setting("q_lora_rank", "--q-lora-rank", _latent_attention),
+    Setting("kv_lora_rank", "--kv-lora-rank", _latent_attention),
+    Setting("qk_head_dim", "--qk-head-dim", _latent_attention),
+    Setting("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim", _latent_attention),
+    Setting("v_head_dim", "--v-head-dim", _latent_attention),
+    Setting("rotary_interleaved", "--rotary-interleaved", _latent_attention, switch=True),
     _Window("window_size", "--window-size", value=_window),
     Setting("window_attn_skip_freq", "--window-attn-skip-freq", _windowed),
     Setting("softmax_type", "--softmax-type", value=_softmax_type),
+    Setting("mtp_num_layers", "--mtp-num-layers"),
     Setting("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights",
             switch=True),
     Setting("num_experts", "--num-experts"),
@@ -194,6 +206,9 @@ ARCHITECTURE: List[Setting] = [
     Setting("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", _experts,
             switch=True),
     Setting("moe_router_bias", "--moe-router-bias", _experts, switch=True),
+    Setting("moe_router_num_groups", "--moe-router-num-groups", _experts),
+    Setting("moe_router_group_topk", "--moe-router-group-topk", _experts),
+    Setting("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", _experts),
     Setting("moe_ffn_hidden_size", "--moe-ffn-hidden-size", _experts,
             value=_moe_ffn_hidden_size, needs=("ffn_hidden_size",)),
     Setting("moe_layer_freq", "--moe-layer-freq", _experts),

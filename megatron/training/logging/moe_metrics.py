@@ -2,10 +2,11 @@
 experts were loaded (Megatron logs the same: load_balancing_loss, z_loss per layer).
 
 Each MoELayer sums its values over the training forwards since the last read (its share under
-sequence parallelism) and counts them. At the log interval every rank reads its layers into one
-[layers, 3 + E] tensor and one all-reduce over all ranks adds up the TP shares, the pipeline
-stages (each layer lives on one) and the DP replicas; dividing by the forwards (counted once
-per TP group) gives the mean per micro batch, what one process reports for the same batches.
+sequence and context parallelism) and counts them. At the log interval every rank reads its
+layers into one [layers, 3 + E] tensor and one all-reduce over all ranks adds up the TP and CP
+shares, the pipeline stages (each layer lives on one) and the DP replicas; dividing by the
+forwards (counted once per TP x CP rank) gives the mean per micro batch, what one process
+reports for the same batches.
 """
 from typing import Dict, List, Optional
 
@@ -23,12 +24,14 @@ def moe_layers(model_chunks: List[torch.nn.Module]) -> List[MoELayer]:
 
 
 def gather_moe_metrics(model_chunks, num_layers: int, num_experts: int,
-                       tensor_parallel_size: int,
+                       ranks_per_micro_batch: int,
                        capacity_factor: Optional[float] = None) -> Dict[str, float]:
-    """Collective over every rank. Returns {"load balancing loss", "z loss": means over the
-    MoE layers (present only if enabled), "max/mean tokens per expert": the worst layer's,
-    plus per-layer "moe/<name> layer <n>" entries for TensorBoard; with a capacity factor
-    "dropped token fraction": the routing choices the capacity dropped over all choices}."""
+    """Collective over every rank; ``ranks_per_micro_batch``: TP x CP, the ranks that split
+    one micro batch's tokens (each counts its forwards). Returns {"load balancing loss",
+    "z loss": means over the MoE layers (present only if enabled), "max/mean tokens per
+    expert": the worst layer's, plus per-layer "moe/<name> layer <n>" entries for
+    TensorBoard; with a capacity factor "dropped token fraction": the routing choices the
+    capacity dropped over all choices}."""
     columns = ("aux_loss", "z_loss", "forwards", "num_dropped")
     table = device.zeros(num_layers, len(columns) + num_experts, dtype=torch.float32)
     for layer in moe_layers(model_chunks):
@@ -42,7 +45,7 @@ def gather_moe_metrics(model_chunks, num_layers: int, num_experts: int,
     table = table.cpu()
     routed = table[:, len(columns):]
     is_moe = routed.sum(dim=1) > 0
-    micro_batches = (table[:, 2:3] / tensor_parallel_size).clamp(min=1)
+    micro_batches = (table[:, 2:3] / ranks_per_micro_batch).clamp(min=1)
     losses = table[:, :2] / micro_batches
     out = {}
     for column, label in enumerate(("load balancing loss", "z loss")):

@@ -371,6 +371,19 @@ class TrainingLogger:
         self._print(line)
         return line
 
+    def log_mtp(self, iteration: int, metrics: Mapping[str, float]) -> Optional[str]:
+        """The multi-token prediction depths' interval means (mtp_metrics): one console line,
+        every entry to the writers."""
+        if not metrics:
+            return None
+        if self.writer is not None:
+            for tag, value in metrics.items():
+                self.writer.add_scalar(f"mtp/{tag}", value, iteration)
+        line = f" MTP at iteration {iteration} |" + "".join(
+            f" {k}: {v:.6E} |" for k, v in metrics.items())
+        self._print(line)
+        return line
+
     def _extras(self, iteration: int, seconds: float) -> Sequence[Tuple[str, str]]:
         """Our fields after Megatron's: tokens/s/device, MFU %, memory, ETA."""
         extras = []

@@ -97,8 +97,7 @@ def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, 
     one tensor-parallel rank; ``moe``: an MoE layer (its MLP terms from moe.py)."""
     tp = config.tensor_model_parallel_size
     s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
-    h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
-    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    h, f = config.hidden_size, config.ffn_hidden_size
     tokens = s * b
     # Sequence parallelism shards the norms, dropouts and linear inputs along the sequence.
     sharded_tokens = tokens // tp if config.sequence_parallel and tp > 1 else tokens
@@ -110,6 +109,36 @@ def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, 
 
     for name, value in _norm_terms(config, sharded_tokens, h, e).items():
         add(name, 2 * value)  # before attention and before the MLP
+    if getattr(config, "multi_latent_attention", False):
+        for name, value in _latent_attention_terms(config, setup, sharded_tokens).items():
+            add(name, value)
+    else:
+        for name, value in _self_attention_terms(config, setup, sharded_tokens).items():
+            add(name, value)
+    add("dropout masks", 2 * m * sharded_tokens * h)
+    if moe:
+        for name, value in moe_layer_terms(config, sharded_tokens, e, b).items():
+            add(name, value)
+        return terms
+    add("MLP input", e * sharded_tokens * h)
+    gated = config.activation in GATED_ACTIVATIONS
+    add("MLP intermediate", e * tokens * f // tp * (3 if gated else 2))
+    return terms
+
+
+def _self_attention_terms(config, setup: ActivationSetup, sharded_tokens: int
+                          ) -> Dict[str, int]:
+    """SelfAttention's (fused QKV) saved tensors, from its input to the output projection's."""
+    tp = config.tensor_model_parallel_size
+    s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
+    h, d = config.hidden_size, config.kv_channels
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    tokens = s * b
+    terms: Dict[str, int] = {}
+
+    def add(name: str, value: int) -> None:
+        terms[name] = terms.get(name, 0) + value
+
     add("QKV input", e * sharded_tokens * h)
     rope = config.position_embedding_type == "rope"
     new_query = rope or heads != groups  # a new Q unless it is a plain view of the QKV output
@@ -128,14 +157,65 @@ def layer_terms(config, setup: ActivationSetup, moe: bool = False) -> Dict[str, 
     for name, value in _attention_core_terms(config, setup, heads, groups).items():
         add(name, value)
     add("attention output projection input", e * tokens * heads * d)
-    add("dropout masks", 2 * m * sharded_tokens * h)
-    if moe:
-        for name, value in moe_layer_terms(config, sharded_tokens, e, b).items():
-            add(name, value)
-        return terms
-    add("MLP input", e * sharded_tokens * h)
-    gated = config.activation in GATED_ACTIVATIONS
-    add("MLP intermediate", e * tokens * f // tp * (3 if gated else 2))
+    return terms
+
+
+def _latent_norm_terms(config, tokens: int, width: int, stored_width: int, e: int
+                       ) -> Dict[str, int]:
+    """A latent's norm (multi-latent attention with qk_layernorm) over ``width`` channels of
+    a down projection's output ``stored_width`` wide: RMSNorm keeps its input as it is, a view
+    of that whole output; LayerNorm an fp32 copy of the latent (in fp32: the view itself)."""
+    if config.normalization == "RMSNorm":
+        return {"latent norm input (the down projection's output)": e * tokens * stored_width,
+                "norm statistics": FP32 * tokens}
+    kept = FP32 * tokens * (stored_width if e == FP32 else width)
+    return {"latent norm input (fp32)": kept, "norm statistics": 2 * FP32 * tokens}
+
+
+def _latent_attention_terms(config, setup: ActivationSetup, sharded_tokens: int
+                            ) -> Dict[str, int]:
+    """Multi-latent attention's saved tensors (multi_latent_attention.py), on one TP rank:
+    the down projections' input, the latents (their norms' inputs and outputs, which the up
+    projections keep), the rotated Q and K (d_qk = qk_head_dim + qk_pos_emb_head_dim), V
+    and the attention core, and the output projection's input (d_v = v_head_dim). The down
+    projections and latents are per sharded token (SP), the rest per token. Where V is
+    zero-padded to d_qk (fused kernels, CP) the kernel keeps the padded V and its d_qk-wide
+    output, and the output projection a d_v-wide copy of it; SDPA's math kernel (CPU with
+    attention dropout) keeps V as a view of the key/value up projection's output."""
+    tp = config.tensor_model_parallel_size
+    s, b, e = setup.local_seq_length(config), setup.micro_batch_size, setup.activation_bytes
+    heads, tokens = config.num_attention_heads // tp, s * b
+    d_qk, d_v = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    kv_rank, q_rank = config.kv_lora_rank, config.q_lora_rank
+    terms: Dict[str, int] = {}
+
+    def add(name: str, value: int) -> None:
+        terms[name] = terms.get(name, 0) + value
+
+    add("down projections' input", e * sharded_tokens * config.hidden_size)
+    for rank, stored in ((q_rank, q_rank), (kv_rank, kv_rank + config.qk_pos_emb_head_dim)):
+        if rank is None:  # no query latent: linear_q_proj keeps the hidden input above
+            continue
+        if config.qk_layernorm:
+            for name, value in _latent_norm_terms(config, sharded_tokens, rank, stored,
+                                                  e).items():
+                add(name, value)
+            add("normalised latents (the up projections' input)", e * sharded_tokens * rank)
+        else:  # the up projection keeps the latent, a view of the down projection's output
+            add("latents (the up projections' input)", e * sharded_tokens * stored)
+    gathered = config.context_parallel_size > 1 and config.cp_comm_type == "all_gather"
+    padded = config.context_parallel_size > 1 or setup.flash_attention(config)
+    add("Q and K (rotated)", e * tokens * heads * d_qk * (1 if gathered else 2))
+    if not padded:  # the math kernel: V a view of the up projection's output
+        add("V (the key/value up projection's output)",
+            e * tokens * heads * (config.qk_head_dim + d_v))
+    elif not gathered:
+        add("V padded to the Q/K head dim", e * tokens * heads * d_qk)
+    if padded and config.context_parallel_size == 1:
+        add("attention output (padded)", e * tokens * heads * d_qk)
+    for name, value in _attention_core_terms(config, setup, heads, heads).items():
+        add(name, value)
+    add("attention output projection input", e * tokens * heads * d_v)
     return terms
 
 
@@ -155,8 +235,11 @@ def _attention_core_terms(config, setup: ActivationSetup, heads: int, groups: in
         return terms
     # Unfused (CPU with attention dropout): scaled Q and K^T copies, softmax, dropout mask
     # and dropout output, and K/V expanded to all heads under grouped-query attention.
-    terms = {"attention Q, K copies": 2 * e * s * b * heads * d,
-             "softmax, dropout mask and output": (2 * e + setup.mask_bytes()) * b * heads * s * s}
+    terms = {"softmax, dropout mask and output": (2 * e + setup.mask_bytes()) * b * heads * s * s}
+    # Multi-latent attention counts Q and K (the copies' size) with its layer's terms:
+    # selective recomputation keeps them, as the recomputed span's inputs.
+    if not getattr(config, "multi_latent_attention", False):
+        terms["attention Q, K copies"] = 2 * e * s * b * heads * d
     if heads != groups:
         terms["V expanded to all heads"] = e * s * b * heads * d
     return terms
@@ -299,7 +382,8 @@ def rotary_bytes(config, setup: ActivationSetup) -> int:
     """cos and sin, computed once per chunk and shared by its layers."""
     if config.position_embedding_type != "rope":
         return 0
-    rotary_dim = int(config.kv_channels * config.rotary_percent)
+    rotary_dim = config.qk_pos_emb_head_dim if getattr(config, "multi_latent_attention", False) \
+        else int(config.kv_channels * config.rotary_percent)
     return 2 * FP32 * setup.local_seq_length(config) * rotary_dim
 
 

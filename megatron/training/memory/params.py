@@ -34,13 +34,15 @@ from megatron.training.memory.moe import is_moe_layer, moe_mlp_params
 
 
 def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
-    h, d, tp_f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
+    h, d = config.hidden_size, config.kv_channels
     a, g = config.num_attention_heads, config.num_query_groups
     prefix = f"decoder.layers.{number}."
     norm = ["weight"] + (["bias"] if config.normalization == "LayerNorm" else [])
     qkv = (a + 2 * g) * d // tp
-    fc1 = tp_f * (2 if config.activation in GATED_ACTIVATIONS else 1) // tp
     shapes = [ParamShape(prefix + "input_layernorm." + n, h) for n in norm]
+    if getattr(config, "multi_latent_attention", False):
+        shapes += _latent_attention_params(config, tp, prefix + "self_attention.", norm)
+        return shapes + _mlp_params(config, tp, number, prefix, norm)
     shapes.append(ParamShape(prefix + "self_attention.linear_qkv.weight", qkv * h, qkv))
     if config.add_qkv_bias:
         shapes.append(ParamShape(prefix + "self_attention.linear_qkv.bias", qkv))
@@ -52,7 +54,46 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
                    for q_or_k in "qk" for n in norm]
     if getattr(config, "softmax_type", "vanilla") == "learnable":  # attention sinks per head
         shapes.append(ParamShape(prefix + "self_attention.sinks", a // tp))
-    shapes += [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
+    return shapes + _mlp_params(config, tp, number, prefix, norm)
+
+
+def _latent_attention_params(config, tp: int, prefix: str, norm: List[str]
+                             ) -> List[ParamShape]:
+    """Multi-latent attention's (multi_latent_attention.py, in its registration order): the
+    projections to heads split over TP by rows, the down projections and the latents' norms
+    (with qk_layernorm) whole on every rank, no biases but the output projection's."""
+    h, heads = config.hidden_size, config.num_attention_heads // tp
+    qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+    kv_rank, q_rank = config.kv_lora_rank, config.q_lora_rank
+
+    def linear(name, rows, cols):
+        return ParamShape(prefix + name + ".weight", rows * cols, rows)
+
+    def norms(name, size):
+        return [ParamShape(f"{prefix}{name}.{n}", size) for n in norm] \
+            if config.qk_layernorm else []
+
+    if q_rank is None:
+        shapes = [linear("linear_q_proj", heads * qk, h)]
+    else:
+        shapes = [linear("linear_q_down_proj", q_rank, h), *norms("q_layernorm", q_rank),
+                  linear("linear_q_up_proj", heads * qk, q_rank)]
+    shapes += [linear("linear_kv_down_proj", kv_rank + config.qk_pos_emb_head_dim, h),
+               *norms("kv_layernorm", kv_rank),
+               linear("linear_kv_up_proj", heads * (config.qk_head_dim + config.v_head_dim),
+                      kv_rank),
+               linear("linear_proj", h, heads * config.v_head_dim)]
+    if config.add_bias_linear:
+        shapes.append(ParamShape(prefix + "linear_proj.bias", h))
+    return shapes
+
+
+def _mlp_params(config, tp: int, number: int, prefix: str, norm: List[str]
+                ) -> List[ParamShape]:
+    """The pre-MLP norm and the MLP (or MoE layer) of layer ``number``."""
+    h, tp_f = config.hidden_size, config.ffn_hidden_size
+    fc1 = tp_f * (2 if config.activation in GATED_ACTIVATIONS else 1) // tp
+    shapes = [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
     if is_moe_layer(config, number):
         return shapes + moe_mlp_params(config, prefix + "mlp.")
     shapes.append(ParamShape(prefix + "mlp.linear_fc1.weight", fc1 * h, fc1))

@@ -49,12 +49,36 @@ def _linear_records(config, setup) -> List[int]:
     shard = tokens // tp if config.sequence_parallel and tp > 1 else tokens
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
     fc1_out = config.ffn_hidden_size * (2 if config.activation in GATED_ACTIVATIONS else 1) // tp
-    return [
-        e * (tokens * (heads + 2 * groups) * d + shard * h),  # QKV: column, SP-shard input
-        e * (tokens * h + tokens * heads * d),  # attention projection: row, full output grad
+    if getattr(config, "multi_latent_attention", False):
+        attention = _latent_attention_records(config, e, tokens, shard, heads)
+    else:
+        attention = [
+            e * (tokens * (heads + 2 * groups) * d + shard * h),  # QKV: column, SP-shard input
+            e * (tokens * h + tokens * heads * d),  # projection: row, full output grad
+        ]
+    return attention + [
         e * (tokens * fc1_out + shard * h),  # fc1: column
         e * (tokens * h + tokens * config.ffn_hidden_size // tp),  # fc2: row
     ]
+
+
+def _latent_attention_records(config, e: int, tokens: int, shard: int, heads: int
+                              ) -> List[int]:
+    """Multi-latent attention's deferred linears: the down projections (replicated, on the
+    SP shard; their shared input counted once), the up projections (column, SP-shard input),
+    the output projection (row)."""
+    h, q_rank, kv_rank = config.hidden_size, config.q_lora_rank, config.kv_lora_rank
+    d_qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+    kv_down = e * shard * (kv_rank + config.qk_pos_emb_head_dim)
+    # Without the latent's norm kv_up's input is a view of kv_down's whole output.
+    kv_up_input = kv_rank if config.qk_layernorm else kv_rank + config.qk_pos_emb_head_dim
+    kv_up = e * (tokens * heads * (config.qk_head_dim + config.v_head_dim) +
+                 shard * kv_up_input)
+    if q_rank is None:
+        query = [e * (tokens * heads * d_qk + shard * h)]
+    else:
+        query = [e * shard * (q_rank + h), e * (tokens * heads * d_qk + shard * q_rank)]
+    return query + [kv_down, kv_up, e * (tokens * h + tokens * heads * config.v_head_dim)]
 
 
 def weight_grad_record_bytes(config, setup, pipeline_rank: int, chunk: int = 0) -> int:

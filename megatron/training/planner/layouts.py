@@ -180,7 +180,7 @@ def context_parallel_sizes(args: argparse.Namespace, num_gpus: int, tensor_paral
     GPUs left that cuts the sequence into 2 x CP equal chunks, each rank's s/CP tokens split
     evenly again by sequence parallelism (arguments/parse.py checks the same). None with
     --allow-math-attention (the math kernel cannot be split over CP ranks)."""
-    if not with_cp or args.allow_math_attention or is_moe(args):  # MoE: no CP yet
+    if not with_cp or args.allow_math_attention:
         return [1]
     s, t = args.seq_length, tensor_parallel
     return [c for c in _divisors(num_gpus // t)

@@ -54,7 +54,12 @@ from dataclasses import dataclass
 from megatron.core.pipeline_parallel.simulate import zero_bubble_idle
 from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.core.transformer.sliding_window import layer_windows
-from megatron.training.logging.flops import mfu, num_floating_point_operations
+from megatron.training.logging.flops import (
+    attention_pair_macs,
+    latent_attention_of,
+    mfu,
+    num_floating_point_operations,
+)
 from megatron.training.memory.estimate import MemoryEstimate, dtype_bytes
 from megatron.training.memory.params import chunk_span
 from megatron.training.planner.layouts import Layout
@@ -150,7 +155,8 @@ def _count(config, seq_length: int, batch: int, layers: int, vocab: int, windows
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
         batch_size=batch, swiglu=config.activation in GATED_ACTIVATIONS,
-        kv_channels=config.kv_channels, windows=windows)
+        kv_channels=config.kv_channels, windows=windows,
+        latent_attention=latent_attention_of(config))
 
 
 def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
@@ -164,13 +170,20 @@ def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> 
     return logits + all_layers * num_layers // config.num_layers
 
 
+def _pair_macs(config) -> int:
+    """One query-key pair's score and value MACs over a layer's heads (2 a d; MLA's
+    a (d_qk + d_v))."""
+    return attention_pair_macs(config.num_attention_heads, config.kv_channels,
+                               latent_attention_of(config))
+
+
 def weight_gradient_seconds(config, layout: Layout, seq_length: int, layers: int,
                             has_logits: bool, padded_vocab_size: int, flop_rate: float) -> float:
     """The W part of a microbatch's backward on a stage (zero-bubble schedules): the weight-
     gradient GEMMs, as many FLOPs as the linear layers' forward, i.e. a layer's forward less
     its attention core (Q K^T and softmax x V: 2 x 2 b s^2 a d), and the output layer's."""
     b, s = layout.micro_batch_size, seq_length
-    core = 2 * 2 * b * s * s * config.num_attention_heads * config.kv_channels
+    core = 2 * b * s * s * _pair_macs(config)
     linear = _count(config, s, b, 1, 0) // 3 - core  # a full layer's: windows change the core
     logits = _flops(config, s, b, 0, padded_vocab_size) // 3 if has_logits else 0
     return (layers * linear + logits) / flop_rate
@@ -196,7 +209,7 @@ def recompute_flops_per_layer(config, layout: Layout, seq_length: int) -> int:
     if layout.recompute == "full":
         return _flops(config, s, b, 1, 0) // 3
     if layout.recompute == "selective":  # Q K^T and softmax x V: 2 s^2 a d MACs a sequence
-        return 2 * 2 * b * s * s * config.num_attention_heads * config.kv_channels
+        return 2 * b * s * s * _pair_macs(config)
     return 0
 
 
@@ -213,7 +226,7 @@ def cp_ring_seconds(config, layout: Layout, cluster: Cluster, seq_length: int
     bandwidth = cluster.group_bandwidth(t * c)
     kv_hop = 2 * b * (seq_length // c) * groups * d * dtype_bytes(config.params_dtype) / bandwidth
     dkv_hop = 2 * b * (seq_length // c) * groups * d * 4 / bandwidth  # accumulated in fp32
-    attention = 4 * b * seq_length ** 2 * config.num_attention_heads * d / (t * c)
+    attention = 2 * b * seq_length ** 2 * _pair_macs(config) / (t * c)
     attention_s = attention / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
     forward = (c - 1) * kv_hop
     forward_exposed = max(0.0, forward - attention_s)

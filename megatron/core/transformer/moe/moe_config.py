@@ -52,6 +52,20 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert-bias update."""
 
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V3's n_group): the experts are cut into this many
+    groups of consecutive experts and each token chooses only among its
+    moe_router_group_topk best groups, a group scored by the sum of its two highest
+    (expert-biased) scores. None: no groups."""
+
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may route to (DeepSeek-V3's topk_group); set with
+    moe_router_num_groups."""
+
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the gate weights after any renormalisation (DeepSeek-V3's
+    routed_scaling_factor); None: no scaling."""
+
     moe_router_bias: bool = False
     """A learned bias [E] on the router's logits (gpt-oss), trained like its weight; it enters
     the scores and the gate weights. Unrelated to moe_router_enable_expert_bias."""
@@ -87,6 +101,7 @@ class MoEConfig:
         self._check_sizes()
         self._check_layer_freq()
         self._check_router()
+        self._check_groups()
         self._check_capacity()
         self._check_shared_expert()
 
@@ -134,6 +149,35 @@ class MoEConfig:
         if self.moe_router_bias_update_rate <= 0:
             _fail("moe_router_bias_update_rate", self.moe_router_bias_update_rate,
                   "use a value > 0")
+
+    def _check_groups(self):
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and not factor > 0:
+            _fail("moe_router_topk_scaling_factor", factor, "use a value > 0, or None for 1")
+        if (groups is None) != (group_topk is None):
+            name, value = ("moe_router_num_groups", groups) if group_topk is None \
+                else ("moe_router_group_topk", group_topk)
+            _fail(name, value, "moe_router_num_groups and moe_router_group_topk come as a "
+                  "pair: set both, or neither for routing without groups")
+        if groups is None:
+            return
+        experts = self.num_moe_experts
+        if not isinstance(groups, int) or groups < 1 or experts % groups:
+            _fail("moe_router_num_groups", groups,
+                  f"use a divisor of num_moe_experts ({experts}): the groups are equal")
+        if experts // groups < 2:
+            _fail("moe_router_num_groups", groups,
+                  f"each group needs at least 2 experts (a group is scored by its top 2); "
+                  f"use at most {experts // 2} groups for {experts} experts")
+        if not isinstance(group_topk, int) or not 1 <= group_topk <= groups:
+            _fail("moe_router_group_topk", group_topk,
+                  f"use 1..moe_router_num_groups ({groups})")
+        reachable = group_topk * (experts // groups)
+        if self.moe_router_topk > reachable:
+            _fail("moe_router_topk", self.moe_router_topk,
+                  f"the {group_topk} chosen groups hold only {reachable} experts; raise "
+                  f"moe_router_group_topk or lower the top-k to at most {reachable}")
 
     def _check_capacity(self):
         factor = self.moe_expert_capacity_factor

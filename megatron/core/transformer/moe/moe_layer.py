@@ -2,8 +2,8 @@
 
 It takes the MLP's place in the layers ``config.moe.is_moe_layer`` picks. Inside it every rank's
 tokens are its own: TP > 1 needs sequence parallelism (checked by TransformerConfig), so each
-TP rank routes its part of the sequence and the dispatcher sends the rows to the expert-parallel
-ranks holding their experts.
+TP rank (and each CP rank) routes its part of the sequence and the dispatcher sends the rows to
+the expert-parallel ranks holding their experts.
 
 The router's aux and z losses reach the gradient through ``MoEAuxLossAutoScaler`` on the
 layer's output, scaled like the main loss (1 / microbatches, times the fp16 loss scale): a
@@ -84,6 +84,16 @@ def _output_init_std(config):
     return config.init_method_std
 
 
+def _sequence_group(config):
+    """The ranks that split a micro batch's tokens and route them apart: TP under sequence
+    parallelism, CP, or both (their counts and loss shares are summed over it); None alone."""
+    split_tp = config.sequence_parallel and config.tensor_model_parallel_size > 1
+    if config.context_parallel_size > 1:
+        return parallel_state.get_tensor_and_context_parallel_group() if split_tp \
+            else parallel_state.get_context_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group() if split_tp else None
+
+
 def build_dispatcher(config):
     moe = config.moe
     if config.expert_model_parallel_size == 1 and config.expert_tensor_parallel_size == 1:
@@ -100,9 +110,7 @@ class MoELayer(torch.nn.Module):
         moe = config.moe
         self.config = config
         self.layer_number = layer_number
-        sequence_group = None
-        if config.sequence_parallel and config.tensor_model_parallel_size > 1:
-            sequence_group = parallel_state.get_tensor_model_parallel_group()
+        sequence_group = _sequence_group(config)
         self.router = TopKRouter(moe, config.hidden_size, config.init_method_std, sequence_group)
         self.router.to(device.current_device())
         _place(self.router.weight, config)

@@ -4,10 +4,11 @@ Tokens arrive flattened from [s, b, h], so token t belongs to sequence t % b (th
 aux loss relies on that order). The losses are returned already multiplied by their
 coefficients, for the caller to add to the model's loss.
 
-Under sequence parallelism each TP rank routes its own part of the sequence (``group``, the
-TP group): the token counts are summed over it first, and each rank returns its share of the
-loss (its tokens' scores over the whole micro batch's token count), so the shares add up over
-TP to the loss of the whole micro batch, whatever the TP size.
+Under sequence parallelism each TP rank routes its own part of the sequence, and under context
+parallelism each CP rank its chunks (``group``: TP, CP, or TP x CP): the token counts are summed
+over it first, and each rank returns its share of the loss (its tokens' scores over the whole
+micro batch's token count), so the shares add up over the group to the loss of the whole micro
+batch, whatever the TP and CP sizes.
 """
 import torch
 import torch.distributed as dist
@@ -17,29 +18,55 @@ from megatron.core.transformer.moe.capacity import count_per_expert
 
 
 def route(logits, topk, score_function="softmax", pre_softmax=False, topk_norm=False,
-          expert_bias=None):
+          expert_bias=None, num_groups=None, group_topk=None, scaling_factor=None):
     """logits [T, E] fp32 -> (probs [T, k], indices [T, k]).
 
     softmax, pre_softmax=False (Megatron's default): top-k of the logits, softmax over those k.
     softmax, pre_softmax=True: softmax over all E, then top-k (optionally renormalised).
     sigmoid: sigmoid scores, top-k (optionally renormalised).
     expert_bias [E] is added to what the top-k ranks, never to the returned gate weights.
+    num_groups/group_topk: group-limited routing (DeepSeek-V3), see ``keep_best_groups``.
+    scaling_factor multiplies the gate weights last (DeepSeek-V3's routed scaling factor).
     """
     if score_function == "softmax" and not pre_softmax:
-        top_logits, indices = _topk(logits, topk, expert_bias)
-        return torch.softmax(top_logits, dim=-1), indices
-    scores = torch.softmax(logits, dim=-1) if score_function == "softmax" else logits.sigmoid()
-    probs, indices = _topk(scores, topk, expert_bias)
-    if topk_norm:
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        top_logits, indices = _topk(logits, topk, expert_bias, num_groups, group_topk)
+        probs = torch.softmax(top_logits, dim=-1)
+    else:
+        scores = torch.softmax(logits, dim=-1) if score_function == "softmax" \
+            else logits.sigmoid()
+        probs, indices = _topk(scores, topk, expert_bias, num_groups, group_topk)
+        if topk_norm:
+            total = probs.sum(dim=-1, keepdim=True)
+            if score_function == "sigmoid":  # as HF's DeepseekV3; a no-op above ~1e-13
+                total = total + 1e-20
+            probs = probs / total
+    if scaling_factor is not None:
+        probs = probs * scaling_factor
     return probs, indices
 
 
-def _topk(values, k, bias):
-    if bias is None:
+def _topk(values, k, bias, num_groups=None, group_topk=None):
+    if bias is None and num_groups is None:
         return torch.topk(values, k, dim=-1)
-    _, indices = torch.topk(values + bias, k, dim=-1)
+    ranked = values if bias is None else values + bias
+    if num_groups is not None:
+        ranked = keep_best_groups(ranked, num_groups, group_topk)
+    _, indices = torch.topk(ranked, k, dim=-1)
     return values.gather(-1, indices), indices
+
+
+def keep_best_groups(ranked, num_groups, group_topk):
+    """ranked [T, E] with -inf outside each token's ``group_topk`` best groups of experts.
+
+    The experts are cut into ``num_groups`` groups of consecutive experts (global numbers:
+    routing happens before dispatch, so under EP too); a group's score is the sum of its two
+    highest values, so one outlier expert does not carry a group."""
+    tokens, experts = ranked.shape
+    grouped = ranked.reshape(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    best = group_scores.topk(group_topk, dim=-1).indices
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).reshape(tokens, experts)
 
 
 def aux_loss_scores(logits, score_function):
@@ -104,7 +131,7 @@ class TopKRouter(torch.nn.Module):
     def __init__(self, config, hidden_size, init_method_std=0.02, sequence_group=None):
         super().__init__()
         self.config = config
-        self.sequence_group = sequence_group  # the TP group under SP (see the module doc)
+        self.sequence_group = sequence_group  # TP under SP, CP, or both (see the module doc)
         self.weight = torch.nn.Parameter(torch.empty(config.num_moe_experts, hidden_size))
         torch.nn.init.normal_(self.weight, std=init_method_std)
         # gpt-oss's learned logit bias (zeros: no draw from the RNG, so the weights above and
@@ -127,7 +154,8 @@ class TopKRouter(torch.nn.Module):
         logits = F.linear(hidden.float(), self.weight.float(), bias)  # fp32 router
         probs, indices = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
                                cfg.moe_router_pre_softmax, cfg.moe_router_topk_norm,
-                               self.expert_bias)
+                               self.expert_bias, cfg.moe_router_num_groups,
+                               cfg.moe_router_group_topk, cfg.moe_router_topk_scaling_factor)
         # Recomputation runs a forward twice: count the one with grad enabled.
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += count_per_expert(indices, cfg.num_moe_experts)

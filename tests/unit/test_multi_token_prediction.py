@@ -1,0 +1,194 @@
+"""Multi-token prediction (--mtp-num-layers): each depth's loss equals a plain-torch reference
+built from the model's own weights (the depth's norms, projection and layer, the shared
+embedding and head), the gradient of the total is the main loss's plus scale / D times the
+depths' (checked against autograd on the reference), and under TP=2 with sequence
+parallelism and PP=2 (tied embeddings) the losses and gradients equal one process.
+
+Tolerance: the reference runs the same ops in the same order (exact up to the masked means'
+summation, 1e-6); the parallel layouts re-associate fp32 sums (1e-5)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state as ps
+from megatron.core.models import LlamaModel, llama_config
+from megatron.core.transformer.moe.moe_layer import set_aux_loss_scale
+from tests.distributed import run_distributed
+
+VOCAB, SEQ, BATCH = 64, 12, 2
+
+
+def _config(**overrides):
+    return llama_config(**{**dict(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                  num_query_groups=2, ffn_hidden_size=48, attention_dropout=0.0,
+                                  hidden_dropout=0.0, mtp_num_layers=2,
+                                  mtp_loss_scaling_factor=0.3), **overrides})
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    text = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    mask = torch.ones(BATCH, SEQ)
+    mask[0, 3] = 0  # a masked label: its shifted copies must be masked too
+    return text[:, :-1], text[:, 1:], mask
+
+
+def _reference_mtp_losses(model, tokens, labels, mask):
+    """The depths written out from the definition with the model's parameters."""
+    emb = model.embedding.word_embeddings.weight
+    head = model.output_layer.weight
+    hidden = model.embedding(tokens)
+    cos, sin = model.rotary(torch.arange(SEQ).unsqueeze(0))
+    for layer in model.decoder.layers:
+        hidden = layer(hidden, None, cos, sin)
+    losses = []
+    for k, depth in enumerate(model.mtp.depths, start=1):
+        ids = torch.roll(tokens, -k, dims=1)
+        ids[:, -k:] = 0
+        embedded = F.embedding(ids, emb).transpose(0, 1)
+        joined = torch.cat([depth.hnorm(hidden), depth.enorm(embedded)], dim=-1)
+        hidden = depth.layer(joined @ depth.eh_proj.t(), None, cos, sin)
+        logits = depth.final_layernorm(hidden) @ head.t()  # [s, b, v]
+        target = torch.roll(labels, -k, dims=1).transpose(0, 1)
+        weight = torch.roll(mask, -k, dims=1)
+        weight[:, -k:] = 0
+        per_token = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1),
+                                    reduction="none").view(SEQ, BATCH).t()
+        losses.append((per_token * weight).sum() / weight.sum())
+    return losses
+
+
+def _one_process():
+    torch.manual_seed(0)
+    model = LlamaModel(_config(), VOCAB)
+    tokens, labels, mask = _batch()
+    main = model(tokens, labels=labels, loss_mask=mask)  # records the MTP losses
+    sums, forwards = model.mtp.take_metrics()
+    want = _reference_mtp_losses(model, tokens, labels, mask)
+    return sums, forwards, want, main
+
+
+def test_each_depth_loss_equals_the_reference():
+    (sums, forwards, want, main), = run_distributed(_one_process, world_size=1, tp=1)
+    assert forwards == 1 and len(want) == 2
+    torch.testing.assert_close(sums, torch.stack(want).detach(), rtol=1e-6, atol=1e-6)
+    assert (sums - main.mean().detach()).abs().min() > 1e-3  # not the main loss
+
+
+def _gradients(scale_zero):
+    """The model's gradients of (masked main mean), with the MTP losses attached."""
+    set_aux_loss_scale(1.0)  # what a schedule sets per microbatch (one microbatch here)
+    torch.manual_seed(0)
+    config = _config(mtp_loss_scaling_factor=0.0) if scale_zero else _config()
+    model = LlamaModel(config, VOCAB)
+    tokens, labels, mask = _batch()
+    per_token = model(tokens, labels=labels, loss_mask=mask)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the reference: main mean + 0.3 / 2 * sum of the depths' reference losses
+    model.zero_grad()
+    per_token = model(tokens, labels=labels, loss_mask=mask)
+    main = (per_token * mask).sum() / mask.sum()
+    total = main + 0.3 / 2 * sum(_reference_mtp_losses(model, tokens, labels, mask))
+    total.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, want
+
+
+def test_the_gradient_is_the_main_loss_plus_the_scaled_depth_losses():
+    (grads, want), = run_distributed(_gradients, world_size=1, tp=1, scale_zero=False)
+    assert set(grads) == set(want) and any("mtp" in n for n in grads)
+    (grads0, _), = run_distributed(_gradients, world_size=1, tp=1, scale_zero=True)
+    for name in want:
+        # attached MTP gradient = grads - grads0 (no MTP); reference MTP gradient =
+        # want - grads (the reference added its own copy on top of the attached one)
+        torch.testing.assert_close(grads[name] - grads0.get(name, 0 * grads[name]),
+                                   want[name] - grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _layout_run():
+    """Per-token main loss summed and the depth losses, and every gradient merged to full
+    tensors, at TP (with SP) x PP, tied embeddings."""
+    from megatron.core.models.tp_sharding import merge_state_dicts
+    from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+    from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    set_aux_loss_scale(1.0)
+    torch.manual_seed(0)
+    config = _config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                     pipeline_model_parallel_size=pp)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    layers = config.num_layers // pp
+    stage = ps.get_pipeline_model_parallel_rank()
+    model = LlamaModel(config, VOCAB, pre_process=first, post_process=last,
+                       share_embeddings_and_output_weights=True,
+                       layer_range=(stage * layers, (stage + 1) * layers))
+    from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embedding_weights
+    sync_tied_embedding_weights([model])
+    tokens, labels, mask = _batch()
+    if first:
+        out = model(tokens)
+        if pp > 1:
+            dist.send(out.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            grad = torch.empty_like(out)
+            dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            out.backward(grad)
+    if last and pp > 1:
+        hidden = torch.empty(SEQ // tp, BATCH, 32)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_()
+        model.set_input_tensor(hidden)
+    if last:
+        per_token = model(tokens, labels=labels, loss_mask=mask)
+        loss = (per_token * mask).sum() / mask.sum()
+        loss.backward()
+        if pp > 1:
+            dist.send(hidden.grad, ps.get_pipeline_model_parallel_prev_rank())
+    allreduce_sequence_parallel_grads([model])
+    allreduce_tied_embedding_grads([model])
+    local = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if not first:  # the tied copy is the embedding
+        local = {("embedding.word_embeddings.weight" if n == "output_layer.weight" else n): g
+                 for n, g in local.items()}
+    offset = stage * layers
+    local = {(f"decoder.layers.{int(n.split('.')[2]) + offset}." +
+              ".".join(n.split(".")[3:]) if n.startswith("decoder.layers.") else n): g
+             for n, g in local.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (local, ps.get_tensor_model_parallel_rank()))
+    merged = {}
+    for stage_ranks in (everyone,):
+        tp_parts = {}
+        for grads, rank in stage_ranks:
+            for n, g in grads.items():
+                tp_parts.setdefault(n, {})[rank] = g
+    for n, parts in tp_parts.items():
+        shards = [parts[r] for r in sorted(parts)]
+        merged[n] = merge_state_dicts([{n: s} for s in shards], True,
+                                      [(r, 0, 0) for r in sorted(parts)])[n] \
+            if len(shards) > 1 else shards[0]
+    metrics = model.mtp.take_metrics()[0] if last else None
+    return merged, metrics
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_equal_one_process(tp, pp):
+    (want, want_metrics), = run_distributed(_layout_run, world_size=1, tp=1, pp=1)
+    results = run_distributed(_layout_run, world_size=tp * pp, tp=tp, pp=pp)
+    metrics = [m for _, m in results if m is not None]
+    torch.testing.assert_close(metrics[0], want_metrics, rtol=1e-5, atol=1e-6)
+    got = {}
+    for grads, _ in results:
+        got.update(grads)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_context_parallelism_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="multi-token prediction shifts the tokens along the "
+                                         "sequence.*--context-parallel-size 1"):
+        _config(context_parallel_size=2)
