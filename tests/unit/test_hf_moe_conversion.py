@@ -47,6 +47,18 @@ def hf_config(name):
         return T.GptOssConfig(intermediate_size=24, num_local_experts=4, head_dim=16,
                               sliding_window=4, swiglu_limit=0.4, rope_parameters=yarn,
                               **_COMMON)
+    if name.startswith("deepseek_v3"):  # one dense layer, 8 experts in 4 groups (2 chosen),
+        # a shared expert, MLA with (or without: _noq) the query latent, YaRN (_yarn)
+        common = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 0.8} if name.endswith("_yarn") else None
+        return T.DeepseekV3Config(
+            intermediate_size=40, moe_intermediate_size=12, n_routed_experts=8, n_group=4,
+            topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, q_lora_rank=None if name.endswith("_noq") else 12,
+            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+            num_key_value_heads=4, rope_parameters=rope, **common)
     return T.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=4,
                             head_dim=16, norm_topk_prob=True, **_COMMON)
 
@@ -55,12 +67,16 @@ def build_hf_model(name):
     import transformers as T
 
     cls = {"mixtral": T.MixtralForCausalLM, "qwen2_moe": T.Qwen2MoeForCausalLM,
-           "qwen3_moe": T.Qwen3MoeForCausalLM, "gpt_oss": T.GptOssForCausalLM}[name]
+           "qwen3_moe": T.Qwen3MoeForCausalLM, "gpt_oss": T.GptOssForCausalLM,
+           "deepseek_v3": T.DeepseekV3ForCausalLM}[name.split("_noq")[0].split("_yarn")[0]]
     torch.manual_seed(0)
     model = cls(hf_config(name))
     with torch.no_grad():  # non-trivial norms, biases and routers, so their mapping counts
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for n, b in model.named_buffers():  # DeepSeek's routing correction bias
+            if n.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.05)
     return model.eval()
 
 
@@ -323,3 +339,41 @@ def test_mxfp4_experts_are_refused_with_the_fix():
     state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(1)
     with pytest.raises(ValueError, match="MXFP4.*dequantize"):
         hf_to_megatron(state, hf.config)
+
+
+DEEPSEEK = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v3_yarn")
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_v3_equals_hf(name):
+    """MLA (with and without the query latent, YaRN with mscale_all_dim), a dense first
+    layer, group-limited sigmoid routing with the correction bias and scaling, a shared
+    expert: logits, loss and every gradient at TP 1."""
+    _check(run_distributed(_compare, world_size=1, name=name, tp_size=1, ep_size=1))
+
+
+def test_deepseek_v3_at_tp2_ep2_equals_hf():
+    _check(run_distributed(_compare, world_size=4, name="deepseek_v3", tp_size=2, ep_size=2))
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_v3_round_trip_is_bitwise(name):
+    hf = build_hf_model(name)
+    state = hf.state_dict()
+    ours = hf_to_megatron(state, hf.config, 128)
+    assert "decoder.layers.1.mlp.router.expert_bias" in ours
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in ours  # the dense first layer
+    for layout in (moe_hf.STACKED, moe_hf.PER_EXPERT):
+        back = megatron_to_hf(ours, hf.config, expert_layout=layout)
+        again = hf_to_megatron(back, hf.config, 128)
+        assert set(again) == set(ours)
+        for key, value in ours.items():
+            assert torch.equal(again[key], value), key
+    back = megatron_to_hf(ours, hf.config, expert_layout=moe_hf.STACKED)
+    assert set(back) == set(state)
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+    config, _ = config_from_hf(hf.config)
+    fields = moe_hf.hf_moe_config_fields(config, "deepseek_v3")
+    rebuilt = type(hf.config)(**{**hf.config.to_dict(), **fields})
+    assert config_from_hf(rebuilt)[0] == config

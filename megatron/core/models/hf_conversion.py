@@ -3,7 +3,8 @@
 Supported: ``LlamaForCausalLM`` (LLaMA 1/2/3: GQA, rope theta, LLaMA-3 or YaRN rope scaling,
 tied or untied embeddings; Mistral shares the layout, Qwen2 adds q/k/v biases, Qwen3 per-head
 q/k RMSNorms and a head dim of its own), ``GPT2LMHeadModel``, and the LLaMA-like MoE
-models of ``hf_moe_conversion`` (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss). Combine with ``tp_sharding``
+models of ``hf_moe_conversion`` (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V3).
+Combine with ``tp_sharding``
 for a TP rank's or a pipeline stage's share.
 """
 from typing import Dict, Tuple
@@ -203,7 +204,8 @@ def _one_to_one_pairs(arch: str, config: TransformerConfig):
     pairs = list(_ONE_TO_ONE[family]["global"])
     layer = [p for p in _ONE_TO_ONE[family]["layer"]
              if arch in (LLAMA, GPT2) or not p[0].startswith("mlp.")]
-    layer += _QK_NORMS if config.qk_layernorm else []
+    # (under multi-latent attention qk_layernorm means the latents' norms: mapped with it)
+    layer += _QK_NORMS if config.qk_layernorm and not config.multi_latent_attention else []
     for i in range(config.num_layers):
         theirs = _HF_LAYER_PREFIX[family].format(i)
         pairs += [(f"decoder.layers.{i}.{o}", theirs + t, tr) for o, t, tr in layer]
@@ -250,10 +252,14 @@ def hf_to_megatron(hf_state: Dict[str, torch.Tensor], hf_config,
     for i in range(config.num_layers):
         src, dst = _HF_LAYER_PREFIX[family].format(i), f"decoder.layers.{i}."
         if family == LLAMA:
-            for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
-                out[dst + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                    *(hf_state[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv"),
-                    config.num_query_groups)
+            if config.multi_latent_attention:  # DeepSeek-V3: one to one, no fused QKV
+                out.update({f"{dst}self_attention.{ours}": hf_state[f"{src}self_attn.{theirs}"]
+                            for ours, theirs in moe_hf.mla_names(config.q_lora_rank).items()})
+            else:
+                for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
+                    out[dst + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                        *(hf_state[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv"),
+                        config.num_query_groups)
             out.update(_mlp_from_hf(hf_state, i, src, dst, arch, config, hf_config))
         else:
             heads = config.num_attention_heads
@@ -280,6 +286,11 @@ def megatron_to_hf(state: Dict[str, torch.Tensor], hf_config,
     out[_HF_EMBEDDING[family]] = embedding
     for i in range(config.num_layers):
         src, dst = f"decoder.layers.{i}.", _HF_LAYER_PREFIX[family].format(i)
+        if config.multi_latent_attention:
+            out.update({f"{dst}self_attn.{theirs}": state[f"{src}self_attention.{ours}"]
+                        for ours, theirs in moe_hf.mla_names(config.q_lora_rank).items()})
+            out.update(_mlp_to_hf(state, i, src, dst, arch, config, expert_layout))
+            continue
         q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], config)
         if family == LLAMA:
             out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,

@@ -96,6 +96,42 @@ def _deepseek_moe(hf_config) -> dict:
                 moe_shared_expert_gate=False, moe_aux_loss_coeff=0.0)
 
 
+# DeepSeek-V3's multi-latent attention: our name under self_attention. -> HF's under self_attn.
+MLA_NAMES = {"linear_q_proj.weight": "q_proj.weight",
+             "linear_q_down_proj.weight": "q_a_proj.weight",
+             "q_layernorm.weight": "q_a_layernorm.weight",
+             "linear_q_up_proj.weight": "q_b_proj.weight",
+             "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+             "kv_layernorm.weight": "kv_a_layernorm.weight",
+             "linear_kv_up_proj.weight": "kv_b_proj.weight"}
+_HF_LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which its latent norms keep
+
+
+def mla_names(q_lora_rank) -> Dict[str, str]:
+    """MLA_NAMES of a model with (or without, q_lora_rank None) the query latent."""
+    skip = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight") \
+        if q_lora_rank is None else ("linear_q_proj.weight",)
+    return {ours: theirs for ours, theirs in MLA_NAMES.items() if ours not in skip}
+
+
+def _deepseek_kwargs(hf_config) -> dict:
+    """The TransformerConfig fields of DeepSeek-V3's attention (beyond LLaMA's)."""
+    if hf_config.num_key_value_heads != hf_config.num_attention_heads:
+        raise ValueError("deepseek_v3 with num_key_value_heads != num_attention_heads is not "
+                         "supported (MLA's heads are not grouped).")
+    if hf_config.rms_norm_eps != _HF_LATENT_NORM_EPS:
+        raise ValueError(f"deepseek_v3: rms_norm_eps {hf_config.rms_norm_eps} is not "
+                         f"supported (its latent norms keep {_HF_LATENT_NORM_EPS}; ours use "
+                         f"the model's epsilon).")
+    return {"multi_latent_attention": True, "q_lora_rank": hf_config.q_lora_rank,
+            "kv_lora_rank": hf_config.kv_lora_rank, "qk_head_dim": hf_config.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": hf_config.qk_rope_head_dim,
+            "v_head_dim": hf_config.v_head_dim, "qk_layernorm": True,
+            "rotary_interleaved": bool(getattr(hf_config, "rope_interleave", True)),
+            "kv_channels": hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim,
+            "num_query_groups": None}
+
+
 def _refuse_unsupported(hf_config) -> None:
     kind = hf_config.model_type
     if kind == GPT_OSS:
@@ -134,11 +170,13 @@ def moe_transformer_kwargs(hf_config) -> dict:
            "moe": None}
     if kind == GPT_OSS:
         out.update(_gpt_oss_kwargs(hf_config))
+    if kind == DEEPSEEK_V3:
+        out.update(_deepseek_kwargs(hf_config))
     if not any(pattern):
         return out
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
     deepseek = _deepseek_moe(hf_config) if kind == DEEPSEEK_V3 else {}
-    out["moe"] = MoEConfig(
+    fields = dict(
         num_moe_experts=num_experts_of(hf_config),
         moe_ffn_hidden_size=(hf_config.intermediate_size if kind in (MIXTRAL, GPT_OSS)
                              else hf_config.moe_intermediate_size),
@@ -154,7 +192,8 @@ def moe_transformer_kwargs(hf_config) -> dict:
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=shared is not None,
-        moe_layer_freq=1 if all(pattern) else pattern, **deepseek)
+        moe_layer_freq=1 if all(pattern) else pattern)
+    out["moe"] = MoEConfig(**{**fields, **deepseek})
     return out
 
 
@@ -165,6 +204,8 @@ def hf_moe_config_fields(config, model_type: str) -> dict:
                [int(moe.is_moe_layer(i + 1)) for i in range(config.num_layers)])
     if model_type == GPT_OSS:
         return _gpt_oss_config_fields(config, pattern)
+    if model_type == DEEPSEEK_V3:
+        return _deepseek_config_fields(config, pattern)
     if model_type == MIXTRAL:
         if moe is None or not all(pattern) or moe.moe_shared_expert_intermediate_size or \
                 moe.moe_router_pre_softmax or config.qk_layernorm or config.add_qkv_bias:
@@ -222,6 +263,36 @@ def _gpt_oss_config_fields(config, pattern) -> dict:
             "swiglu_limit": config.activation_func_clamp_value, "swiglu_alpha": GPT_OSS_ALPHA,
             "sliding_window": None if window is None else window[0] + 1,
             "layer_types": layer_types, "attention_bias": True, "head_dim": config.kv_channels}
+
+
+def _deepseek_config_fields(config, pattern) -> dict:
+    moe = config.moe
+    if (moe is None or not config.multi_latent_attention or moe.moe_router_score_function !=
+            "sigmoid" or not moe.moe_router_enable_expert_bias or moe.moe_shared_expert_gate
+            or not config.qk_layernorm or 1 not in pattern):
+        raise ValueError("not a deepseek_v3 model: it has multi-latent attention with latent "
+                         "norms, sigmoid routing with the correction bias, ungated shared "
+                         "experts, dense layers only before the first MoE layer.")
+    first = pattern.index(1)
+    if any(not v for v in pattern[first:]):
+        raise ValueError("not a deepseek_v3 model: after its first MoE layer every layer has "
+                         "experts (first_k_dense_replace).")
+    shared = moe.moe_shared_expert_intermediate_size or 0
+    if shared % moe.moe_ffn_hidden_size:
+        raise ValueError(f"not a deepseek_v3 model: the shared expert's FFN {shared} is not a "
+                         f"multiple of the experts' {moe.moe_ffn_hidden_size}.")
+    return {"n_routed_experts": moe.num_moe_experts, "num_experts_per_tok": moe.moe_router_topk,
+            "moe_intermediate_size": moe.moe_ffn_hidden_size,
+            "n_shared_experts": shared // moe.moe_ffn_hidden_size,
+            "n_group": moe.moe_router_num_groups or 1,
+            "topk_group": moe.moe_router_group_topk or 1,
+            "routed_scaling_factor": moe.moe_router_topk_scaling_factor or 1.0,
+            "norm_topk_prob": moe.moe_router_topk_norm, "first_k_dense_replace": first,
+            "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+            "qk_nope_head_dim": config.qk_head_dim,
+            "qk_rope_head_dim": config.qk_pos_emb_head_dim, "v_head_dim": config.v_head_dim,
+            "rope_interleave": config.rotary_interleaved, "attention_bias": False,
+            "num_key_value_heads": config.num_attention_heads}
 
 
 def _interleaved(gate_up: torch.Tensor, dim: int):
@@ -349,7 +420,8 @@ def moe_layer_to_hf(state: Dict[str, torch.Tensor], src: str, dst: str, model_ty
         if model_type != DEEPSEEK_V3:
             out[dst + "mlp.shared_expert_gate.weight"] = state[
                 src + "mlp.shared_experts.gate_weight"]
-    if model_type == DEEPSEEK_V3:
+    if model_type == DEEPSEEK_V3 and src + "mlp.router.expert_bias" in state:  # a buffer:
+        # absent from a map of gradients
         out[dst + "mlp.gate.e_score_correction_bias"] = state[src + "mlp.router.expert_bias"]
     return out
 

@@ -106,7 +106,8 @@ class MultiLatentAttention(SelfAttention):
         query_nope, query_rope = torch.split(query, [self.nope_dim, self.rope_dim], dim=-1)
         # Everything in [s, b, heads, d] memory (cos/sin [b|1, s, 1, rope] -> [s, b|1, 1,
         # rope]); the kernels see [b, s, heads, d] views of it and write their output in that
-        # layout, whose [s, b, heads * d] view is the output projection's input (no copy).
+        # layout, which the output projection takes as [s, b, heads * d] without a re-layout
+        # (dropping V's padding, where there is some, is the one copy).
         cos, sin = rotary_cos.transpose(0, 1), rotary_sin.transpose(0, 1)
         query_rope = self.apply_rotary(query_rope, cos, sin)
         key_rope = self.apply_rotary(self._for_every_head(key_rope)[:, :, None], cos, sin)
