@@ -148,7 +148,8 @@ def _flops(configs, args) -> int:
         tc.num_layers, tc.hidden_size, effective_ffn_hidden_size(tc), tc.num_attention_heads,
         tc.num_query_groups, args.seq_length, configs.model_kwargs["padded_vocab_size"],
         configs.training.global_batch_size, tc.activation in GATED_ACTIVATIONS, tc.kv_channels,
-        windows=layer_windows(tc), latent_attention=latent_attention_of(tc))
+        windows=layer_windows(tc, with_mtp=True), latent_attention=latent_attention_of(tc),
+        mtp_num_layers=tc.mtp_num_layers or 0)
 
 
 # A user's mistake that can escape before or during training: one error line, no traceback.

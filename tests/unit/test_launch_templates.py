@@ -22,7 +22,8 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "shtools", "**", "*.sh"), recursiv
                  + glob.glob(os.path.join(ROOT, "shtools", "**", "*.sbatch"), recursive=True))
 CONFIGS = {name: os.path.join(ROOT, "shtools", "configs", f"{name}.sh")
            for name in ("gpt_small", "llama2_7b", "llama_13b_megatron_llama", "mixtral_8x7b",
-                        "qwen3_moe_small", "qwen3_8b", "qwen2_5_7b", "gpt_oss_20b")}
+                        "qwen3_moe_small", "qwen3_8b", "qwen2_5_7b", "gpt_oss_20b",
+                        "deepseek_v3", "deepseek_v3_small")}
 LAUNCHERS = ("single_node.sh", "multi_node.sh", "elastic.sh", "slurm.sbatch")
 
 
@@ -380,3 +381,52 @@ def test_gpt_oss_20b_config_has_the_published_shape(files):
     whole = configs_of(flags, world_size=1).transformer
     assert sum(s.numel for s in chunk_param_shapes(
         whole, 201088, 0, 0, share_embeddings_and_output_weights=False)) == count
+
+
+# name -> (its default world size, HF DeepseekV3Config fields of the shape, MTP depths)
+DEEPSEEK = {
+    "deepseek_v3": (1024, {}, None),  # transformers' defaults are DeepSeek-V3's shape
+    "deepseek_v3_small": (8, dict(
+        num_hidden_layers=16, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1), 1)}
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_configs_have_the_published_shape(name, files):
+    """The flags build DeepSeek-V3's design (MLA, dense first layers, grouped sigmoid routing,
+    the shared expert) and, MTP aside, the parameter count of HF's DeepseekV3ForCausalLM of
+    that shape (built on the meta device; 671,026,404,352 for DeepSeek-V3)."""
+    import transformers as T
+    from megatron.training.memory.params import chunk_param_shapes
+
+    world, fields, mtp = DEEPSEEK[name]
+    env = dict(DATA_PATH=f"{files['d']}/corpus_text_document", TOKENIZER_DIR=files["tok"],
+               CHECKPOINT_DIR=files["ck"], TENSORBOARD_DIR=files["tb"])
+    entry, _, flags = source_config(CONFIGS[name], **env)
+    assert entry == "pretrain_llama.py"
+    t = configs_of(flags, world_size=world).transformer
+    hf = T.DeepseekV3Config(**fields)
+    assert t.multi_latent_attention and t.qk_layernorm and t.rotary_interleaved
+    assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.q_lora_rank,
+            t.kv_lora_rank, t.qk_head_dim, t.qk_pos_emb_head_dim, t.v_head_dim) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.q_lora_rank,
+        hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim)
+    moe = t.moe
+    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size,
+            moe.moe_router_num_groups, moe.moe_router_group_topk) == (
+        hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.n_group,
+        hf.topk_group)
+    assert moe.moe_layer_freq[:hf.first_k_dense_replace + 1] == \
+        [0] * hf.first_k_dense_replace + [1]
+    assert moe.moe_router_score_function == "sigmoid" and moe.moe_router_enable_expert_bias
+    assert t.mtp_num_layers == mtp
+    with torch.device("meta"):
+        count = sum(p.numel() for p in T.DeepseekV3ForCausalLM(hf).parameters())
+    _, _, flags = source_config(CONFIGS[name], TP=1, PP=1, EP=1, FIRST_STAGE_LAYERS="",
+                                LAST_STAGE_LAYERS="", **env)
+    whole = configs_of(flags, world_size=1).transformer
+    shapes = chunk_param_shapes(whole, hf.vocab_size, 0, 0,
+                                share_embeddings_and_output_weights=False)
+    assert sum(s.numel for s in shapes if not s.name.startswith("mtp.")) == count

@@ -192,3 +192,45 @@ def test_context_parallelism_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="multi-token prediction shifts the tokens along the "
                                          "sequence.*--context-parallel-size 1"):
         _config(context_parallel_size=2)
+
+
+def _estimated_and_real_parameters(moe):
+    from megatron.core.transformer.moe.moe_config import MoEConfig
+    from megatron.training.memory.params import chunk_param_shapes
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    extra = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    if moe:  # the MTP layer takes the last layer's kind: experts (layer 1 is dense)
+        extra.update(moe=MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=16,
+                                   moe_layer_freq=[0, 1]), add_bias_linear=False)
+    config = _config(**extra)
+    model = LlamaModel(config, VOCAB)
+    real = [(n, p.numel()) for n, p in model.named_parameters()]
+    estimated = [(s.name, s.numel) for s in chunk_param_shapes(
+        config, VOCAB, 0, 0, share_embeddings_and_output_weights=False)]
+    return real, estimated
+
+
+@pytest.mark.parametrize("tp,moe", [(2, False), (1, True)])
+def test_the_memory_estimate_lists_every_mtp_parameter_in_order(tp, moe):
+    for real, estimated in run_distributed(_estimated_and_real_parameters, world_size=tp,
+                                           tp=tp, moe=moe):
+        assert any(name.startswith("mtp.") for name, _ in real)
+        assert estimated == real
+
+
+def test_the_flop_count_adds_a_layer_a_projection_and_the_logits_per_depth():
+    from megatron.training.logging.flops import num_floating_point_operations
+
+    h, v, s, b = 64, 1000, 128, 4
+    common = dict(hidden_size=h, ffn_hidden_size=256, num_attention_heads=4,
+                  num_query_groups=2, seq_length=s, vocab_size=v, batch_size=b, swiglu=True)
+    plain = num_floating_point_operations(num_layers=3, **common)
+    with_mtp = num_floating_point_operations(num_layers=2, mtp_num_layers=1, **common)
+    # one more layer (counted as a layer of the model) plus its [2h -> h] projection and the
+    # logits GEMM again: 3 (fwd + bwd) x 2 (FLOPs per MAC) x tokens x MACs per token
+    assert with_mtp - plain == 6 * b * s * (2 * h * h + h * v)
+    # a windowed MTP layer counts only its window's pairs
+    windowed = num_floating_point_operations(num_layers=2, mtp_num_layers=1,
+                                             windows=[None, None, 7], **common)
+    assert windowed < with_mtp

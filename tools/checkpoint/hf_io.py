@@ -11,18 +11,19 @@ from typing import Dict, List, Optional
 import torch
 
 import hf_moe_io
-from conversion_utils import ConversionError, Progress
+from conversion_utils import ConversionError, Progress, say
 
 # architectures entry -> model_type
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
              "GPT2LMHeadModel": "gpt2", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
              "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-             "GptOssForCausalLM": "gpt_oss"}
+             "GptOssForCausalLM": "gpt_oss", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gpt2": "GPT2Config",
                    "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                    "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
-                   "qwen3_moe": "Qwen3MoeConfig", "gpt_oss": "GptOssConfig"}
+                   "qwen3_moe": "Qwen3MoeConfig", "gpt_oss": "GptOssConfig",
+                   "deepseek_v3": "DeepseekV3Config"}
 SUPPORTED_TEXT = ", ".join(f"{a} (model_type {t})" for a, t in SUPPORTED.items())
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -33,6 +34,9 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 # Buffers some checkpoints carry next to the parameters: recomputed by the model, not mapped.
 _BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+# Block-quantized FP8 weights (DeepSeek-V3's release) carry a ``weight_scale_inv`` each.
+_FP8_SCALE = "_scale_inv"
 
 
 def read_config(hf_dir: str):
@@ -61,6 +65,10 @@ def read_config_file(path: str):
         raise ConversionError(
             f"unsupported architecture: model_type {model_type!r}, architectures {archs} "
             f"in {path}; supported: {SUPPORTED_TEXT}.")
+    quantized = (raw.get("quantization_config") or {}).get("quant_method")
+    if quantized == "fp8":  # refused before reading the weights (DeepSeek-V3's: 700 GB)
+        raise ConversionError(_fp8_message(os.path.dirname(path) or ".",
+                                           "quantization_config fp8 in config.json"))
     import transformers  # deferred: seconds to import
 
     config = getattr(transformers, _CONFIG_CLASSES[model_type]).from_dict(raw)
@@ -69,6 +77,12 @@ def read_config_file(path: str):
         raise ConversionError(f"{path}: hidden_act {config.hidden_act!r} is not supported "
                               f"(LLaMA's MLP is SwiGLU: 'silu').")
     return config
+
+
+def _fp8_message(where: str, evidence: str) -> str:
+    return (f"the weights in {where} are FP8-quantized ({evidence}), which this converter "
+            f"does not read; dequantize the checkpoint to bf16 first (weight times its weight_scale_inv per "
+            f"block, e.g. DeepSeek-V3's inference/fp8_cast_bf16.py) and convert that.")
 
 
 def check_sliding_window(config, allowed: bool) -> Optional[str]:
@@ -196,6 +210,11 @@ def normalized_weights(state: Dict[str, torch.Tensor], config, num_layers: int, 
         if not name.startswith((top, "lm_head.")):
             name = top + name
         out[name] = tensor
+    fp8 = next((n for n in out if n.endswith(_FP8_SCALE)), None)
+    if fp8 is not None:
+        raise ConversionError(_fp8_message(where, fp8))
+    if config.model_type == "deepseek_v3":
+        out = _without_mtp_layers(out, num_layers, where)
     if hf_moe_io.is_moe(config.model_type):
         out = hf_moe_io.per_expert_weights(out, config)
     wanted = expected_names(config.model_type, num_layers, tied, config)
@@ -211,6 +230,26 @@ def normalized_weights(state: Dict[str, torch.Tensor], config, num_layers: int, 
                               f"converter does not map, e.g. {extra[0]}; this is not a plain "
                               f"{config.model_type} model (or config.json does not match it).")
     return out
+
+
+def _without_mtp_layers(state: Dict[str, torch.Tensor], num_layers: int,
+                        where: str) -> Dict[str, torch.Tensor]:
+    """DeepSeek-V3's checkpoints hold its multi-token prediction modules as layers past
+    num_hidden_layers (model.layers.61.* for 61 layers); HF's model drops them, and so do we
+    (with a note: they are not converted)."""
+    def past_the_model(name: str) -> bool:
+        match = _LAYER_INDEX.match(name)
+        return match is not None and int(match.group(1)) >= num_layers
+
+    kept = {n: t for n, t in state.items() if not past_the_model(n)}
+    if len(kept) == len(state):
+        return state
+    layers = ", ".join(f"model.layers.{i}" for i in sorted(
+        {int(_LAYER_INDEX.match(n).group(1)) for n in state if n not in kept}))
+    say(f"note: dropped the {len(state) - len(kept)} tensor(s) of {layers} in {where}: "
+        f"multi-token prediction layer(s) past the model's {num_layers}, which "
+        f"DeepseekV3ForCausalLM does not use; the MTP weights are not converted.")
+    return kept
 
 
 def parse_size(text: str) -> int:

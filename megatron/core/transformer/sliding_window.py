@@ -28,9 +28,11 @@ def layer_window(config, layer_number: int) -> Optional[int]:
     return window[0]
 
 
-def layer_windows(config) -> List[Optional[int]]:
-    """Every layer's window (None: full), for the FLOP count."""
-    return [layer_window(config, n) for n in range(1, config.num_layers + 1)]
+def layer_windows(config, with_mtp: bool = False) -> List[Optional[int]]:
+    """Every layer's window (None: full), for the FLOP count; ``with_mtp``: the
+    multi-token-prediction layers' too (numbered after the model's)."""
+    extra = (getattr(config, "mtp_num_layers", None) or 0) if with_mtp else 0
+    return [layer_window(config, n) for n in range(1, config.num_layers + extra + 1)]
 
 
 def check_window(window_size) -> None:

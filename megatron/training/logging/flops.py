@@ -125,7 +125,8 @@ def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_
                                   swiglu: bool, kv_channels: Optional[int] = None,
                                   causal: bool = False,
                                   windows: Sequence[Optional[int]] = (),
-                                  latent_attention: Optional[LatentAttention] = None) -> int:
+                                  latent_attention: Optional[LatentAttention] = None,
+                                  mtp_num_layers: int = 0) -> int:
     """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
 
     ``causal=True`` counts only the scores and values a causal kernel computes: query i
@@ -134,6 +135,10 @@ def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_
     attention); empty: every layer full. ``latent_attention``: the layers' multi-latent
     attention sizes (``latent_attention_of(config)``), which replace ``kv_channels`` and
     ``num_query_groups``.
+
+    ``mtp_num_layers``: multi-token prediction depths, each one more layer, its [2h -> h]
+    projection and the logits GEMM again (``windows`` may list their layers after the
+    model's; unlisted, they attend fully).
 
     ``num_query_groups`` equals ``num_attention_heads`` for plain multi-head attention.
     ``vocab_size`` should be the padded vocabulary, the size of the real logits GEMM.
@@ -149,12 +154,16 @@ def num_floating_point_operations(num_layers: int, hidden_size: int, ffn_hidden_
         raise ValueError(f"num_attention_heads {num_attention_heads} is not a multiple of "
                          f"num_query_groups {num_query_groups}.")
     windows = list(windows) or [None] * num_layers
-    if len(windows) != num_layers:
-        raise ValueError(f"windows has {len(windows)} entries for {num_layers} layers.")
+    if len(windows) == num_layers:
+        windows += [None] * mtp_num_layers
+    if len(windows) != num_layers + mtp_num_layers:
+        raise ValueError(f"windows has {len(windows)} entries for {num_layers} layers "
+                         f"(+ {mtp_num_layers} multi-token prediction layers).")
     per_layer = _per_layer_macs_per_token(hidden_size, ffn_hidden_size, num_attention_heads,
                                           num_query_groups, seq_length, kv_channels, swiglu,
                                           latent_attention)
-    macs_per_token = num_layers * per_layer + hidden_size * vocab_size
+    macs_per_token = num_layers * per_layer + hidden_size * vocab_size + mtp_num_layers * (
+        per_layer + 2 * hidden_size * hidden_size + hidden_size * vocab_size)
     flops_per_mac, fwd_plus_bwd = 2, 3
     macs = batch_size * seq_length * macs_per_token
     # The score and value terms above charge s * s pairs per head and layer (2 s^2 a d MACs

@@ -33,16 +33,20 @@ from megatron.training.memory.base import FP32, ModelStateBytes, OptimizerSetup,
 from megatron.training.memory.moe import is_moe_layer, moe_mlp_params
 
 
-def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
+def _layer_params(config, tp: int, number: int, prefix: str = None,
+                  moe: bool = None) -> List[ParamShape]:
+    """Layer ``number`` (0-based)'s parameters under ``prefix`` (default its decoder name);
+    ``moe`` says whether its MLP has experts where the layer is not the model's own (a
+    multi-token-prediction layer)."""
     h, d = config.hidden_size, config.kv_channels
     a, g = config.num_attention_heads, config.num_query_groups
-    prefix = f"decoder.layers.{number}."
+    prefix = prefix or f"decoder.layers.{number}."
     norm = ["weight"] + (["bias"] if config.normalization == "LayerNorm" else [])
     qkv = (a + 2 * g) * d // tp
     shapes = [ParamShape(prefix + "input_layernorm." + n, h) for n in norm]
     if getattr(config, "multi_latent_attention", False):
         shapes += _latent_attention_params(config, tp, prefix + "self_attention.", norm)
-        return shapes + _mlp_params(config, tp, number, prefix, norm)
+        return shapes + _mlp_params(config, tp, number, prefix, norm, moe)
     shapes.append(ParamShape(prefix + "self_attention.linear_qkv.weight", qkv * h, qkv))
     if config.add_qkv_bias:
         shapes.append(ParamShape(prefix + "self_attention.linear_qkv.bias", qkv))
@@ -54,7 +58,7 @@ def _layer_params(config, tp: int, number: int) -> List[ParamShape]:
                    for q_or_k in "qk" for n in norm]
     if getattr(config, "softmax_type", "vanilla") == "learnable":  # attention sinks per head
         shapes.append(ParamShape(prefix + "self_attention.sinks", a // tp))
-    return shapes + _mlp_params(config, tp, number, prefix, norm)
+    return shapes + _mlp_params(config, tp, number, prefix, norm, moe)
 
 
 def _latent_attention_params(config, tp: int, prefix: str, norm: List[str]
@@ -88,13 +92,13 @@ def _latent_attention_params(config, tp: int, prefix: str, norm: List[str]
     return shapes
 
 
-def _mlp_params(config, tp: int, number: int, prefix: str, norm: List[str]
-                ) -> List[ParamShape]:
+def _mlp_params(config, tp: int, number: int, prefix: str, norm: List[str],
+                moe: bool = None) -> List[ParamShape]:
     """The pre-MLP norm and the MLP (or MoE layer) of layer ``number``."""
     h, tp_f = config.hidden_size, config.ffn_hidden_size
     fc1 = tp_f * (2 if config.activation in GATED_ACTIVATIONS else 1) // tp
     shapes = [ParamShape(prefix + "pre_mlp_layernorm." + n, h) for n in norm]
-    if is_moe_layer(config, number):
+    if is_moe_layer(config, number) if moe is None else moe:
         return shapes + moe_mlp_params(config, prefix + "mlp.")
     shapes.append(ParamShape(prefix + "mlp.linear_fc1.weight", fc1 * h, fc1))
     if config.add_bias_linear:
@@ -150,6 +154,23 @@ def chunk_param_shapes(config, padded_vocab_size: int, pipeline_rank: int, chunk
         shapes += [ParamShape("decoder.final_layernorm." + n, h) for n in norm]
         if not (share_embeddings_and_output_weights and pre_process):
             shapes.append(ParamShape("output_layer.weight", vocab * h, vocab))
+        shapes += _mtp_params(config, tp, norm)
+    return shapes
+
+
+def _mtp_params(config, tp: int, norm: List[str]) -> List[ParamShape]:
+    """The multi-token prediction depths (with the output layer), in registration order:
+    the [h, 2h] projection (replicated), the two input norms, a layer of the model's last
+    layer's kind, the norm before the head."""
+    h, shapes = config.hidden_size, []
+    last = config.num_layers - 1
+    for k in range(getattr(config, "mtp_num_layers", None) or 0):
+        prefix = f"mtp.depths.{k}."
+        shapes.append(ParamShape(prefix + "eh_proj", 2 * h * h, h))
+        shapes += [ParamShape(f"{prefix}{which}.{n}", h) for which in ("enorm", "hnorm")
+                   for n in norm]
+        shapes += _layer_params(config, tp, last, prefix + "layer.", is_moe_layer(config, last))
+        shapes += [ParamShape(f"{prefix}final_layernorm.{n}", h) for n in norm]
     return shapes
 
 
