@@ -53,6 +53,23 @@ CASES = {
                         "--moe-router-enable-expert-bias"],
                     ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
                      "--use-distributed-optimizer"]),
+    # a tiny DeepSeek-V3 (MLA with the query latent, a dense first layer, grouped sigmoid
+    # routing with the expert bias, scaled, a shared expert, one MTP depth; tied embeddings,
+    # which MTP under PP needs) at TP 2 x EP 2 x PP 2
+    "deepseek_tp2_ep2_pp2": (8, ["--multi-latent-attention", "--q-lora-rank", "12",
+                                 "--kv-lora-rank", "16", "--qk-head-dim", "8",
+                                 "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+                                 "--qk-layernorm", "--rotary-interleaved",
+                                 "--moe-layer-freq", "[0,1,1,1]",
+                                 "--moe-router-score-function", "sigmoid",
+                                 "--moe-router-enable-expert-bias", "--moe-router-num-groups",
+                                 "2", "--moe-router-group-topk", "1", "--moe-router-topk-norm",
+                                 "--moe-router-topk-scaling-factor", "2.5",
+                                 "--moe-shared-expert-intermediate-size", "16",
+                                 "--mtp-num-layers", "1", "--moe-grouped-gemm"],
+                             ["--expert-model-parallel-size", "2",
+                              "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--pipeline-model-parallel-size", "2"]),
     # 1F1B with expert TP but no dense TP, the overlapped distributed optimizer
     "ep2_etp2_pp2": (8, [], ["--expert-model-parallel-size", "2",
                              "--expert-tensor-parallel-size", "2",
@@ -78,6 +95,8 @@ def test_expert_parallel_run_equals_one_process(case):
     llama = LLAMA
     if case.startswith("gpt_oss"):  # biases everywhere; its gated MLP is quick-GeGLU
         llama = [f for f in LLAMA if f not in ("--disable-bias-linear", "--swiglu")]
+    if case.startswith("deepseek"):
+        llama = [f for f in LLAMA if f != "--untie-embeddings-and-output-weights"]
     flags = TINY + llama + MOE + model
     runs = [start_script("pretrain_llama.py", flags),
             start_script("pretrain_llama.py", flags + layout, nproc=nproc)]

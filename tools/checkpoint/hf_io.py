@@ -81,8 +81,9 @@ def read_config_file(path: str):
 
 def _fp8_message(where: str, evidence: str) -> str:
     return (f"the weights in {where} are FP8-quantized ({evidence}), which this converter "
-            f"does not read; dequantize the checkpoint to bf16 first (weight times its weight_scale_inv per "
-            f"block, e.g. DeepSeek-V3's inference/fp8_cast_bf16.py) and convert that.")
+            f"does not read; dequantize the checkpoint to bf16 first (each weight times its "
+            f"weight_scale_inv per block, e.g. DeepSeek-V3's inference/fp8_cast_bf16.py) and "
+            f"convert that.")
 
 
 def check_sliding_window(config, allowed: bool) -> Optional[str]:

@@ -1,5 +1,5 @@
-"""Hugging Face weight names of the MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) for
-hf_io: the names a checkpoint must hold (experts per expert, as on disk; gpt-oss's stacked, its
+"""Hugging Face weight names of the MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss,
+DeepSeek-V3) for hf_io: the names a checkpoint must hold (experts per expert, as on disk; gpt-oss's stacked, its
 only layout), and transformers 5's stacked expert layout (``mlp.experts.gate_up_proj`` /
 ``down_proj``) rewritten to those names."""
 import re
@@ -25,6 +25,9 @@ def _attention_names(config) -> List[str]:
     names = [f"self_attn.{x}_proj.weight" for x in "qkvo"]
     if config.model_type == moe_hf.GPT_OSS:
         return names + [f"self_attn.{x}_proj.bias" for x in "qkvo"] + ["self_attn.sinks"]
+    if config.model_type == moe_hf.DEEPSEEK_V3:  # multi-latent attention: no q/k/v
+        return ["self_attn.o_proj.weight"] + [
+            f"self_attn.{theirs}" for theirs in moe_hf.mla_names(config.q_lora_rank).values()]
     if config.model_type == moe_hf.QWEN2_MOE and getattr(config, "qkv_bias", True):
         names += [f"self_attn.{x}_proj.bias" for x in "qkv"]
     if config.model_type == moe_hf.QWEN3_MOE:
@@ -39,6 +42,12 @@ def _moe_mlp_names(config) -> List[str]:
     names = [router]
     for e in range(moe_hf.num_experts_of(config)):
         names += [f"{prefix}experts.{e}.{w}.weight" for w in (g, u, d)]
+    if config.model_type == moe_hf.DEEPSEEK_V3:  # the routing correction bias; shared
+        # experts without a gate
+        names.append("mlp.gate.e_score_correction_bias")
+        if getattr(config, "n_shared_experts", 0):
+            names += [f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")]
+        return names
     if getattr(config, "shared_expert_intermediate_size", None):
         names += [f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")]
         names.append("mlp.shared_expert_gate.weight")
@@ -64,7 +73,8 @@ def per_expert_weights(state: Dict[str, torch.Tensor], config) -> Dict[str, torc
     experts = moe_hf.num_experts_of(config)
     for src in layers:
         taken = {k: out.pop(k) for k in (src + "mlp.experts.gate_up_proj",
-                                         src + "mlp.experts.down_proj", src + "mlp.gate.weight")
+                                         src + "mlp.experts.down_proj", src + "mlp.gate.weight",
+                                         src + "mlp.gate.e_score_correction_bias")
                  if k in out}
         ours = moe_hf.moe_layer_from_hf(taken, src, "x.", config.model_type, experts)
         out.update(moe_hf.moe_layer_to_hf(ours, "x.", src, config.model_type))

@@ -1,6 +1,6 @@
 """The mixture-of-experts part of a checkpoint's args (Megatron's flag names) for the HF MoE
-models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): from our TransformerConfig, back to a HF
-config, and the launch flags."""
+models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V3): from our TransformerConfig,
+back to a HF config, and the launch flags."""
 from typing import Dict, List, Optional
 
 from conversion_utils import ConversionError
@@ -21,7 +21,12 @@ def moe_args_from_config(config) -> Dict:
                moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
                moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
                moe_shared_expert_gate=moe.moe_shared_expert_gate,
-               moe_layer_freq=moe.moe_layer_freq, moe_router_bias=moe.moe_router_bias)
+               moe_layer_freq=moe.moe_layer_freq, moe_router_bias=moe.moe_router_bias,
+               moe_router_score_function=moe.moe_router_score_function,
+               moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
+               moe_router_num_groups=moe.moe_router_num_groups,
+               moe_router_group_topk=moe.moe_router_group_topk,
+               moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor)
     return out
 
 
@@ -31,6 +36,8 @@ def hf_model_type_of_args(args: Dict) -> Optional[str]:
         return None
     if args.get("moe_router_bias"):  # only gpt-oss's router has a learned bias
         return moe_hf.GPT_OSS
+    if args.get("multi_latent_attention"):  # (its qk_layernorm: the latents' norms)
+        return moe_hf.DEEPSEEK_V3
     if args.get("qk_layernorm"):
         return moe_hf.QWEN3_MOE
     return moe_hf.QWEN2_MOE if args.get("moe_router_pre_softmax") else moe_hf.MIXTRAL
@@ -39,7 +46,8 @@ def hf_model_type_of_args(args: Dict) -> Optional[str]:
 _ARCHITECTURES = {moe_hf.MIXTRAL: "MixtralForCausalLM",
                   moe_hf.QWEN2_MOE: "Qwen2MoeForCausalLM",
                   moe_hf.QWEN3_MOE: "Qwen3MoeForCausalLM",
-                  moe_hf.GPT_OSS: "GptOssForCausalLM"}
+                  moe_hf.GPT_OSS: "GptOssForCausalLM",
+                  moe_hf.DEEPSEEK_V3: "DeepseekV3ForCausalLM"}
 
 
 def hf_moe_config(args: Dict, llama_fields: Dict):
