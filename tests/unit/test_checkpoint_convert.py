@@ -332,7 +332,7 @@ def _damaged(tmp_path, hf_dirs, kind):
                  "Qwen2ForCausalLM (model_type qwen2), Qwen3ForCausalLM (model_type qwen3), "
                  "MixtralForCausalLM (model_type mixtral), Qwen2MoeForCausalLM (model_type "
                  "qwen2_moe), Qwen3MoeForCausalLM (model_type qwen3_moe), GptOssForCausalLM "
-                 "(model_type gpt_oss)."),
+                 "(model_type gpt_oss), DeepseekV3ForCausalLM (model_type deepseek_v3)."),
     ("linear_rope", [], "rope scaling type 'linear' is not supported"),
     ("gelu_llama", [], "hidden_act 'gelu' is not supported"),
     ("no_config", [], "has no config.json"),

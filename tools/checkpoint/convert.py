@@ -12,8 +12,9 @@ Supported Hugging Face models: LlamaForCausalLM (LLaMA 1/2/3: GQA, rope theta, L
 scaling, tied or untied embeddings), MistralForCausalLM (LLaMA's layout with its sliding
 window: --window-size S-1,0), Qwen2ForCausalLM (LLaMA's layout with q/k/v biases), Qwen3ForCausalLM (per-head q/k
 RMSNorms, a head dim of its own; without sliding window), GPT2LMHeadModel, and the
-mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared expert with its gate) and
-Qwen3MoeForCausalLM (q/k norms) at any EP x expert TP
+mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared expert with its gate),
+Qwen3MoeForCausalLM (q/k norms), GptOssForCausalLM and DeepseekV3ForCausalLM (multi-latent
+attention; bf16 weights, its multi-token prediction layers dropped) at any EP x expert TP
 (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``). Megatron checkpoints
 are read in either format (``torch_dist``, the sharded default of training, or ``torch``:
 mp_rank_* files, experts in mp_rank_{etp}_{pp}_{ep}/experts.pt) and written in the one

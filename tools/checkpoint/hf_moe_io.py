@@ -1,7 +1,7 @@
 """Hugging Face weight names of the MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss,
-DeepSeek-V3) for hf_io: the names a checkpoint must hold (experts per expert, as on disk; gpt-oss's stacked, its
-only layout), and transformers 5's stacked expert layout (``mlp.experts.gate_up_proj`` /
-``down_proj``) rewritten to those names."""
+DeepSeek-V3) for hf_io: the names a checkpoint must hold (experts per expert, as on disk;
+gpt-oss's stacked, its only layout), and transformers 5's stacked expert layout
+(``mlp.experts.gate_up_proj`` / ``down_proj``) rewritten to those names."""
 import re
 from typing import Dict, List
 

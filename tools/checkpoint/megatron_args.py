@@ -122,6 +122,11 @@ def args_from_hf(hf_config, tokenizer_dir: Optional[str],
         init_method_std=config.init_method_std, vocab_size=model_kwargs["vocab_size"],
         tokenizer_type="PretrainedFromHF" if tokenizer_dir else None,
         tokenizer_name_or_path=tokenizer_dir)
+    if config.multi_latent_attention:  # DeepSeek-V3
+        args.update(multi_latent_attention=True, q_lora_rank=config.q_lora_rank,
+                    kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
+                    qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
+                    v_head_dim=config.v_head_dim, rotary_interleaved=config.rotary_interleaved)
     if config.window_size is not None:
         args.update(window_size=list(config.window_size),
                     window_attn_skip_freq=config.window_attn_skip_freq)
@@ -156,6 +161,9 @@ def architecture_of_args(args: Dict) -> str:
         wanted = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
                   "disable_bias_linear": False, "untie_embeddings_and_output_weights": False}
     wrong = [f"{k}={args[k]!r} (needs {v!r})" for k, v in wanted.items() if args[k] != v]
+    if args.get("multi_latent_attention") and args.get("num_experts") is None:
+        wrong.append("multi_latent_attention without experts (DeepseekV3ForCausalLM, the one "
+                     "model with it here, has MoE layers)")
     if arch == GPT2:
         heads = args["num_attention_heads"]
         if args["group_query_attention"] and args["num_query_groups"] != heads:
@@ -310,6 +318,16 @@ def _yarn_flags(a: Dict) -> str:
     return text
 
 
+def _latent_attention_flags(a: Dict) -> str:
+    """Multi-latent attention's flags (its latent norms: --qk-layernorm, with the MoE flags)."""
+    text = "--multi-latent-attention"
+    if a["q_lora_rank"] is not None:
+        text += f" --q-lora-rank {a['q_lora_rank']}"
+    text += (f" --kv-lora-rank {a['kv_lora_rank']} --qk-head-dim {a['qk_head_dim']} "
+             f"--qk-pos-emb-head-dim {a['qk_pos_emb_head_dim']} --v-head-dim {a['v_head_dim']}")
+    return text + (" --rotary-interleaved" if a["rotary_interleaved"] else "")
+
+
 def architecture_flags(args: Dict) -> List[str]:
     """Megatron flags that rebuild this model and its parallel layout."""
     a = args
@@ -323,8 +341,10 @@ def architecture_flags(args: Dict) -> List[str]:
               f"--num-attention-heads {a['num_attention_heads']}"]
     if a["group_query_attention"]:
         flags.append(f"--group-query-attention --num-query-groups {a['num_query_groups']}")
-    if a.get("kv_channels"):
+    if a.get("kv_channels"):  # under MLA its q/k head dim, the one value MLA accepts
         flags.append(f"--kv-channels {a['kv_channels']}")
+    if a.get("multi_latent_attention"):
+        flags.append(_latent_attention_flags(a))
     flags += [f"--seq-length {a['seq_length']}",
               f"--max-position-embeddings {a['max_position_embeddings']}",
               f"--position-embedding-type {a['position_embedding_type']}"]

@@ -73,24 +73,49 @@ def hf_moe_config(args: Dict, llama_fields: Dict):
                        softmax_type=args.get("softmax_type", "vanilla"),
                        window_size=None if window is None else tuple(window),
                        window_attn_skip_freq=args.get("window_attn_skip_freq"))
+    latent = _latent_attention_fields(args)
     ours = TransformerConfig(
         num_layers=args["num_layers"], hidden_size=args["hidden_size"],
         num_attention_heads=args["num_attention_heads"],
-        ffn_hidden_size=args["ffn_hidden_size"], kv_channels=llama_fields["head_dim"],
+        ffn_hidden_size=args["ffn_hidden_size"],
+        # MLA derives its head dim (a run without --kv-channels records none)
+        kv_channels=None if latent else llama_fields["head_dim"],
         normalization="RMSNorm", add_bias_linear=not args["disable_bias_linear"],
         add_qkv_bias=bool(args.get("add_qkv_bias")), qk_layernorm=bool(args.get("qk_layernorm")),
-        moe=moe_config_from_args(holder), **gpt_oss)
+        moe=moe_config_from_args(holder), **gpt_oss, **latent)
     # rope_scaling is kept: the MoE families read rope_parameters as LLaMA does (YaRN too).
-    fields = {k: v for k, v in llama_fields.items()
-              if k not in ("attention_bias", "mlp_bias")}
-    fields.update(moe_hf.hf_moe_config_fields(ours, kind))
+    # DeepSeek-V3's head_dim is its rotated channels, which its config sets itself.
+    drop = ("attention_bias", "mlp_bias") + (("head_dim",) if latent else ())
+    fields = {k: v for k, v in llama_fields.items() if k not in drop}
+    try:
+        fields.update(moe_hf.hf_moe_config_fields(ours, kind))
+    except ValueError as exc:
+        raise ConversionError(f"this checkpoint's model has no Hugging Face equivalent: "
+                              f"{exc}") from None
     cls = {moe_hf.MIXTRAL: transformers.MixtralConfig,
            moe_hf.QWEN2_MOE: transformers.Qwen2MoeConfig,
            moe_hf.QWEN3_MOE: transformers.Qwen3MoeConfig,
-           moe_hf.GPT_OSS: transformers.GptOssConfig}[kind]
+           moe_hf.GPT_OSS: transformers.GptOssConfig,
+           moe_hf.DEEPSEEK_V3: transformers.DeepseekV3Config}[kind]
     config = cls(**fields)
     config.architectures = [_ARCHITECTURES[kind]]
     return config
+
+
+def _latent_attention_fields(args: Dict) -> Dict:
+    """The TransformerConfig fields of multi-latent attention (DeepSeek-V3) in ``args``."""
+    if not args.get("multi_latent_attention"):
+        return {}
+    eps = moe_hf._HF_LATENT_NORM_EPS
+    if args["norm_epsilon"] != eps:  # HF's latent norms keep their own epsilon
+        raise ConversionError(f"this checkpoint's model has multi-latent attention and "
+                              f"--norm-epsilon {args['norm_epsilon']}: DeepseekV3ForCausalLM's "
+                              f"latent norms use {eps} whatever its rms_norm_eps, so only "
+                              f"models trained with --norm-epsilon {eps} convert.")
+    return dict(multi_latent_attention=True, position_embedding_type="rope",
+                **{k: args[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                        "qk_pos_emb_head_dim", "v_head_dim",
+                                        "rotary_interleaved")})
 
 
 def moe_flags(args: Dict) -> List[str]:
@@ -104,11 +129,21 @@ def moe_flags(args: Dict) -> List[str]:
               f"--moe-layer-freq {freq if isinstance(freq, int) else str(freq).replace(' ', '')}",
               f"--moe-router-load-balancing-type {args['moe_router_load_balancing_type']} "
               f"--moe-aux-loss-coeff {args['moe_aux_loss_coeff']!r}"]
+    if args.get("moe_router_score_function", "softmax") != "softmax":
+        flags.append(f"--moe-router-score-function {args['moe_router_score_function']}")
     flags += [flag for flag, on in (("--moe-router-pre-softmax", args["moe_router_pre_softmax"]),
                                     ("--moe-router-topk-norm", args["moe_router_topk_norm"]),
                                     ("--moe-router-bias", args.get("moe_router_bias")),
+                                    ("--moe-router-enable-expert-bias",
+                                     args.get("moe_router_enable_expert_bias")),
                                     ("--moe-shared-expert-gate", args["moe_shared_expert_gate"]))
               if on]
+    if args.get("moe_router_num_groups") is not None:  # group-limited routing (a pair)
+        flags.append(f"--moe-router-num-groups {args['moe_router_num_groups']} "
+                     f"--moe-router-group-topk {args['moe_router_group_topk']}")
+    if args.get("moe_router_topk_scaling_factor") is not None:
+        flags.append(f"--moe-router-topk-scaling-factor "
+                     f"{args['moe_router_topk_scaling_factor']!r}")
     if args.get("moe_shared_expert_intermediate_size"):
         flags.append(f"--moe-shared-expert-intermediate-size "
                      f"{args['moe_shared_expert_intermediate_size']}")

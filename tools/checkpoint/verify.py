@@ -38,6 +38,9 @@ _ROPE_FIELDS = ("rotary_base", "rope_scaling_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_position_embeddings")
 _YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
                 "beta_slow", "mscale", "mscale_all_dim", "yarn_truncate", "yarn_attention_factor")
+_LATENT_ATTENTION_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank",
+                            "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                            "rotary_interleaved", "qk_layernorm")
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -153,6 +156,8 @@ def config_differences(hf_config, configs, vocab: int):
         fields.append("rope_type")
         if "yarn" in (ours.rope_type, theirs.rope_type):
             fields += _YARN_FIELDS
+    if ours.multi_latent_attention or theirs.multi_latent_attention:
+        fields += _LATENT_ATTENTION_FIELDS
     lines = [f"{f}: checkpoint {getattr(ours, f)!r}, HF {getattr(theirs, f)!r}"
              for f in fields if getattr(ours, f) != getattr(theirs, f)]
     tied = configs.model_kwargs["share_embeddings_and_output_weights"]
