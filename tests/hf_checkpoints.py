@@ -100,6 +100,14 @@ def save_model(model, path: str, fmt: str = "safetensors", tokenizer: bool = Tru
     return path
 
 
+def megatron_flags(checkpoint_dir) -> list:
+    """The flags a converted checkpoint's megatron_flags.txt gives (comments left out)."""
+    import shlex
+
+    with open(os.path.join(str(checkpoint_dir), "megatron_flags.txt")) as f:
+        return shlex.split(" ".join(ln for ln in f.read().splitlines() if not ln.startswith("#")))
+
+
 def read_safetensors_dir(path: str):
     """Every tensor of a saved HF directory (single file or sharded with an index)."""
     from safetensors.torch import load_file

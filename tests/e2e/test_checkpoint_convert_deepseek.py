@@ -6,12 +6,11 @@ from the checkpoint at TP 2 x EP 2 (fp32, 1e-5); Megatron -> HF gives back a Dee
 weight (and the correction bias buffer) bit for bit, and generate.py continues a prompt from it
 as the original model does."""
 import os
-import shlex
 
 import torch
 
 from tests.e2e.runner import ROOT, run_script
-from tests.hf_checkpoints import converter, read_safetensors_dir, save_tokenizer
+from tests.hf_checkpoints import converter, megatron_flags, read_safetensors_dir, save_tokenizer
 
 
 def deepseek_v3_model(**overrides):
@@ -48,9 +47,7 @@ def test_deepseek_v3_converts_both_ways_and_computes_hf_logits(tmp_path, capsys)
                          "--tensor-model-parallel-size", "2",
                          "--expert-model-parallel-size", "2",
                          "--expert-tensor-parallel-size", "1"]) == 0
-    with open(meg / "megatron_flags.txt") as f:
-        flags = shlex.split(" ".join(ln for ln in f.read().splitlines()
-                                     if not ln.startswith("#")))
+    flags = megatron_flags(meg)
     for flag in ("--multi-latent-attention", "--rotary-interleaved", "--qk-layernorm",
                  "--moe-router-enable-expert-bias", "--moe-router-topk-norm"):
         assert flag in flags, flag

@@ -4,12 +4,11 @@ Megatron at TP 2 x EP 2 writes flags that rebuild every feature; verify.py compu
 from the checkpoint (fp32, 1e-5); Megatron -> HF gives back a GptOssForCausalLM with every
 weight bit for bit, and generate.py continues a prompt from it as the original model does."""
 import os
-import shlex
 
 import torch
 
 from tests.e2e.runner import ROOT, run_script
-from tests.hf_checkpoints import converter, read_safetensors_dir, save_tokenizer
+from tests.hf_checkpoints import converter, megatron_flags, read_safetensors_dir, save_tokenizer
 
 
 def _gpt_oss(path):
@@ -43,9 +42,7 @@ def test_gpt_oss_converts_both_ways_and_computes_hf_logits(tmp_path, capsys):
                          "--tensor-model-parallel-size", "2",
                          "--expert-model-parallel-size", "2",
                          "--expert-tensor-parallel-size", "1"]) == 0
-    with open(meg / "megatron_flags.txt") as f:
-        flags = shlex.split(" ".join(ln for ln in f.read().splitlines()
-                                     if not ln.startswith("#")))
+    flags = megatron_flags(meg)
     for flag in ("--quick-geglu", "--moe-router-bias", "--add-qkv-bias",
                  "--no-yarn-correction-range-round-to-int"):
         assert flag in flags, flag

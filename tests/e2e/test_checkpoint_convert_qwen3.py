@@ -4,12 +4,11 @@ TP 2 writes flags that say --qk-layernorm and --kv-channels 32; verify.py comput
 from the checkpoint (fp32, 1e-5); Megatron -> HF gives back a Qwen3ForCausalLM with every
 weight bit for bit."""
 import os
-import shlex
 
 import torch
 
 from tests.e2e.runner import ROOT, run_script
-from tests.hf_checkpoints import converter, read_safetensors_dir, save_tokenizer
+from tests.hf_checkpoints import converter, megatron_flags, read_safetensors_dir, save_tokenizer
 
 
 def _qwen3(path):
@@ -37,9 +36,7 @@ def test_qwen3_converts_both_ways_and_computes_hf_logits(tmp_path):
     convert = converter()
     assert convert.main(["hf-to-megatron", "--load", src, "--save", str(meg),
                          "--tensor-model-parallel-size", "2"]) == 0
-    with open(meg / "megatron_flags.txt") as f:
-        flags = shlex.split(" ".join(ln for ln in f.read().splitlines()
-                                     if not ln.startswith("#")))
+    flags = megatron_flags(meg)
     assert "--qk-layernorm" in flags and flags[flags.index("--kv-channels") + 1] == "32"
     assert "--untie-embeddings-and-output-weights" not in flags
 
