@@ -160,11 +160,8 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.ensure_full_grad()  # the bucket's first gradient of the iteration
         if getattr(param, "grad_added_to_main_grad", False):
             # Gradient-accumulation fusion: the layer's backward already added it to main_grad
-            # and .grad is only a placeholder (see tensor_parallel.LinearWithGradAllReduce),
-            # zeros plus the other uses' gradients for a weight that has them.
+            # and .grad is only a placeholder (see tensor_parallel.LinearWithGradAllReduce).
             param.grad_added_to_main_grad = False
-            if getattr(param, "has_other_uses", False):
-                param.main_grad.add_(param.grad)
         else:
             param.main_grad.add_(param.grad)
         param.grad = None

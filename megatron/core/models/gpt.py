@@ -85,7 +85,7 @@ class GPTModel(torch.nn.Module):
                                  "embedding is the output layer): drop "
                                  "--untie-embeddings-and-output-weights or use PP 1.")
             self.mtp = MultiTokenPrediction(config, base_seed)
-            if not pre_process:  # the lookups' gradient joins the fused head's (DDP)
+            if not pre_process:  # its lookups' gradient: the head's wgrad stays unfused
                 self.output_layer.weight.has_other_uses = True
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:

@@ -240,21 +240,11 @@ def _weight_grad_gemm(param, grad_output, total_input, fusion, fp8=None, grad_q=
             return fp8.wgrad(grad_2d, input_2d, grad_2d.dtype, grad_q)
         main_grad.add_(fp8.wgrad(grad_2d, input_2d, torch.float32, grad_q))
         param.grad_added_to_main_grad = True
-        return _fused_placeholder(param)
+        return torch.empty_like(param)
     if main_grad is None:
         return grad_2d.t().matmul(input_2d)
     accumulate_weight_grad(main_grad, grad_2d, input_2d)
     param.grad_added_to_main_grad = True
-    return _fused_placeholder(param)
-
-
-def _fused_placeholder(param):
-    """What a fused weight gradient returns to autograd: an uninitialised tensor (DDP's hook
-    ignores it), or zeros for a weight with ``has_other_uses`` (the last stage's tied
-    embedding copy that multi-token prediction also looks tokens up in): autograd adds those
-    uses' gradients to it, and the hook then adds the sum to main_grad."""
-    if getattr(param, "has_other_uses", False):
-        return torch.zeros_like(param)
     return torch.empty_like(param)
 
 
@@ -319,13 +309,16 @@ class ColumnParallelLinear(torch.nn.Module):
                              f"{(self.output_size_per_partition, self.input_size)}.")
         bias = None if self.skip_bias_add else self.bias
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        # A weight passed in (the tied embedding) also gets the embedding's gradient through
-        # .grad: keep its two parts summed before the buffer add, as without fusion, and its
-        # weight gradient in B (see weight_grad_store's docstring).
+        # A weight passed in (the tied embedding), or one with ``has_other_uses`` (the last
+        # stage's tied copy that multi-token prediction also looks tokens up in), also gets
+        # other gradients through .grad: keep the parts summed before the buffer add, as
+        # without fusion (fused, the others would be lost), and its weight gradient in B (see
+        # weight_grad_store's docstring).
         own = weight is self.weight
+        fusion = own and not getattr(weight, "has_other_uses", False)
         output = LinearWithGradAllReduce.apply(
             input_, weight, bias, self.sequence_parallel, tp_size > 1,
-            self.gradient_accumulation_fusion and own, own, self.fp8)
+            self.gradient_accumulation_fusion and fusion, own, self.fp8)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
