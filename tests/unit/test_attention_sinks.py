@@ -190,3 +190,21 @@ def test_one_rank_sinks_and_window_build_no_s_by_s_tensor(with_docs):
                                          document_ids=docs)
         out.backward(dout)
     assert seen.largest[0] < s * s, seen.largest
+
+
+def test_a_window_under_cp_on_cuda_names_the_reference_kernel_it_needs():
+    """On CUDA the flash op takes no mask: a window under CP runs the reference block
+    kernel, and at long local sequences the start-up check names the window as the cause."""
+    import torch as T
+
+    from megatron.core.models import llama_config
+    from megatron.core.transformer.context_parallel import reference_kernel_reason
+
+    config = llama_config(num_layers=2, hidden_size=1024, num_attention_heads=8,
+                          context_parallel_size=2, params_dtype=T.bfloat16,
+                          attention_dropout=0.0, window_size=(127, 0))
+    reason = reference_kernel_reason(config, "cuda", 16384, packed_documents=False)
+    assert reason is not None and "a sliding window" in reason and "no --window-size" in reason
+    config.window_size = None
+    plain = reference_kernel_reason(config, "cuda", 16384, packed_documents=False)
+    assert plain is None or "sliding window" not in plain
