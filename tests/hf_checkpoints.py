@@ -108,6 +108,27 @@ def megatron_flags(checkpoint_dir) -> list:
         return shlex.split(" ".join(ln for ln in f.read().splitlines() if not ln.startswith("#")))
 
 
+def assert_generate_continues_as(hf_dir, original, capsys) -> None:
+    """tools/checkpoint/generate.py on ``hf_dir`` prints the greedy continuation of "w3 w4 w5"
+    (tokens 3, 4, 5 of save_tokenizer's vocabulary) that the HF model ``original`` gives."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "generate", os.path.join(ROOT, "tools", "checkpoint", "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    capsys.readouterr()
+    assert generate.main(["--hf-dir", str(hf_dir), "--prompt", "w3 w4 w5",
+                          "--max-new-tokens", "4"]) == 0
+    with torch.no_grad():
+        ids = original.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, do_sample=False,
+                                pad_token_id=2)[0, 3:].tolist()
+    ids = ids[:ids.index(2)] if 2 in ids else ids  # generation stops at </s> (id 2)
+    assert f"-> {' '.join(f'w{i}' for i in ids)!r}" in capsys.readouterr().out
+
+
 def read_safetensors_dir(path: str):
     """Every tensor of a saved HF directory (single file or sharded with an index)."""
     from safetensors.torch import load_file

@@ -8,7 +8,13 @@ import os
 import torch
 
 from tests.e2e.runner import ROOT, run_script
-from tests.hf_checkpoints import converter, megatron_flags, read_safetensors_dir, save_tokenizer
+from tests.hf_checkpoints import (
+    assert_generate_continues_as,
+    converter,
+    megatron_flags,
+    read_safetensors_dir,
+    save_tokenizer,
+)
 
 
 def _gpt_oss(path):
@@ -68,18 +74,5 @@ def test_gpt_oss_converts_both_ways_and_computes_hf_logits(tmp_path, capsys):
     for name, value in after.items():
         assert torch.equal(value, before[name]), name
 
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "generate", os.path.join(ROOT, "tools", "checkpoint", "generate.py"))
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
-    capsys.readouterr()
-    assert generate.main(["--hf-dir", str(back), "--prompt", "w3 w4 w5",
-                          "--max-new-tokens", "4"]) == 0
-    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    with torch.no_grad():
-        ids = original.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, do_sample=False,
-                                pad_token_id=2)[0, 3:].tolist()
-    ids = ids[:ids.index(2)] if 2 in ids else ids  # generation stops at </s> (id 2)
-    assert f"-> {' '.join(f'w{i}' for i in ids)!r}" in capsys.readouterr().out
+    assert_generate_continues_as(
+        back, transformers.AutoModelForCausalLM.from_pretrained(src).eval(), capsys)
