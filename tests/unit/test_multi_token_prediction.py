@@ -234,3 +234,24 @@ def test_the_flop_count_adds_a_layer_a_projection_and_the_logits_per_depth():
     windowed = num_floating_point_operations(num_layers=2, mtp_num_layers=1,
                                              windows=[None, None, 7], **common)
     assert windowed < with_mtp
+
+
+def test_the_planner_charges_the_depths_to_the_stage_with_the_logits():
+    """The planner's count: the last stage's logits part carries the MTP depths, so the whole
+    model's (its MFU numerator) equals the training log's count with them."""
+    from megatron.training.logging.flops import num_floating_point_operations
+    from megatron.training.planner import step_time
+
+    config = _config()
+    s, b, v = 64, 8, VOCAB
+    whole = step_time._flops(config, s, b, config.num_layers, v)
+    want = num_floating_point_operations(
+        config.num_layers, config.hidden_size, config.ffn_hidden_size,
+        config.num_attention_heads, config.num_query_groups, s, v, b, True,
+        config.kv_channels, mtp_num_layers=2)
+    assert whole == want
+    without = step_time._flops(_config(mtp_num_layers=None), s, b, config.num_layers, v)
+    assert step_time._flops(config, s, b, 0, v) - step_time._flops(
+        _config(mtp_num_layers=None), s, b, 0, v) == whole - without > 0
+    assert step_time._flops(config, s, b, 1, 0) == step_time._flops(
+        _config(mtp_num_layers=None), s, b, 1, 0)  # a stage without the logits: no depths

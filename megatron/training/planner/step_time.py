@@ -148,7 +148,8 @@ class StepTime:
     expert_parallel_s: float = 0.0  # that stage's MoE all-to-alls for one microbatch
 
 
-def _count(config, seq_length: int, batch: int, layers: int, vocab: int, windows=()) -> int:
+def _count(config, seq_length: int, batch: int, layers: int, vocab: int, windows=(),
+           mtp_num_layers: int = 0) -> int:
     return num_floating_point_operations(
         num_layers=layers, hidden_size=config.hidden_size,
         ffn_hidden_size=effective_ffn_hidden_size(config),
@@ -156,14 +157,16 @@ def _count(config, seq_length: int, batch: int, layers: int, vocab: int, windows
         num_query_groups=config.num_query_groups, seq_length=seq_length, vocab_size=vocab,
         batch_size=batch, swiglu=config.activation in GATED_ACTIVATIONS,
         kv_channels=config.kv_channels, windows=windows,
-        latent_attention=latent_attention_of(config))
+        latent_attention=latent_attention_of(config), mtp_num_layers=mtp_num_layers)
 
 
 def _flops(config, seq_length: int, batch: int, num_layers: int, vocab: int) -> int:
-    """FLOPs of ``num_layers`` transformer layers and a ``vocab``-row logits layer. With
-    sliding windows on some layers a layer's share is the mean over the model's layers: exact
-    for the whole model (the MFU numerator), within one layer's window saving per stage."""
-    logits = _count(config, seq_length, batch, 0, vocab)
+    """FLOPs of ``num_layers`` transformer layers and a ``vocab``-row logits layer (with the
+    multi-token prediction depths, which sit with it on the last stage). With sliding windows
+    on some layers a layer's share is the mean over the model's layers: exact for the whole
+    model (the MFU numerator), within one layer's window saving per stage."""
+    mtp = (getattr(config, "mtp_num_layers", None) or 0) if vocab else 0
+    logits = _count(config, seq_length, batch, 0, vocab, mtp_num_layers=mtp)
     if num_layers == 0:
         return logits
     all_layers = _count(config, seq_length, batch, config.num_layers, 0, layer_windows(config))
