@@ -11,7 +11,6 @@ losses over DP alone.
 """
 import contextlib
 import datetime
-import itertools
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -20,6 +19,22 @@ from megatron.core import device, expert_parallel_state, pipeline_placement
 # The process groups this rank belongs to, and the global ranks of each: shared with
 # expert_parallel_state, so changed in place only, never rebound.
 from megatron.core.group_registry import GROUP_RANKS as _GROUP_RANKS, GROUPS as _GROUPS
+from megatron.core.rank_layout import (  # noqa: F401 - rank_layout: callers ask here too
+    CONTEXT as _CONTEXT,
+    DATA as _DATA,
+    DATA_CONTEXT as _DATA_CONTEXT,
+    DATA_CONTEXT_GLOO as _DATA_CONTEXT_GLOO,
+    DATA_GLOO as _DATA_GLOO,
+    EMBEDDING as _EMBEDDING,
+    MODEL as _MODEL,
+    PIPELINE as _PIPELINE,
+    POSITION_EMBEDDING as _POSITION_EMBEDDING,
+    TENSOR as _TENSOR,
+    TENSOR_AND_CONTEXT as _TENSOR_AND_CONTEXT,
+    TENSOR_AND_DATA as _TENSOR_AND_DATA,
+    TENSOR_AND_DATA_CONTEXT as _TENSOR_AND_DATA_CONTEXT,
+    rank_layout,
+)
 _OWNED_GROUPS: List[dist.ProcessGroup] = []
 
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
@@ -30,60 +45,6 @@ _PIPELINE_PLACEMENT: str = pipeline_placement.LOOP
 _TIMEOUT: Optional[datetime.timedelta] = None
 # Every group of the layout by kind, for making the DP groups' gloo copies on first use.
 _LAYOUT: Dict[str, List[List[int]]] = {}
-
-_TENSOR = "tensor"
-_PIPELINE = "pipeline"
-_DATA = "data"
-_DATA_GLOO = "data_gloo"
-_MODEL = "model"
-_EMBEDDING = "embedding"
-_POSITION_EMBEDDING = "position_embedding"
-_TENSOR_AND_DATA = "tensor_and_data"
-_TENSOR_AND_DATA_CONTEXT = "tensor_and_data_with_context"
-_TENSOR_AND_CONTEXT = "tensor_and_context"
-_CONTEXT = "context"
-_DATA_CONTEXT = "data_with_context"
-_DATA_CONTEXT_GLOO = "data_with_context_gloo"
-
-
-def rank_layout(world_size: int, tensor_model_parallel_size: int,
-                pipeline_model_parallel_size: int, context_parallel_size: int = 1
-                ) -> Dict[str, List[List[int]]]:
-    """Every group of every kind as lists of global ranks (pure; no communication)."""
-    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    dp = world_size // (tp * pp * cp)
-
-    def rank(t, c, d, p):
-        return t + c * tp + d * tp * cp + p * tp * cp * dp
-
-    def every(*sizes):
-        return itertools.product(*(range(n) for n in sizes))
-
-    pipeline = sorted([rank(t, c, d, p) for p in range(pp)]
-                      for t, c, d in every(tp, cp, dp))
-    embedding = [sorted({ranks[0], ranks[-1]}) for ranks in pipeline]
-    return {
-        _TENSOR: sorted([rank(t, c, d, p) for t in range(tp)] for c, d, p in every(cp, dp, pp)),
-        _CONTEXT: sorted([rank(t, c, d, p) for c in range(cp)]
-                         for t, d, p in every(tp, dp, pp)),
-        _DATA: sorted([rank(t, c, d, p) for d in range(dp)] for t, c, p in every(tp, cp, pp)),
-        _DATA_CONTEXT: sorted([rank(t, c, d, p) for d in range(dp) for c in range(cp)]
-                              for t, p in every(tp, pp)),
-        _PIPELINE: pipeline,
-        _MODEL: sorted(sorted(rank(t, c, d, p) for p in range(pp) for t in range(tp))
-                       for c, d in every(cp, dp)),
-        _EMBEDDING: embedding,
-        _POSITION_EMBEDDING: [[ranks[0]] for ranks in pipeline],
-        _TENSOR_AND_DATA: sorted([rank(t, c, d, p) for d in range(dp) for t in range(tp)]
-                                 for c, p in every(cp, pp)),
-        # The ranks that split one micro batch's tokens (TP under SP, CP), without and with
-        # the DP replicas: the MoE router sums its token counts over them.
-        _TENSOR_AND_CONTEXT: sorted([rank(t, c, d, p) for c in range(cp) for t in range(tp)]
-                                    for d, p in every(dp, pp)),
-        _TENSOR_AND_DATA_CONTEXT: sorted([rank(t, c, d, p) for d in range(dp) for c in range(cp)
-                                          for t in range(tp)] for (p,) in every(pp)),
-    }
-
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
