@@ -35,6 +35,7 @@ class WarmStart:
 
 
 def _warm_eligible(script, torchrun_args, warm) -> bool:
+    script = os.path.relpath(script, ROOT)  # a path under the checkout names the same script
     return bool(warm and not torchrun_args and script in WARM_SCRIPTS
                 and not os.environ.get(COLD_ENV))
 

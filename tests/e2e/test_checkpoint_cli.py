@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from tests.e2e.bad_inputs.harness import run as run_forked
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
 
 FLAGS = without(TINY, "--hidden-dropout", "--attention-dropout", "--train-iters") + LLAMA + [
@@ -57,8 +58,9 @@ def test_finetune_loads_weights_only_and_starts_at_iteration_zero(tmp_path):
 
 
 def _failed_run(flags):
-    """The error line of a run meant to fail (a real launch: its exit code is the test)."""
-    return _error(run_script("pretrain_llama.py", flags, warm=False))
+    """The error output of a run meant to fail: forked from the bad-input catalogue's warm
+    server, as ``python pretrain_llama.py`` (its exit code is the test), not the pool's."""
+    return _error(run_forked("pretrain_llama.py", flags))
 
 
 def _error(proc):

@@ -8,6 +8,7 @@ last printed digit (7 significant digits, values near 4), i.e. at most one unit 
 """
 import pytest
 
+from tests.e2e.bad_inputs.harness import run as run_forked
 from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script
 from tests.e2e.test_checkpoint_resume import (
     _assert_bitwise,
@@ -141,8 +142,8 @@ def test_fsdp2_bf16_checkpoint_loads_into_the_bf16_distributed_optimizer(tmp_pat
 
 def test_fsdp2_refuses_the_torch_checkpoint_format_at_start():
     """One message, exit 2, before any work (the other refusals: tests/unit/test_fsdp2.py)."""
-    proc = run_script("pretrain_llama.py", FLAGS + FSDP2 + ["--save", "ckpt", "--ckpt-format",
-                                                            "torch"], warm=False)
+    proc = run_forked("pretrain_llama.py", FLAGS + FSDP2 + ["--save", "ckpt", "--ckpt-format",
+                                                            "torch"])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "sharded checkpoint format only" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "iteration" not in proc.stdout

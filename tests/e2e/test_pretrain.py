@@ -10,6 +10,7 @@ import pytest
 
 from megatron.core.pipeline_parallel.schedule_order import schedule_order
 from megatron.training.logging.pipeline_timeline import load_timeline
+from tests.e2e.bad_inputs.harness import run as run_forked
 from tests.e2e.conftest import load_tool
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script
 
@@ -54,11 +55,11 @@ def test_tp_pp_dp_on_8_processes_equals_one_process(script, flags, tmp_path):
 
 
 def test_bad_flags_fail_before_any_work_with_one_message():
-    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--global-batch-size", "7"],
-                      warm=False)
+    # forked from the bad-input catalogue's warm server: the same as a launch, no torch import
+    proc = run_forked("pretrain_llama.py", TINY + LLAMA + ["--global-batch-size", "7"])
     assert proc.returncode == 2
     assert "global" in proc.stderr and "divisible" in proc.stderr, proc.stderr
-    proc = run_script("pretrain_llama.py", TINY + LLAMA + ["--num-layer", "4"], warm=False)
+    proc = run_forked("pretrain_llama.py", TINY + LLAMA + ["--num-layer", "4"])
     assert proc.returncode == 2 and "did you mean" in proc.stderr, proc.stderr
 
 

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("wandb")  # optional (--wandb-project only): reading its records needs it
 
+from tests.e2e.bad_inputs.harness import run as run_forked  # noqa: E402
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without  # noqa: E402
 from tests.wandb_records import (  # noqa: E402
     history_rows,
@@ -91,7 +92,7 @@ def test_an_error_exit_still_finishes_the_run_as_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("MEGATRON_FAULT_INJECTION", "nan:0:2-4")  # NaN guard stops after 4
     flags = TINY + LLAMA + ["--wandb-project", "p", "--wandb-save-dir", str(tmp_path)]
-    proc = run_script("pretrain_llama.py", flags, warm=False)
+    proc = run_forked("pretrain_llama.py", flags)  # a failing run: not the warm pool's
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     [path] = run_files(str(tmp_path))
     exits = [r.exit.exit_code for r in records(path) if r.WhichOneof("record_type") == "exit"]
