@@ -6,9 +6,9 @@
 # and 1 shared expert per layer, top-8 of sigmoid scores within the best 4 of 8 groups with
 # the aux-loss-free bias, renormalised and scaled by 2.5, RMSNorm (eps 1e-6), untied output
 # layer, 129280 vocabulary rows, bf16, the distributed optimizer, context 4096.
-# 671,026,404,352 parameters (HF's DeepseekV3ForCausalLM of this shape). Multi-token
-# prediction is left out here: under pipeline parallelism it needs tied embeddings (see
-# deepseek_v3_small.sh, PP 1, for MTP).
+# 671,026,404,352 parameters (HF's DeepseekV3ForCausalLM of this shape), plus one multi-token
+# prediction depth (loss weight 0.3, as published) on the last pipeline stage, which looks the
+# tokens up in its own copy of the untied embedding.
 # Convert from Hugging Face (bf16; the released FP8 weights must be dequantized first):
 # tools/checkpoint/convert.py hf-to-megatron --load DeepSeek-V3 --save "$CHECKPOINT_DIR".
 #
@@ -59,6 +59,7 @@ CONFIG_FLAGS=(
     --beta-fast 32 --beta-slow 1 --mscale 1 --mscale-all-dim 1
     --disable-bias-linear --untie-embeddings-and-output-weights
     --attention-dropout 0 --hidden-dropout 0 --init-method-std 0.006
+    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
     # experts: 3 dense layers, then 256 routed + 1 shared
     --num-experts 256 --moe-ffn-hidden-size 2048 --moe-router-topk 8
     --moe-layer-freq "[0]*3+[1]*58" --moe-shared-expert-intermediate-size 2048

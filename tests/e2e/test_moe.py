@@ -1,6 +1,6 @@
 """Mixture-of-experts training through pretrain_llama.py equals one process (CPU, gloo, fp32):
-EP x TP x DP with SP, EP x PP x DP interleaved, EP x CP x DP with DeepSeek-V3's routing, and
-expert TP without dense TP under 1F1B.
+EP x TP x DP with SP, EP x PP x DP interleaved, gpt-oss's layer, a tiny DeepSeek-V3 at
+CP x EP x DP and at TP x EP x PP, and expert TP without dense TP under 1F1B.
 
 Each parallel run and its one-process reference are started together on the same flags and
 global batch: 10 iterations, the training and validation losses and the MoE layers' logged
@@ -15,6 +15,17 @@ from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, start_script
 
 MOE = ("--train-iters 10 --eval-interval 5 --num-experts 4 --moe-router-topk 2 "
        "--moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001").split()
+# A tiny DeepSeek-V3: MLA with the query latent, a dense first layer, grouped sigmoid routing
+# (2 groups of 2 experts, one kept) with the expert bias, scaled gates, a shared expert, one MTP
+# depth, untied embeddings.
+DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+            "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+            "--qk-layernorm", "--rotary-interleaved", "--moe-layer-freq", "[0,1,1,1]",
+            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+            "--moe-router-topk-norm", "--moe-router-topk-scaling-factor", "2.5",
+            "--moe-shared-expert-intermediate-size", "16", "--mtp-num-layers", "1",
+            "--moe-grouped-gemm"]
 CASES = {
     # alltoall, grouped GEMM, Qwen2-MoE's gated shared expert, expert TP = TP = 2 with SP
     "ep2_tp2_dp2": (8, ["--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "24",
@@ -44,32 +55,17 @@ CASES = {
                              "--expert-tensor-parallel-size", "1",
                              "--tensor-model-parallel-size", "2", "--sequence-parallel",
                              "--pipeline-model-parallel-size", "2"]),
-    # context parallelism: each CP rank routes its chunks (counts and loss shares summed over
-    # CP); DeepSeek-V3's routing (sigmoid, 2 groups of 2 experts, one kept, correction bias,
-    # scaled gates); expert-DP 2 over the DP x CP ranks, the distributed optimizer
-    "cp2_ep2_dp2": (4, ["--moe-router-score-function", "sigmoid", "--moe-router-topk-norm",
-                        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-                        "--moe-router-topk-scaling-factor", "2.5",
-                        "--moe-router-enable-expert-bias"],
-                    ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
-                     "--use-distributed-optimizer"]),
-    # a tiny DeepSeek-V3 (MLA with the query latent, a dense first layer, grouped sigmoid
-    # routing with the expert bias, scaled, a shared expert, one MTP depth; tied embeddings,
-    # which MTP under PP needs) at TP 2 x EP 2 x PP 2
-    "deepseek_tp2_ep2_pp2": (8, ["--multi-latent-attention", "--q-lora-rank", "12",
-                                 "--kv-lora-rank", "16", "--qk-head-dim", "8",
-                                 "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
-                                 "--qk-layernorm", "--rotary-interleaved",
-                                 "--moe-layer-freq", "[0,1,1,1]",
-                                 "--moe-router-score-function", "sigmoid",
-                                 "--moe-router-enable-expert-bias", "--moe-router-num-groups",
-                                 "2", "--moe-router-group-topk", "1", "--moe-router-topk-norm",
-                                 "--moe-router-topk-scaling-factor", "2.5",
-                                 "--moe-shared-expert-intermediate-size", "16",
-                                 "--mtp-num-layers", "1", "--moe-grouped-gemm"],
-                             ["--expert-model-parallel-size", "2",
-                              "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                              "--pipeline-model-parallel-size", "2"]),
+    # a tiny DeepSeek-V3 at CP 2 x EP 2 (expert-DP 2 over the DP x CP ranks, the distributed
+    # optimizer): each CP rank routes its chunks (counts and loss shares summed over CP); MTP
+    # shifts its tokens along the whole sequence
+    "deepseek_cp2_ep2_dp2": (4, DEEPSEEK, ["--context-parallel-size", "2",
+                                           "--expert-model-parallel-size", "2",
+                                           "--use-distributed-optimizer"]),
+    # the same at TP 2 x EP 2 x PP 2 (MTP's copy of the untied embedding on the last stage)
+    "deepseek_tp2_ep2_pp2": (8, DEEPSEEK, ["--expert-model-parallel-size", "2",
+                                           "--tensor-model-parallel-size", "2",
+                                           "--sequence-parallel",
+                                           "--pipeline-model-parallel-size", "2"]),
     # 1F1B with expert TP but no dense TP, the overlapped distributed optimizer
     "ep2_etp2_pp2": (8, [], ["--expert-model-parallel-size", "2",
                              "--expert-tensor-parallel-size", "2",
@@ -95,8 +91,6 @@ def test_expert_parallel_run_equals_one_process(case):
     llama = LLAMA
     if case.startswith("gpt_oss"):  # biases everywhere; its gated MLP is quick-GeGLU
         llama = [f for f in LLAMA if f not in ("--disable-bias-linear", "--swiglu")]
-    if case.startswith("deepseek"):
-        llama = [f for f in LLAMA if f != "--untie-embeddings-and-output-weights"]
     flags = TINY + llama + MOE + model
     runs = [start_script("pretrain_llama.py", flags),
             start_script("pretrain_llama.py", flags + layout, nproc=nproc)]

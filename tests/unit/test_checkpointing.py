@@ -199,6 +199,23 @@ def test_tied_output_on_a_later_stage_comes_from_the_embedding():
         for k in full if k.startswith(("decoder.layers.2.", "decoder.layers.3.")))
 
 
+def test_untied_mtp_copy_on_a_later_stage_comes_from_the_embedding():
+    """Multi-token prediction's copy of an untied embedding on the last stage (TP=2 here: the
+    vocabulary padded and cut like the embedding's); none without MTP or on the first stage."""
+    full = _full_model()
+    full["mtp.depths.0.eh_proj"] = torch.randn(8, 16)
+    last = shard_for_rank(full, (2, 4), False, True, False, True, 52, 2, 1)
+    want = shard_tensor(_padded(full["embedding.word_embeddings.weight"], 52), 0, 1, 2, 1)
+    assert torch.equal(last["mtp.word_embeddings.weight"], want)
+    assert torch.equal(last["output_layer.weight"],
+                       shard_tensor(_padded(full["output_layer.weight"], 52), 0, 1, 2, 1))
+    assert "mtp.word_embeddings.weight" not in shard_for_rank(
+        full, (0, 4), True, True, False, True, 52, 2, 1)
+    full.pop("mtp.depths.0.eh_proj")
+    assert "mtp.word_embeddings.weight" not in shard_for_rank(
+        full, (2, 4), False, True, False, True, 52, 2, 1)
+
+
 def test_optimizer_params_split_and_join_by_chunk():
     params = {"0/a.weight": {"exp_avg": torch.ones(2), "param": torch.zeros(2)},
               "1/a.weight": {"exp_avg": torch.full((2,), 3.0)}}

@@ -385,7 +385,7 @@ def test_gpt_oss_20b_config_has_the_published_shape(files):
 
 # name -> (its default world size, HF DeepseekV3Config fields of the shape, MTP depths)
 DEEPSEEK = {
-    "deepseek_v3": (1024, {}, None),  # transformers' defaults are DeepSeek-V3's shape
+    "deepseek_v3": (1024, {}, 1),  # transformers' defaults are DeepSeek-V3's shape
     "deepseek_v3_small": (8, dict(
         num_hidden_layers=16, hidden_size=2048, intermediate_size=10944,
         moe_intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16,

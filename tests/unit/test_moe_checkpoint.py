@@ -53,8 +53,9 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 class Cut(NamedTuple):
     """A layout: world size, TP, EP, optimizer kind, expert TP (None: TP), PP, virtual
     stages per rank, layers (2: [MoE, dense]; 4: [MoE, dense, MoE, MoE], so at PP=2 with
-    2 virtual stages rank 1's first chunk has no experts), and gpt-oss's MoE pieces (biases
-    everywhere, the experts' and the router's too, and the clamped quick-GeGLU)."""
+    2 virtual stages rank 1's first chunk has no experts), gpt-oss's MoE pieces (biases
+    everywhere, the experts' and the router's too, and the clamped quick-GeGLU), and a
+    multi-token prediction depth (its layer of the last layer's kind)."""
     world: int
     tp: int
     ep: int
@@ -64,6 +65,7 @@ class Cut(NamedTuple):
     vpp: Optional[int] = None
     layers: int = 2
     gpt_oss: bool = False
+    mtp: bool = False
 
 
 def _build(cut):
@@ -83,7 +85,7 @@ def _build(cut):
         tensor_model_parallel_size=cut.tp, sequence_parallel=cut.tp > 1,
         expert_model_parallel_size=cut.ep, expert_tensor_parallel_size=cut.etp,
         pipeline_model_parallel_size=cut.pp, virtual_pipeline_model_parallel_size=cut.vpp,
-        **gpt_oss)
+        mtp_num_layers=1 if cut.mtp else None, mtp_loss_scaling_factor=0.3, **gpt_oss)
     opt_config = _optimizer_config(cut.kind, clip_grad=1.0)
     ddp_config = DistributedDataParallelConfig() if cut.kind == "none" else \
         ddp_config_for_optimizer(opt_config)
@@ -117,7 +119,10 @@ def _coords():
 
 def _global(name, chunk):
     """A chunk-local name with its global layer number (renumbered here, not by the
-    checkpoint code)."""
+    checkpoint code); the last stage's copy of the (untied) embedding for multi-token
+    prediction is the embedding (_merge checks the two are equal)."""
+    if name == "mtp.word_embeddings.weight":
+        return "embedding.word_embeddings.weight"
     match = _LAYER.match(name)
     offset = chunk.module.decoder.layer_offset
     return f"decoder.layers.{int(match[1]) + offset}.{match[2]}" if match else name
@@ -129,7 +134,10 @@ def _merge(per_rank):
     out = {}
     for stage in sorted({pp for _, pp, _ in per_rank}):
         mine = [(c, s) for c, pp, s in per_rank if pp == stage]
-        out.update(merge_state_dicts([s for _, s in mine], True, [c for c, _ in mine]))
+        for name, tensor in merge_state_dicts([s for _, s in mine], True,
+                                              [c for c, _ in mine]).items():
+            assert name not in out or torch.equal(out[name], tensor), name  # a copy
+            out[name] = tensor
     return out
 
 
@@ -235,6 +243,7 @@ def _save_then_load(tmp_path, saved, loads, fmts=FORMATS):
             for key in optim:
                 _assert_equal(l_optim[key], optim[key])
             _assert_equal(l_fourth, fourth, 0.0 if saved == loaded else REASSOCIATION_TOL)
+    return weights
 
 
 # Expert-DP is 1 at (world 2, EP 2), (4, TP 2, EP 2), (4, TP 4, EP 1) and 2 at (4, TP 1, EP 2)
@@ -263,6 +272,23 @@ def test_ep2_pp2_loads_at_pp1_ep1_and_interleaved_pp2_ep2(tmp_path):
     _save_then_load(tmp_path, Cut(4, 1, 2, "distributed", pp=2, layers=4),
                     [Cut(1, 1, 1, "none", layers=4),
                      Cut(4, 1, 2, "distributed", pp=2, vpp=2, layers=4)])
+
+
+# Multi-token prediction with experts in its layer (the last layer's kind; LlamaModel: untied
+# embeddings, so at PP=2 the last stage holds MTP's copy of the embedding, which checkpoints
+# hold as the embedding): EP=2 x PP=2 -> one process and -> interleaved PP=2 x EP=2, and
+# EP=2 at PP=1 -> EP=2 x PP=2.
+@pytest.mark.parametrize("saved,loads", [
+    (Cut(4, 1, 2, "distributed", pp=2, layers=4, mtp=True),
+     [Cut(1, 1, 1, "none", layers=4, mtp=True),
+      Cut(4, 1, 2, "distributed", pp=2, vpp=2, layers=4, mtp=True)]),
+    (Cut(2, 1, 2, "distributed", layers=4, mtp=True),
+     [Cut(4, 1, 2, "none", pp=2, layers=4, mtp=True)])],
+    ids=["pp2-ep2-to-one-process-and-interleaved", "ep2-to-pp2-ep2"])
+def test_mtp_with_experts_and_untied_embeddings_reshards(tmp_path, saved, loads):
+    weights = _save_then_load(tmp_path, saved, loads)
+    assert weights["mtp.depths.0.layer.mlp.experts.weight1"].shape[0] == 4  # every expert
+    assert "mtp.word_embeddings.weight" not in weights
 
 
 # Expert TP differs from TP: TP=2 (SP) x expert-TP 1 x EP=2 (expert-DP 2) -> TP=1 x expert-TP

@@ -2,10 +2,12 @@
 built from the model's own weights (the depth's norms, projection and layer, the shared
 embedding and head), the gradient of the total is the main loss's plus scale / D times the
 depths' (checked against autograd on the reference), and under TP=2 with sequence
-parallelism and PP=2 (tied embeddings) the losses and gradients equal one process.
+parallelism, PP=2 (tied embeddings, or untied: the last stage's own copy of the embedding)
+and CP=2 (ring and all-gather) the losses and gradients equal one process.
 
 Tolerance: the reference runs the same ops in the same order (exact up to the masked means'
-summation, 1e-6); the parallel layouts re-associate fp32 sums (1e-5)."""
+summation, 1e-6); the parallel layouts re-associate fp32 sums (1e-5; CP 1e-6 as in
+test_context_parallel_model)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,9 +109,9 @@ def test_the_gradient_is_the_main_loss_plus_the_scaled_depth_losses():
                                    want[name] - grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _layout_run():
+def _layout_run(tied=True):
     """Per-token main loss summed and the depth losses, and every gradient merged to full
-    tensors, at TP (with SP) x PP, tied embeddings."""
+    tensors, at TP (with SP) x PP, tied or untied embeddings."""
     from megatron.core.models.tp_sharding import merge_state_dicts
     from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
     from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
@@ -124,9 +126,11 @@ def _layout_run():
     layers = config.num_layers // pp
     stage = ps.get_pipeline_model_parallel_rank()
     model = LlamaModel(config, VOCAB, pre_process=first, post_process=last,
-                       share_embeddings_and_output_weights=True,
+                       share_embeddings_and_output_weights=tied,
                        layer_range=(stage * layers, (stage + 1) * layers))
     from megatron.core.pipeline_parallel.tied_embeddings import sync_tied_embedding_weights
+    initial = model.shared_embedding_or_output_weight()  # before the sync: the same init
+    initial = None if initial is None else initial.detach().clone()
     sync_tied_embedding_weights([model])
     tokens, labels, mask = _batch()
     if first:
@@ -150,8 +154,9 @@ def _layout_run():
     allreduce_sequence_parallel_grads([model])
     allreduce_tied_embedding_grads([model])
     local = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    if not first:  # the tied copy is the embedding
-        local = {("embedding.word_embeddings.weight" if n == "output_layer.weight" else n): g
+    if not first:  # the last stage's copy (tied output layer, or MTP's) is the embedding
+        copy = "output_layer.weight" if tied else "mtp.word_embeddings.weight"
+        local = {("embedding.word_embeddings.weight" if n == copy else n): g
                  for n, g in local.items()}
     offset = stage * layers
     local = {(f"decoder.layers.{int(n.split('.')[2]) + offset}." +
@@ -171,52 +176,79 @@ def _layout_run():
                                       [(r, 0, 0) for r in sorted(parts)])[n] \
             if len(shards) > 1 else shards[0]
     metrics = model.mtp.take_metrics()[0] if last else None
-    return merged, metrics
+    return merged, metrics, (ps.get_tensor_model_parallel_rank(), initial)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_tensor_and_pipeline_parallel_equal_one_process(tp, pp):
-    (want, want_metrics), = run_distributed(_layout_run, world_size=1, tp=1, pp=1)
-    results = run_distributed(_layout_run, world_size=tp * pp, tp=tp, pp=pp)
-    metrics = [m for _, m in results if m is not None]
+@pytest.mark.parametrize("tp,pp,tied", [(2, 1, True), (1, 2, True), (1, 2, False),
+                                        (2, 2, False)])
+def test_tensor_and_pipeline_parallel_equal_one_process(tp, pp, tied):
+    (want, want_metrics, _), = run_distributed(_layout_run, world_size=1, tp=1, pp=1,
+                                               tied=tied)
+    results = run_distributed(_layout_run, world_size=tp * pp, tp=tp, pp=pp, tied=tied)
+    if pp > 1:  # the last stage's copy of the embedding starts equal to it, before any sync
+        initial = {}
+        for _, _, (tp_rank, weight) in results:
+            initial.setdefault(tp_rank, []).append(weight)
+        for first_stage, last_stage in initial.values():
+            assert torch.equal(first_stage, last_stage)
+    metrics = [m for _, m, _ in results if m is not None]
     torch.testing.assert_close(metrics[0], want_metrics, rtol=1e-5, atol=1e-6)
     got = {}
-    for grads, _ in results:
+    for grads, _, _ in results:
         got.update(grads)
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_context_parallelism_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="multi-token prediction shifts the tokens along the "
-                                         "sequence.*--context-parallel-size 1"):
-        _config(context_parallel_size=2)
+def test_learned_positions_under_pipeline_parallelism_are_refused_with_the_reason():
+    """The last stage's lookups have no position table (at PP 1 the embedding adds them)."""
+    with pytest.raises(ValueError, match="multi-token prediction under pipeline parallelism "
+                                         ".*learned position embeddings"):
+        _config(pipeline_model_parallel_size=2, position_embedding_type="learned_absolute")
+    _config(pipeline_model_parallel_size=2)  # RoPE
+    _config(position_embedding_type="learned_absolute")  # PP 1
+
+
+def _global_layer(name, offset):
+    if not name.startswith("decoder.layers."):
+        return name
+    _, _, index, rest = name.split(".", 3)
+    return f"decoder.layers.{int(index) + offset}.{rest}"
 
 
 def _estimated_and_real_parameters(moe):
     from megatron.core.transformer.moe.moe_config import MoEConfig
-    from megatron.training.memory.params import chunk_param_shapes
+    from megatron.training.memory.params import rank_chunks
 
     tp = ps.get_tensor_model_parallel_world_size()
-    extra = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    extra = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                 pipeline_model_parallel_size=pp)
     if moe:  # the MTP layer takes the last layer's kind: experts (layer 1 is dense)
         extra.update(moe=MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=16,
                                    moe_layer_freq=[0, 1]), add_bias_linear=False)
     config = _config(**extra)
-    model = LlamaModel(config, VOCAB)
-    real = [(n, p.numel()) for n, p in model.named_parameters()]
-    estimated = [(s.name, s.numel) for s in chunk_param_shapes(
-        config, VOCAB, 0, 0, share_embeddings_and_output_weights=False)]
-    return real, estimated
+    layers = config.num_layers // pp
+    model = LlamaModel(config, VOCAB, pre_process=stage == 0, post_process=stage == pp - 1,
+                       layer_range=(stage * layers, (stage + 1) * layers))
+    real = [(_global_layer(n, stage * layers), p.numel(),
+             getattr(p, "tied_across_stages", False)) for n, p in model.named_parameters()]
+    (shapes, alone), = rank_chunks(config, VOCAB, stage,
+                                   share_embeddings_and_output_weights=False)
+    return real, [(s.name, s.numel, alone(s)) for s in shapes]
 
 
-@pytest.mark.parametrize("tp,moe", [(2, False), (1, True)])
-def test_the_memory_estimate_lists_every_mtp_parameter_in_order(tp, moe):
-    for real, estimated in run_distributed(_estimated_and_real_parameters, world_size=tp,
-                                           tp=tp, moe=moe):
-        assert any(name.startswith("mtp.") for name, _ in real)
+@pytest.mark.parametrize("tp,pp,moe", [(2, 1, False), (1, 1, True), (1, 2, False)])
+def test_the_memory_estimate_lists_every_mtp_parameter_in_order(tp, pp, moe):
+    """Names, sizes and (sharded, the embedding's two copies at PP=2, untied: MTP's on the
+    last stage) which parameters get a bucket of their own."""
+    results = run_distributed(_estimated_and_real_parameters, world_size=tp * pp, tp=tp,
+                              pp=pp, moe=moe)
+    for real, estimated in results:
         assert estimated == real
+    assert any(name.startswith("mtp.") for name, _, _ in results[-1][0])
+    assert sum(alone for real, _ in results for _, _, alone in real) == (2 if pp > 1 else 0)
 
 
 def test_the_flop_count_adds_a_layer_a_projection_and_the_logits_per_depth():
@@ -255,3 +287,54 @@ def test_the_planner_charges_the_depths_to_the_stage_with_the_logits():
         _config(mtp_num_layers=None), s, b, 0, v) == whole - without > 0
     assert step_time._flops(config, s, b, 1, 0) == step_time._flops(
         _config(mtp_num_layers=None), s, b, 1, 0)  # a stage without the logits: no depths
+
+
+def _context_parallel_run(comm_type="p2p", sp=False):
+    """The reported main loss, each depth's loss and every reduced gradient (TP shards
+    merged) through the scripts' loss and DDP, one microbatch, at this rank's CP."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.tp_sharding import merge_state_dicts
+    from megatron.training import gpt_step
+    from megatron.training.data.batch import shard_for_context_parallel
+    from megatron.training.training import build_model
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
+    set_aux_loss_scale(1.0 * cp)  # what the schedule sets: x CP, like the main loss
+    config = _config(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                     context_parallel_size=cp, cp_comm_type=comm_type)
+    model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
+                        DistributedDataParallelConfig(), seed=42)[0]
+    tokens, labels, mask = _batch()
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    tokens, labels, mask, positions = shard_for_context_parallel(tokens, labels, mask,
+                                                                 positions)
+    per_token = model(tokens, position_ids=positions, labels=labels, loss_mask=mask)
+    loss, reported = gpt_step.loss_func(mask, per_token)
+    loss.backward()
+    finalize_model_grads([model])
+    grads = {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, grads)
+    mine = everyone[ps.get_context_parallel_rank() * tp:][:tp]  # this CP rank's TP ranks
+    merged = merge_state_dicts(mine, gated_mlp=True) if tp > 1 else grads
+    sums, forwards = model.module.mtp.take_metrics()
+    assert forwards == 1
+    return float(reported["lm loss"]), sums, merged
+
+
+@pytest.mark.parametrize("tp,comm_type", [(1, "p2p"), (1, "all_gather"), (2, "p2p")])
+def test_context_parallel_equals_one_process(tp, comm_type):
+    """CP = 2 (with TP = 2 and SP: 4 ranks): the shifted tokens, labels and mask come from
+    the whole sequence, the depths' attention runs under CP and their masked means are the
+    global ones. 1e-6 relative: CP re-associates the fp32 sums (the ring's log-sum-exp)."""
+    (want_loss, want_mtp, want), = run_distributed(_context_parallel_run, world_size=1, tp=1)
+    for loss, mtp, grads in run_distributed(_context_parallel_run, world_size=2 * tp, tp=tp,
+                                            cp=2, comm_type=comm_type, sp=tp > 1):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        torch.testing.assert_close(mtp, want_mtp, rtol=1e-6, atol=0)
+        assert grads.keys() == want.keys() and any(n.startswith("mtp.") for n in want)
+        for name, grad in grads.items():
+            scale = want[name].abs().max().item()
+            assert scale > 0, name
+            assert (grad - want[name]).abs().max().item() <= 1e-6 * scale, name

@@ -8,12 +8,14 @@ A model chunk holds layers ``layer_range`` and, with ``pre_process``, the embedd
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.embedding import LanguageModelEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
+    VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
     vocab_parallel_lookup,
 )
@@ -30,6 +32,7 @@ from megatron.core.transformer.multi_token_prediction import MultiTokenPredictio
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import hidden_dropout_rng
 from megatron.core.utils import init_method_normal
 
 
@@ -72,21 +75,29 @@ class GPTModel(torch.nn.Module):
             if share_embeddings_and_output_weights and not pre_process:
                 self.output_layer.weight.shared_embedding = True
                 self.output_layer.weight.tied_across_stages = True
-        if pre_process and share_embeddings_and_output_weights and not post_process:
-            # The other copy lives on the last stage (see tied_embeddings.py).
-            self.embedding.word_embeddings.weight.tied_across_stages = True
         # Multi-token prediction, with the output layer: it looks tokens up in the embedding
-        # here, or (a later stage) in the tied output layer that copies it.
+        # here, or on a later stage in a copy of it: the tied output layer, or (untied) its
+        # own copy ``mtp.word_embeddings`` (Megatron's), kept equal like the tied one.
         self.mtp = None
         if post_process and config.mtp_num_layers:
-            if not (pre_process or share_embeddings_and_output_weights):
-                raise ValueError("multi-token prediction on a pipeline stage without the "
-                                 "embedding needs tied embeddings (its copy of the "
-                                 "embedding is the output layer): drop "
-                                 "--untie-embeddings-and-output-weights or use PP 1.")
             self.mtp = MultiTokenPrediction(config, base_seed)
-            if not pre_process:  # its lookups' gradient: the head's wgrad stays unfused
+            if not pre_process and share_embeddings_and_output_weights:
+                # its lookups' gradient: the head's wgrad stays unfused
                 self.output_layer.weight.has_other_uses = True
+            elif not pre_process:
+                with init_rng(base_seed + EMBEDDING_OFFSET):  # the embedding's initial weights
+                    self.mtp.word_embeddings = VocabParallelEmbedding(
+                        self.padded_vocab_size, config.hidden_size, config=config,
+                        init_method=init_method_normal(config.init_method_std))
+                self.mtp.word_embeddings.weight.shared_embedding = True
+                self.mtp.word_embeddings.weight.tied_across_stages = True
+        # Whether, at PP > 1, the last stage holds a copy of the embedding (tied_embeddings.py
+        # keeps the two equal): the tied output layer, or multi-token prediction's table.
+        self.embedding_tied_across_stages = share_embeddings_and_output_weights or \
+            bool(config.mtp_num_layers)
+        if pre_process and self.embedding_tied_across_stages and not post_process:
+            # The other copy lives on the last stage (see tied_embeddings.py).
+            self.embedding.word_embeddings.weight.tied_across_stages = True
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """Hidden states from the previous pipeline stage (used when not pre_process)."""
@@ -109,6 +120,8 @@ class GPTModel(torch.nn.Module):
             return self.embedding.word_embeddings.weight
         if self.post_process and self.share_embeddings_and_output_weights:
             return self.output_layer.weight
+        if self.mtp is not None and self.mtp.word_embeddings is not None:
+            return self.mtp.word_embeddings.weight
         return None
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
@@ -139,7 +152,8 @@ class GPTModel(torch.nn.Module):
             losses = self.mtp.losses(
                 pre_norm, input_ids, labels,
                 torch.ones_like(labels) if loss_mask is None else loss_mask,
-                self._mtp_embed, self._per_token_loss, cos, sin, packed_seq_params)
+                lambda ids: self._mtp_embed(ids, position_ids), self._per_token_loss, cos, sin,
+                packed_seq_params)
             scale = self.config.mtp_loss_scaling_factor / len(losses)
             hidden = MoEAuxLossAutoScaler.apply(hidden, scale * sum(losses))
         if labels is None:
@@ -165,11 +179,15 @@ class GPTModel(torch.nn.Module):
             fused=self.config.torch_compile)  # no fp32 copy of the logits
         return loss.transpose(0, 1).contiguous()
 
-    def _mtp_embed(self, input_ids):
-        """[b, s] -> [s, b, h] (sequence-sharded under SP) from the embedding, or on a later
-        stage from the tied output layer that copies it."""
+    def _mtp_embed(self, input_ids, position_ids=None):
+        """[b, s] -> [s, b, h] (sequence-sharded under SP) from the embedding (with the
+        positions of this rank's tokens), or on a later stage from its copy there (the tied
+        output layer, or ``mtp.word_embeddings``)."""
         if self.pre_process:
-            return self.embedding(input_ids)
-        hidden = vocab_parallel_lookup(input_ids, self.output_layer.weight,
+            return self.embedding(input_ids, position_ids)
+        hidden = vocab_parallel_lookup(input_ids, self.shared_embedding_or_output_weight(),
                                        reduce_scatter=self.config.sequence_parallel)
-        return hidden if self.config.sequence_parallel else hidden.transpose(0, 1).contiguous()
+        if not self.config.sequence_parallel:
+            hidden = hidden.transpose(0, 1).contiguous()
+        with hidden_dropout_rng(self.config):  # the embedding's dropout, as at PP 1
+            return F.dropout(hidden, self.config.hidden_dropout, self.training)

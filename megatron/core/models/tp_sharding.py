@@ -32,6 +32,9 @@ _PARTITION_DIMS = {
     "linear_kv_up_proj.weight": 0,
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# Multi-token prediction's copy of the embedding on a later pipeline stage than it (untied
+# embeddings; tied ones look up in the output layer): checkpoints hold the embedding only.
+MTP_EMBEDDING_COPY = "mtp.word_embeddings.weight"
 # stacked expert tensor suffix -> (dim, stride) split over expert-TP ranks; dim 0 goes by EP.
 # The biases (gpt-oss): bias1 [E, 2f] like weight1's rows; bias2 [E, h] is not split (biased
 # experts run at expert TP 1).
@@ -150,8 +153,9 @@ def select_layers(full: Dict[str, torch.Tensor], layer_range: Tuple[int, int],
                   pre_process: bool, post_process: bool,
                   tied_output: bool) -> Dict[str, torch.Tensor]:
     """A pipeline chunk's entries: its layers renumbered from 0, the embedding on the first
-    stage, the final norm and output layer on the last (a tied output layer on a stage
-    without the embedding gets the embedding's weight)."""
+    stage, the final norm and output layer on the last (a tied output layer, or with untied
+    ones multi-token prediction's copy, on a stage without the embedding gets the
+    embedding's weight)."""
     start, end = layer_range
     out = {}
     for name, tensor in full.items():
@@ -165,7 +169,9 @@ def select_layers(full: Dict[str, torch.Tensor], layer_range: Tuple[int, int],
                 out[name] = tensor
         elif post_process:
             out[name] = tensor
-    if post_process and tied_output and not pre_process and \
-            "embedding.word_embeddings.weight" in full:
-        out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    if post_process and not pre_process and "embedding.word_embeddings.weight" in full:
+        if tied_output:
+            out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+        elif any(name.startswith("mtp.") for name in full):
+            out[MTP_EMBEDDING_COPY] = full["embedding.word_embeddings.weight"]
     return out

@@ -1,11 +1,12 @@
 """GPT's tied input embedding and output layer when they sit in different model chunks.
 
 The chunk holding the first stage has the embedding, the one holding the last stage a copy
-used as the output layer. The two start equal and stay equal because their gradients are
-summed before every optimizer step. In the loop placement the copies are on the first and last
-pipeline ranks (a broadcast and an all-reduce over the embedding group); in the V placement
-(zbv) both are chunks of pipeline rank 0, so the copy and the sum are local. Summing two copies
-locally or over two ranks is the same single addition, so both give the same bits.
+used as the output layer (or, untied, multi-token prediction's lookup table). The two start
+equal and stay equal because their gradients are summed before every optimizer step. In the
+loop placement the copies are on the first and last pipeline ranks (a broadcast and an
+all-reduce over the embedding group); in the V placement (zbv) both are chunks of pipeline
+rank 0, so the copy and the sum are local. Summing two copies locally or over two ranks is the
+same single addition, so both give the same bits.
 
 Two parameters rather than one shared Parameter: each chunk is its own DDP module with its
 own gradient buffer, and a Parameter in two of them would be reduced twice.
@@ -30,7 +31,9 @@ def _tied_weights(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
         model = unwrap_model(chunk)
         holds_a_copy = getattr(model, "pre_process", False) or \
             getattr(model, "post_process", False)
-        if holds_a_copy and getattr(model, "share_embeddings_and_output_weights", False):
+        tied = getattr(model, "embedding_tied_across_stages",
+                       getattr(model, "share_embeddings_and_output_weights", False))
+        if holds_a_copy and tied:
             weights.append(model.shared_embedding_or_output_weight())
     return weights
 

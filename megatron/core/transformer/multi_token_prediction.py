@@ -13,14 +13,19 @@ is recorded for the log.
 
 The embedding and output head are the model's own (shared, as DeepSeek-V3 shares them): the
 modules sit with the output layer on the last pipeline stage, which looks tokens up in the
-embedding there (PP = 1) or in its tied copy of it (the output layer of a model with tied
-embeddings). Under tensor parallelism W_k is replicated; with sequence parallelism its
-gradient covers this rank's tokens and is summed over TP like the norms'.
+embedding there (PP = 1) or in its copy of it: the output layer of a model with tied
+embeddings, else ``word_embeddings`` here (Megatron's), kept equal to the embedding like the
+tied output layer (GPTModel, tied_embeddings.py). Under tensor parallelism W_k is replicated;
+with sequence parallelism its gradient covers this rank's tokens and is summed over TP like
+the norms'. Under context parallelism the shift is along the whole sequence (the token ids,
+labels and loss mask gathered over CP) and each depth's mean is over the whole sequence's.
 """
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core import device
+from megatron.core import device, parallel_state
+from megatron.core.transformer.context_parallel import shard_sequence, unshard_sequence
 from megatron.core.transformer.init_rng import init_rng
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -33,6 +38,30 @@ def shifted(tensor: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     out = torch.roll(tensor, -k, dims=1)
     out[:, -k:] = fill
     return out
+
+
+class _Shifter:
+    """``shifted`` along the whole sequence: under context parallelism this rank's [b, s/CP]
+    tensors are gathered once over CP, shifted whole, and this rank's positions taken back."""
+
+    def __init__(self, *tensors):
+        cp = parallel_state.get_context_parallel_world_size()
+        self.cp = cp
+        if cp > 1:
+            group = parallel_state.get_context_parallel_group()
+            gathered = []
+            for tensor in tensors:
+                parts = [torch.empty_like(tensor) for _ in range(cp)]
+                dist.all_gather(parts, tensor.contiguous(), group=group)
+                gathered.append(unshard_sequence(parts, dim=1))
+            tensors = gathered
+        self.tensors = tensors
+
+    def __call__(self, index: int, k: int, fill=0) -> torch.Tensor:
+        out = shifted(self.tensors[index], k, fill)
+        if self.cp == 1:
+            return out
+        return shard_sequence(out, 1, self.cp, parallel_state.get_context_parallel_rank())
 
 
 class MultiTokenPredictionDepth(torch.nn.Module):
@@ -76,27 +105,39 @@ class MultiTokenPrediction(torch.nn.Module):
         self.depths = torch.nn.ModuleList(
             MultiTokenPredictionDepth(config, k, base_seed)
             for k in range(1, config.mtp_num_layers + 1))
+        # A copy of the embedding on a later stage than it, untied (set by GPTModel).
+        self.word_embeddings = None
         self._loss_sums = None
         self._forwards = 0
 
     def losses(self, hidden, input_ids, labels, loss_mask, embed, head, rotary_cos, rotary_sin,
                packed_seq_params):
-        """Each depth's masked mean loss (0-dim fp32 tensors, differentiable). ``embed(ids)``
-        gives [s, b, h] embeddings, ``head(hidden)`` the per-token loss [b, s] of labels."""
-        out = []
+        """Each depth's masked mean loss (0-dim fp32 tensors, differentiable); under context
+        parallelism this rank's share of it (its tokens' sum over the global count: the CP
+        ranks' shares add up to it). ``embed(ids)`` gives [s, b, h] embeddings,
+        ``head(hidden)`` the per-token loss [b, s] of labels."""
+        shift = _Shifter(input_ids, labels, loss_mask.float())
+        totals, counts = [], []
         for k, depth in enumerate(self.depths, start=1):
-            hidden = depth(hidden, embed(shifted(input_ids, k)), rotary_cos, rotary_sin,
+            hidden = depth(hidden, embed(shift(0, k)), rotary_cos, rotary_sin,
                            packed_seq_params)
-            per_token = head(depth.final_layernorm(hidden), shifted(labels, k))
-            mask = shifted(loss_mask.float(), k)
-            out.append((per_token.float() * mask).sum() / mask.sum().clamp(min=1.0))
+            per_token = head(depth.final_layernorm(hidden), shift(1, k))
+            mask = shift(2, k)
+            totals.append((per_token.float() * mask).sum())
+            counts.append(mask.sum())
+        counts = torch.stack(counts)
+        values = torch.stack([t.detach() for t in totals])
+        if shift.cp > 1:  # one all-reduce of [D sums, D counts]
+            both = torch.cat([values, counts])
+            dist.all_reduce(both, group=parallel_state.get_context_parallel_group())
+            values, counts = both.chunk(2)
+        counts = counts.clamp(min=1.0)
         if self.training and torch.is_grad_enabled():
-            self._record(out)
-        return out
+            self._record(values / counts)
+        return [total / count for total, count in zip(totals, counts)]
 
     @torch.no_grad()
-    def _record(self, losses):
-        values = torch.stack([loss.detach() for loss in losses])
+    def _record(self, values):
         self._loss_sums = values if self._loss_sums is None else self._loss_sums + values
         self._forwards += 1
 

@@ -145,10 +145,12 @@ class TransformerConfig(ModelParallelConfig):
         if self.mtp_num_layers is not None:
             need(self.mtp_num_layers >= 1,
                  f"mtp_num_layers must be >= 1 (or None), got {self.mtp_num_layers}.")
-            need(self.context_parallel_size == 1,
-                 "multi-token prediction shifts the tokens along the sequence, which context "
-                 "parallelism splits over ranks: not supported yet; use "
-                 "--context-parallel-size 1 or drop --mtp-num-layers.")
+            need(self.pipeline_model_parallel_size == 1 or
+                 self.position_embedding_type != "learned_absolute",
+                 "multi-token prediction under pipeline parallelism looks the tokens up on the "
+                 "last stage, which has no copy of the learned position embeddings: use "
+                 "--position-embedding-type rope (or none), or --pipeline-model-parallel-size "
+                 "1.")
         need(self.window_attn_skip_freq is None or self.window_attn_skip_freq >= 1,
              f"window_attn_skip_freq must be >= 1, got {self.window_attn_skip_freq}.")
         if self.multi_latent_attention:  # before the kv_channels default: it sets its own

@@ -202,10 +202,10 @@ def _check_flags(args):
           "--sequence-parallel needs --tensor-model-parallel-size > 1 (Megatron silently turns "
           "it off); drop the flag or raise the TP size.")
     _need(not getattr(args, "mtp_num_layers", None) or args.pipeline_model_parallel_size == 1
-          or not args.untie_embeddings_and_output_weights,
-          "--mtp-num-layers under pipeline parallelism needs tied embeddings (the last stage "
-          "looks the shifted tokens up in its copy of the embedding, the tied output layer): "
-          "drop --untie-embeddings-and-output-weights or use --pipeline-model-parallel-size 1.")
+          or args.position_embedding_type != "learned_absolute",
+          "--mtp-num-layers under pipeline parallelism looks the tokens up on the last stage, "
+          "which has no copy of the learned position embeddings: use --position-embedding-type "
+          "rope (or none), or --pipeline-model-parallel-size 1.")
     _need(not (getattr(args, "multi_latent_attention", False) and args.add_qkv_bias),
           "--add-qkv-bias: multi-latent attention's query and key/value projections have no "
           "biases (Megatron's); drop --add-qkv-bias.")

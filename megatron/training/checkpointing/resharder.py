@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.models.tp_sharding import MTP_EMBEDDING_COPY
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.layout import model_key
 from megatron.training.checkpointing.reshard import (
@@ -34,6 +35,7 @@ def full_from_files(files: Dict, saved_layout: Dict, pick,
                     full[name] = tensor
     if saved_layout["tied_output"]:
         full.pop("output_layer.weight", None)  # the last stage's copy of the embedding
+    full.pop(MTP_EMBEDDING_COPY, None)  # the same, untied, for multi-token prediction
     return full
 
 
@@ -51,7 +53,8 @@ class Resharder:
             index = int(name.split(".")[2])
             return any(s <= index < e for s, e in self.layout["layer_ranges"])
         if name.startswith("embedding."):
-            return any(c.pre_process or (c.post_process and self.layout["tied_output"])
+            # the first stage, or a later one with a copy of it (tied, or MTP's)
+            return any(c.shared_embedding_or_output_weight() is not None
                        for c in self.chunks)
         return any(c.post_process for c in self.chunks)
 

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.core.models.tp_sharding import MTP_EMBEDDING_COPY
 from megatron.training.checkpointing import checksums
 from megatron.training.checkpointing.boxes import Box, Piece
 from megatron.training.checkpointing.paths import CheckpointError
@@ -44,13 +45,21 @@ def is_sharded_checkpoint(iteration_dir: str) -> bool:
 
 def global_name(local_name: str, layer_offset: int, tied_output: bool) -> str:
     """A chunk's parameter name -> its layout-free name (global layer number; a tied output
-    layer is the embedding it copies)."""
-    if tied_output and local_name == "output_layer.weight":
+    layer, or multi-token prediction's copy of the embedding, is the embedding it copies)."""
+    if (tied_output and local_name == "output_layer.weight") or \
+            local_name == MTP_EMBEDDING_COPY:
         return "embedding.word_embeddings.weight"
     match = _LAYER.match(local_name)
     if match:
         return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
     return local_name
+
+
+def is_embedding_copy(local_name: str, tied_output: bool, pre_process: bool) -> bool:
+    """A later stage's copy of the embedding (not saved: the first stage saves the
+    embedding)."""
+    return not pre_process and global_name(local_name, 0, tied_output) == \
+        "embedding.word_embeddings.weight"
 
 
 def read_metadata(iteration_dir: str) -> Dict:

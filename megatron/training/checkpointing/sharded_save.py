@@ -46,6 +46,7 @@ from megatron.training.checkpointing.sharded_index import (
     FORMAT,
     METADATA_FILE,
     VERSION,
+    is_embedding_copy,
     shard_file_name,
 )
 from megatron.training.guards.fault_injection import maybe_crash_while_writing
@@ -110,8 +111,7 @@ def _add_weights(shard: _Shard, model_chunks, layout, dp_rank: int, dp_size: int
         for local, tensor in module.state_dict().items():
             if not torch.is_tensor(tensor):
                 raise TypeError(f"{local}: only tensors can be saved in the sharded format")
-            if layout["tied_output"] and local == "output_layer.weight" and \
-                    not module.pre_process:
+            if is_embedding_copy(local, layout["tied_output"], module.pre_process):
                 continue  # the first stage saves the embedding it copies
             if is_sharded(tensor):  # FSDP2: each DP rank writes the rows it holds
                 begin, rows = local_rows(tensor)
@@ -147,7 +147,7 @@ def _add_optimizer(shard: _Shard, optimizer, model_chunks, layout, replicated: b
     for name, begin, end, values in parts:
         chunk, local = name.split("/", 1)
         module, offset = modules[int(chunk)]
-        if layout["tied_output"] and local == "output_layer.weight" and not module.pre_process:
+        if is_embedding_copy(local, layout["tied_output"], module.pre_process):
             continue
         for saved, placement, first, expert in tensor_parts(local, shapes[name], offset,
                                                             layout, tp_rank, cut):

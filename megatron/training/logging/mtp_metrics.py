@@ -1,10 +1,10 @@
 """What the multi-token prediction depths report per log interval: each depth's mean loss over
 the training microbatches since the last read (Megatron logs "mtp_1 loss", ...).
 
-The depths live on the last pipeline stage; every TP rank there holds the same values and
-counts its forwards. One all-reduce over all ranks of [D sums, forwards] adds the TP copies,
-the DP replicas and nothing from other stages (zeros), so sums / forwards is the mean per
-microbatch over the DP replicas, as one process reports for the same batches.
+The depths live on the last pipeline stage; every TP (and CP) rank there holds the same values
+and counts its forwards. One all-reduce over all ranks of [D sums, forwards] adds the TP and
+CP copies, the DP replicas and nothing from other stages (zeros), so sums / forwards is the
+mean per microbatch over the DP replicas, as one process reports for the same batches.
 """
 from typing import Dict, List
 
