@@ -116,6 +116,11 @@ EXAMPLES = {
                                     ["--optimizer", "adam"])
        for flag, value in {"--adam-beta1": "0.8", "--adam-beta2": "0.95",
                            "--adam-eps": "1e-6"}.items()},
+    **{(flag, "--optimizer muon"): (small(flag, *value), ["--optimizer", "muon"])
+       for flag, value in {"--muon-momentum": ["0.9"], "--muon-use-nesterov": [],
+                           "--muon-num-ns-steps": ["6"], "--muon-scale-mode": ["shape_scaling"],
+                           "--muon-extra-scale-factor": ["0.2"], "--muon-split-qkv": [],
+                           "--muon-ns-dtype": ["bf16"]}.items()},
     **{(flag, "--save DIR"): (small(flag, *value), ["--save", "ck"]) for flag, value in {
         "--save-interval": ["5"], "--no-save-optim": [], "--no-save-rng": [],
         "--async-save": []}.items()},

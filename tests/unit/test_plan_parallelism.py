@@ -443,3 +443,16 @@ def test_an_fp8_model_is_planned_with_its_fp8_weight_copies_and_says_so():
     text = plan_parallelism.run(["--num-gpus", "8", "--top", "1", "--global-batch-size", "8",
                                  "--"] + LLAMA2_7B + fp8_flags)
     assert "FP8 e4m3 rowwise (mem GiB includes the FP8 weight copies" in text
+
+
+def test_muon_plan_rows_hold_muons_state():
+    """--optimizer muon: a row's memory is a Muon run's (one momentum per layer matrix: less
+    than Adam's two on the same layout), and no mode Muon refuses is proposed."""
+    muon = workload_from_flags(TINY_LLAMA + ["--optimizer", "muon"], global_batch_size=16)
+    adam = workload_from_flags(TINY_LLAMA, global_batch_size=16)
+    rows = plan(muon, Cluster(num_gpus=8), top=3).rows
+    assert rows
+    for row in rows:
+        assert row.layout.memory_mode is None and row.overlapped_optimizer_flags is None
+        assert row.memory.max_total == exact_memory(muon, row).max_total
+        assert row.memory.max_total < exact_memory(adam, row).max_total

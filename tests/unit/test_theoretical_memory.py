@@ -98,7 +98,8 @@ def _measured_state(model, optimizer) -> ModelStateBytes:
         optimizer_states=_unique_bytes(states), step_counters=steps)
 
 
-def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_microbatches):
+def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_microbatches,
+                        optimizer="adam"):
     config = _CONFIGS[arch](
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
@@ -110,8 +111,10 @@ def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_mi
                                         use_distributed_optimizer=distributed)
     model = build_model(lambda **stage: model_class(config, VOCAB, **stage), config, ddp, 42)
     bf16 = dtype == torch.bfloat16
+    kind = optimizer
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        lr=1e-3, bf16=bf16, params_dtype=dtype, use_distributed_optimizer=distributed), model)
+        optimizer=kind, lr=1e-3, bf16=bf16, params_dtype=dtype,
+        use_distributed_optimizer=distributed), model)
     g = torch.Generator().manual_seed(3)
     batch = [(torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
               torch.randint(0, VOCAB, (MBS, SEQ), generator=g)) for _ in range(num_microbatches)]
@@ -122,7 +125,7 @@ def _state_after_a_step(arch, dtype, distributed, grad_fp32, bucket_size, num_mi
     # Gradients are reduced, and the optimizer sharded, over DP x CP.
     setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(True),
                            use_distributed_optimizer=distributed, grad_reduce_in_fp32=grad_fp32,
-                           bucket_size=bucket_size)
+                           bucket_size=bucket_size, optimizer=kind)
     estimate = rank_state_bytes(config, VOCAB, setup, ps.get_pipeline_model_parallel_rank(),
                                 torch.empty((), dtype=dtype).element_size(),
                                 ps.get_data_parallel_rank(True),
@@ -154,6 +157,20 @@ def test_state_estimate_equals_the_tensors_of_a_real_step(world, tp, pp, vpp, ar
     for rank, (measured, estimate) in enumerate(results):
         assert measured == estimate, f"rank {rank}"
         assert measured["params"] > 0 and measured["optimizer_states"] > 0
+
+
+@pytest.mark.parametrize("pp,distributed,bucket", [(2, False, None), (1, True, 700)])
+def test_muon_state_estimate_equals_the_tensors_of_a_real_step(pp, distributed, bucket):
+    """Muon: one momentum per layer matrix and no step counter for it; AdamW's two moments
+    and a step for the rest (embeddings, output layer, norms). Distributed (DP 2): per piece
+    of each rank's shards."""
+    kw = dict(world_size=4, tp=2, pp=pp, arch="llama", dtype=torch.bfloat16,
+              distributed=distributed, grad_fp32=True, bucket_size=bucket, num_microbatches=2)
+    results = run_distributed(_state_after_a_step, optimizer="muon", **kw)
+    adam = run_distributed(_state_after_a_step, **kw)
+    for rank, ((measured, estimate), (adam_measured, _)) in enumerate(zip(results, adam)):
+        assert measured == estimate, f"rank {rank}"
+        assert 0 < measured["optimizer_states"] < adam_measured["optimizer_states"]
 
 
 def test_state_per_parameter_matches_megatrons_table():

@@ -5,6 +5,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core import device
+from megatron.core.optimizer import muon
 from megatron.core.optimizer.cpu_offload import offloaded_optimizer
 from megatron.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -41,12 +42,22 @@ def get_param_groups(model_chunks: List[torch.nn.Module],
     return [g for g in groups if g["params"]]
 
 
-def _torch_optimizer(param_groups: List[Dict], config: OptimizerConfig) -> torch.optim.Optimizer:
+def _torch_optimizer(param_groups: List[Dict], config: OptimizerConfig,
+                     layouts: Optional[Dict] = None) -> torch.optim.Optimizer:
+    """``layouts``: Muon's MatrixLayout per parameter (--optimizer muon)."""
     groups = [{**g, "weight_decay": config.weight_decay * g["wd_mult"],
                "lr": config.lr * g["lr_mult"]} for g in param_groups]
     # One fused kernel per step where torch has one for the device (CUDA and CPU), else
     # foreach (a few multi-tensor ops).
     fused = device.device_type() in ("cuda", "cpu")
+    if config.optimizer == "muon":
+        return muon.MuonWithAdamW(
+            groups, layouts or {}, lr=config.lr, weight_decay=config.weight_decay,
+            momentum=config.muon_momentum, nesterov=config.muon_use_nesterov,
+            ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
+            extra_scale_factor=config.muon_extra_scale_factor, ns_dtype=config.muon_ns_dtype,
+            adamw_kwargs=dict(betas=(config.adam_beta1, config.adam_beta2),
+                              eps=config.adam_eps, fused=fused))
     if config.optimizer == "adam":
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1,
                                  config.adam_beta2), eps=config.adam_eps,
@@ -70,6 +81,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                            ) -> MegatronOptimizer:
     """The optimizer for this rank's model chunks (wrapped in DDP or not)."""
     groups = get_param_groups(model_chunks, no_weight_decay_cond)
+    if config.optimizer == "muon":
+        return _muon_optimizer(config, groups, model_chunks)
     from megatron.core.distributed import fsdp  # here: fsdp imports this package
     if fsdp.is_fsdp2(model_chunks):  # fp32 shards are the main params
         optimizer = fsdp.FSDP2Optimizer(_torch_optimizer(groups, config), config, None)
@@ -87,5 +100,38 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                                                       config, _grad_scaler(config), model_of)
     else:
         optimizer = FP32Optimizer(_torch_optimizer(groups, config), config, _grad_scaler(config))
+    optimizer.set_param_names(model_chunks)
+    return optimizer
+
+
+def _muon_optimizer(config: OptimizerConfig, groups: List[Dict],
+                    model_chunks: List[torch.nn.Module]) -> MegatronOptimizer:
+    """Muon for the layers' matrices, AdamW for the rest (muon.py): in the plain wrappers
+    every DP replica orthogonalizes the same reduced momentum; in the distributed optimizer
+    each matrix's owner rank does (muon.ShardedMatrices)."""
+    from megatron.core.distributed import fsdp  # here: fsdp imports this package
+    if fsdp.is_fsdp2(model_chunks) or config.overlapped_distributed_optimizer or \
+            config.optimizer_cpu_offload:
+        raise ValueError("--optimizer muon is built for the plain and the distributed "
+                         "optimizer (--use-distributed-optimizer); drop --overlapped-"
+                         "distributed-optimizer / --use-torch-fsdp2 / --optimizer-cpu-offload.")
+    names = {p: name for chunk in model_chunks
+             for name, p in unwrap_model(chunk).named_parameters()}
+    groups = muon.muon_param_groups(groups, names)
+    layouts = muon.matrix_layouts(model_chunks, config.muon_split_qkv)
+    if config.use_distributed_optimizer:  # Adam's state and Muon's momentum sharded
+        optimizer = DistributedOptimizer(lambda g: _torch_optimizer(g, config, layouts),
+                                         groups, config, _grad_scaler(config), model_chunks)
+        optimizer.optimizer.shard_matrices(optimizer.shards, [
+            p for g in groups if g["use_muon"] for p in g["params"]])
+        return optimizer
+    if config.fp16 or config.bf16:
+        main_groups, model_of = fp32_main_param_groups(groups)
+        optimizer = Float16OptimizerWithFloat16Params(
+            _torch_optimizer(main_groups, config, {m: layouts[p] for m, p in model_of.items()}),
+            config, _grad_scaler(config), model_of)
+    else:
+        optimizer = FP32Optimizer(_torch_optimizer(groups, config, layouts), config,
+                                  _grad_scaler(config))
     optimizer.set_param_names(model_chunks)
     return optimizer

@@ -200,12 +200,20 @@ class DistributedOptimizer(MegatronOptimizer):
                             group=group)
                 if root:
                     for param, (p_begin, p_end) in shard.bucket.param_ranges.items():
+                        if not self._has_state(param, key):
+                            continue  # Muon's matrices have no Adam moments, nor the reverse
                         name = self._names[param]
                         host = host_tensor(name, key, param.shape)
                         host.copy_(buffer[p_begin:p_end].view(param.shape),
                                    non_blocking=host.is_pinned())
                         params[name][key] = host
         return params
+
+    def _has_state(self, param, key: str) -> bool:
+        """Whether ``param`` has state ``key`` (every key unless the torch optimizer says
+        which: Muon's matrices and its AdamW parameters differ)."""
+        keys_of = getattr(self.optimizer, "state_keys_of", None)
+        return key == "param" or keys_of is None or key in keys_of(param)
 
     def sharded_state(self):
         """This DP rank's own part of the named state, nothing gathered (the sharded

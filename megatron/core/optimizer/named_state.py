@@ -83,10 +83,23 @@ def check_numel(key: str, saved: torch.Tensor, param: torch.Tensor) -> None:
                          f"model {param.numel()}; load with --no-load-optim.")
 
 
+def optimizer_kind(param_groups: List[Dict]) -> str:
+    """The --optimizer whose param groups these are (saved or live): Muon's carry
+    ``use_muon``, Adam's ``betas``, SGD's neither."""
+    if any("use_muon" in g for g in param_groups):
+        return "muon"
+    return "adam" if any("betas" in g for g in param_groups) else "sgd"
+
+
 def load_torch_state(optimizer: torch.optim.Optimizer,
                      per_param: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]],
                      saved_groups: List[Dict]) -> None:
     """Install per-parameter state and the saved hyperparameters into a torch optimizer."""
+    saved, ours = optimizer_kind(saved_groups), optimizer_kind(optimizer.param_groups)
+    if saved != ours:  # another optimizer's state would be read as this one's, or crash
+        raise ValueError(f"the optimizer checkpoint is of --optimizer {saved}, this run uses "
+                         f"--optimizer {ours}; keep --optimizer {saved}, or load the weights "
+                         f"alone with --no-load-optim.")
     torch_state = optimizer.state_dict()
     ids = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     torch_state["state"] = {ids[p]: s for p, s in per_param.items()}

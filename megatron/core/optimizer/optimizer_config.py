@@ -8,7 +8,8 @@ import torch
 @dataclass
 class OptimizerConfig:
     """``sharded`` is True for either distributed optimizer."""
-    optimizer: str = "adam"  # --optimizer adam|sgd (adam has AdamW's decoupled weight decay)
+    # --optimizer adam|sgd|muon (adam has AdamW's decoupled weight decay; muon: muon.py)
+    optimizer: str = "adam"
     lr: float = 1e-4  # --lr (the scheduler overwrites it every step)
     min_lr: float = 0.0  # --min-lr
     weight_decay: float = 0.01  # --weight-decay
@@ -16,6 +17,17 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+    # Muon (--optimizer muon; see muon.py): --muon-* flags. The rest of the parameters use
+    # --muon-scalar-optimizer (adam: AdamW with the --adam-* settings).
+    muon_momentum: float = 0.95
+    muon_use_nesterov: bool = False
+    muon_num_ns_steps: int = 5
+    muon_scale_mode: str = "spectral"
+    muon_extra_scale_factor: float = 1.0
+    muon_split_qkv: bool = False
+    muon_tp_mode: str = "gather"
+    muon_scalar_optimizer: str = "adam"
+    muon_ns_dtype: torch.dtype = torch.float32  # --muon-ns-dtype fp32|bf16
     # Mixed precision: model params in fp16 or bf16, fp32 main params in the optimizer.
     fp16: bool = False
     bf16: bool = False
@@ -38,8 +50,10 @@ class OptimizerConfig:
     optimizer_cpu_offload: bool = False
 
     def __post_init__(self):
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer {self.optimizer!r}: use 'adam' or 'sgd'.")
+        if self.optimizer not in ("adam", "sgd", "muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: use 'adam', 'sgd' or 'muon'.")
+        if self.optimizer == "muon":
+            self._check_muon()
         if self.use_distributed_optimizer and self.overlapped_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer and --overlapped-distributed-optimizer"
                              " are mutually exclusive; pick one (the overlapped one is the "
@@ -65,6 +79,35 @@ class OptimizerConfig:
             raise ValueError(f"--hysteresis must be >= 1, got {self.hysteresis}.")
         if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
             raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale.")
+
+    def _check_muon(self) -> None:
+        from megatron.core.optimizer.muon import SCALE_MODES  # muon imports parallel_state
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}.")
+        if self.muon_num_ns_steps < 1:
+            raise ValueError(f"--muon-num-ns-steps must be >= 1, got "
+                             f"{self.muon_num_ns_steps}.")
+        if self.muon_scale_mode not in SCALE_MODES:
+            raise ValueError(f"--muon-scale-mode {self.muon_scale_mode!r}: use one of "
+                             f"{', '.join(SCALE_MODES)}.")
+        if not self.muon_extra_scale_factor > 0:
+            raise ValueError(f"--muon-extra-scale-factor must be > 0, got "
+                             f"{self.muon_extra_scale_factor}.")
+        if self.muon_tp_mode != "gather":
+            raise ValueError(f"--muon-tp-mode {self.muon_tp_mode!r}: only 'gather' is built "
+                             "(it orthogonalizes the whole matrix; a per-shard mode would "
+                             "orthogonalize each TP shard alone, another update).")
+        if self.muon_scalar_optimizer != "adam":
+            raise ValueError(f"--muon-scalar-optimizer {self.muon_scalar_optimizer!r}: only "
+                             "'adam' (AdamW) is built for the non-matrix parameters.")
+        if self.muon_ns_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("--muon-ns-dtype: use fp32 or bf16.")
+        if self.overlapped_distributed_optimizer:
+            raise ValueError("--optimizer muon with --overlapped-distributed-optimizer is not "
+                             "built yet; use --use-distributed-optimizer.")
+        if self.optimizer_cpu_offload:
+            raise ValueError("--optimizer muon with --optimizer-cpu-offload is not built yet; "
+                             "drop --optimizer-cpu-offload.")
 
     @property
     def sharded(self) -> bool:

@@ -114,6 +114,19 @@ def check_training_microbatches(args) -> None:
                      f"(--micro-batch-size {mbs} x data-parallel size {dp}) microbatches)")
 
 
+def _muon_settings(args) -> dict:
+    """OptimizerConfig's muon_* fields from the --muon-* flags (saved args may lack them)."""
+    if args.optimizer != "muon":
+        return {}
+    return dict(muon_momentum=args.muon_momentum, muon_use_nesterov=args.muon_use_nesterov,
+                muon_num_ns_steps=args.muon_num_ns_steps, muon_scale_mode=args.muon_scale_mode,
+                muon_extra_scale_factor=args.muon_extra_scale_factor,
+                muon_split_qkv=args.muon_split_qkv, muon_tp_mode=args.muon_tp_mode,
+                muon_scalar_optimizer=args.muon_scalar_optimizer,
+                muon_ns_dtype=torch.bfloat16 if args.muon_ns_dtype == "bf16"
+                else torch.float32)
+
+
 def _fsdp2_config(args, ddp):
     """--use-torch-fsdp2: refuse what does not compose with it yet, one message each."""
     flag = "--use-torch-fsdp2"
@@ -131,6 +144,8 @@ def _fsdp2_config(args, ddp):
           "--shard-gradients.")
     _need(not getattr(args, "optimizer_cpu_offload", False),
           f"{flag} with --optimizer-cpu-offload is not supported yet.")
+    _need(args.optimizer != "muon", f"{flag} with --optimizer muon is not built yet (Muon "
+          "orthogonalizes whole matrices, FSDP2 holds each one's DP shards); drop one.")
     _need(not (args.overlap_grad_reduce or args.overlap_param_gather
                or args.ddp_bucket_size is not None),
           f"{flag} overlaps its own collectives per layer; drop --overlap-grad-reduce, "
@@ -371,7 +386,8 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlapped_distributed_optimizer=args.overlapped_distributed_optimizer,
-        optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False)))  # saved args
+        optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False),  # saved args
+        **_muon_settings(args)))
     ddp = _built("data-parallel flags", lambda: ddp_config_for_optimizer(
         optimizer, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,

@@ -281,7 +281,9 @@ def _add_mixed_precision_args(parser):
 
 def _add_optimizer_args(parser):
     g = parser.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "muon"],
+                   help="muon: Newton-Schulz orthogonalized momentum for the transformer "
+                        "layers' matrices, AdamW (the --adam-* settings) for the rest.")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
@@ -308,10 +310,33 @@ def _add_optimizer_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    _add_muon_args(g)
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="fp32 main params and optimizer state (the distributed optimizer's "
                         "shard of them) in host memory, the step on the host (torch's fused "
                         "CPU AdamW): gradients go to the host and params back every step.")
+
+
+def _add_muon_args(g):
+    """Megatron-LM's --muon-* names (--muon-ns-dtype is ours)."""
+    g.add_argument("--muon-momentum", type=float, default=0.95)
+    g.add_argument("--muon-use-nesterov", action="store_true")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5,
+                   help="Newton-Schulz iterations per orthogonalization.")
+    g.add_argument("--muon-scale-mode", default="spectral",
+                   choices=["spectral", "unit_rms_norm", "shape_scaling"],
+                   help="The update's scale for an out x in matrix: sqrt(max(out, in)), "
+                        "sqrt(out / in), sqrt(max(1, out / in)).")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="Times the scale (0.2 with spectral: Moonlight's AdamW-matched RMS).")
+    g.add_argument("--muon-split-qkv", action="store_true",
+                   help="Orthogonalize Q, K and V of the fused QKV weight apart.")
+    g.add_argument("--muon-tp-mode", default="gather", choices=["gather"],
+                   help="gather: all-gather a TP-sharded matrix and orthogonalize it whole.")
+    g.add_argument("--muon-scalar-optimizer", default="adam", choices=["adam"],
+                   help="The optimizer of the non-matrix parameters.")
+    g.add_argument("--muon-ns-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype of the Newton-Schulz matmuls (bf16: torch.optim.Muon's).")
 
 
 def _add_training_args(parser):

@@ -133,8 +133,12 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                                                   or a.lr_warmup_fraction),
                "a warmup (--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction)"),
     Dependency("--sgd-momentum", lambda a: a.optimizer == "sgd", "--optimizer sgd"),
-    *(Dependency(flag, lambda a: a.optimizer == "adam", "--optimizer adam")
+    *(Dependency(flag, lambda a: a.optimizer in ("adam", "muon"), "--optimizer adam")
       for flag in ("--adam-beta1", "--adam-beta2", "--adam-eps")),
+    *(Dependency(flag, lambda a: a.optimizer == "muon", "--optimizer muon")
+      for flag in ("--muon-momentum", "--muon-use-nesterov", "--muon-num-ns-steps",
+                   "--muon-scale-mode", "--muon-extra-scale-factor", "--muon-split-qkv",
+                   "--muon-ns-dtype")),  # --muon-tp-mode, --muon-scalar-optimizer: one choice
     # checkpointing
     *(Dependency(flag, lambda a: a.save is not None, "--save DIR")
       for flag in ("--save-interval", "--no-save-optim", "--no-save-rng", "--async-save")),

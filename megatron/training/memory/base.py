@@ -36,12 +36,25 @@ class OptimizerSetup:
     cpu_offload: bool = False
 
     def states_per_element(self) -> int:
-        if self.optimizer == "adam":
+        if self.optimizer in ("adam", "muon"):  # Muon's: at most Adam's (see states_of)
             return 2  # exp_avg, exp_avg_sq
         return 1 if self.sgd_momentum else 0
 
     def has_step_counters(self) -> bool:
-        return self.optimizer == "adam"
+        return self.optimizer in ("adam", "muon")
+
+    def _muon_matrix(self, shape: ParamShape) -> bool:
+        from megatron.core.optimizer.muon import is_muon_matrix
+        return self.optimizer == "muon" and is_muon_matrix(shape.name, 2 if shape.rows else 1)
+
+    def states_of(self, shape: ParamShape) -> int:
+        """fp32 state tensors of ``shape``'s size: Muon's matrices keep one momentum, the
+        rest of a Muon run (AdamW) two."""
+        return 1 if self._muon_matrix(shape) else self.states_per_element()
+
+    def steps_of(self, shape: ParamShape) -> int:
+        """Step counters of ``shape`` (Adam's per tensor; none for Muon's matrices)."""
+        return int(self.has_step_counters() and not self._muon_matrix(shape))
 
 
 @dataclass

@@ -155,6 +155,9 @@ def chunk_param_shapes(config, padded_vocab_size: int, pipeline_rank: int, chunk
         if not (share_embeddings_and_output_weights and pre_process):
             shapes.append(ParamShape("output_layer.weight", vocab * h, vocab))
         shapes += _mtp_params(config, tp, norm)
+        if getattr(config, "mtp_num_layers", None) and not pre_process and \
+                not share_embeddings_and_output_weights:  # MTP's copy of the embedding
+            shapes.append(ParamShape("mtp.word_embeddings.weight", vocab * h, vocab))
     return shapes
 
 
@@ -175,12 +178,13 @@ def _mtp_params(config, tp: int, norm: List[str]) -> List[ParamShape]:
 
 
 def _is_tied_copy_alone(shape: ParamShape, share: bool, pre_process: bool,
-                        post_process: bool) -> bool:
-    """The embedding and the output layer tied across stages get a bucket of their own when
-    sharded (see GradBuffer)."""
-    if not share or pre_process == post_process:
+                        post_process: bool, mtp: bool = False) -> bool:
+    """The embedding and its copy on the last stage (the tied output layer, or multi-token
+    prediction's) get a bucket of their own when sharded (see GradBuffer)."""
+    if not (share or mtp) or pre_process == post_process:
         return False
-    return shape.name in ("embedding.word_embeddings.weight", "output_layer.weight")
+    return shape.name in ("embedding.word_embeddings.weight", "mtp.word_embeddings.weight") \
+        or (share and shape.name == "output_layer.weight")
 
 
 def bucket_layout(shapes: List[ParamShape], setup: OptimizerSetup,
@@ -223,6 +227,21 @@ def _shard_pieces(group: List[ParamShape], padded: int, dp: int, dp_rank: int
     return pieces, covered
 
 
+def _shard_states(group: List[ParamShape], padded: int, dp: int, dp_rank: int,
+                  setup: OptimizerSetup) -> Tuple[int, int]:
+    """(step counters, state elements) of this DP rank's shard of a bucket: per piece, its
+    parameter's (Muon's matrices: one momentum, no step; see OptimizerSetup.states_of)."""
+    size = padded // dp
+    begin, end, offset, steps, states = dp_rank * size, (dp_rank + 1) * size, 0, 0, 0
+    for shape in group:
+        overlap = min(offset + shape.numel, end) - max(offset, begin)
+        if overlap > 0:
+            steps += setup.steps_of(shape)
+            states += setup.states_of(shape) * overlap
+        offset += shape.numel
+    return steps, states
+
+
 def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_bytes: int,
                       data_parallel_rank: int = 0, alone=lambda shape: False
                       ) -> ModelStateBytes:
@@ -234,29 +253,28 @@ def chunk_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
         return ModelStateBytes(params=device.params, grads=device.grads)
     grad_bytes = FP32 if setup.grad_reduce_in_fp32 else param_bytes
     mixed = param_bytes != FP32
-    states = setup.states_per_element()
     result = ModelStateBytes()
     layout = bucket_layout(shapes, setup, alone)
     if setup.use_distributed_optimizer:
         dp = setup.data_parallel_size
         for group, padded in layout:
             shard = padded // dp
-            pieces, covered = _shard_pieces(group, padded, dp, data_parallel_rank)
+            steps, state_elements = _shard_states(group, padded, dp, data_parallel_rank, setup)
             result.params += padded * param_bytes  # params live in the padded buffer
             # ZeRO-2: after the step only this rank's shard of the bucket is kept
             result.grads += (shard if setup.shard_gradients else padded) * grad_bytes
             result.main_params += shard * FP32 if mixed else 0
             result.main_grads += shard * FP32 if grad_bytes != FP32 else 0
-            result.optimizer_states += states * covered * FP32
-            result.step_counters += pieces * FP32 if setup.has_step_counters() else 0
+            result.optimizer_states += state_elements * FP32
+            result.step_counters += steps * FP32
         return result
     numel = sum(s.numel for s in shapes)
     result.params = numel * param_bytes
     result.grads = numel * grad_bytes
     result.main_params = numel * FP32 if mixed else 0
     result.main_grads = numel * FP32 if grad_bytes != FP32 else 0
-    result.optimizer_states = states * numel * FP32
-    result.step_counters = len(shapes) * FP32 if setup.has_step_counters() else 0
+    result.optimizer_states = sum(setup.states_of(s) * s.numel for s in shapes) * FP32
+    result.step_counters = sum(setup.steps_of(s) for s in shapes) * FP32
     return result
 
 
@@ -269,7 +287,8 @@ def rank_chunks(config, padded_vocab_size: int, pipeline_rank: int,
         shapes = chunk_param_shapes(config, padded_vocab_size, pipeline_rank, chunk, share)
         span = chunk_span(config, pipeline_rank, chunk)
         yield shapes, lambda s, span=span: _is_tied_copy_alone(
-            s, share, span.pre_process, span.post_process)
+            s, share, span.pre_process, span.post_process,
+            bool(getattr(config, "mtp_num_layers", None)))
 
 
 def add_states(total: ModelStateBytes, part: ModelStateBytes) -> ModelStateBytes:

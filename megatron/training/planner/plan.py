@@ -97,7 +97,8 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
         with_cp = True
         result, smallest = _search(workload, cluster, max_micro_batch_size,
                                    grad_reduce_in_fp32, True)
-    for mode in MEMORY_MODES if smallest is not None and not result.rows else ():
+    muon = getattr(workload.args, "optimizer", "adam") == "muon"  # refuses every memory mode
+    for mode in MEMORY_MODES if smallest is not None and not result.rows and not muon else ():
         found, _ = _search(workload, cluster, max_micro_batch_size, grad_reduce_in_fp32,
                            with_cp, mode)
         result.enumerated += found.enumerated
@@ -116,7 +117,7 @@ def plan(workload: Workload, cluster: Cluster, *, top: Optional[int] = None,
             result.best_by_choice.setdefault(side, row)
     result.rows = result.rows[:top] if top else result.rows
     for row in result.rows:
-        if row.layout.distributed_optimizer and row.layout.memory_mode is None:
+        if row.layout.distributed_optimizer and row.layout.memory_mode is None and not muon:
             row.overlapped_optimizer_flags = overlapped_optimizer_flags(
                 workload.args.reduce_bucket_size)
             row.overlapped_optimizer_bytes = layout_memory(
