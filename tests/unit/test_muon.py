@@ -21,6 +21,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get
 from megatron.core.optimizer import muon
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tests.distributed import run_distributed
+from tests.unit.test_optimizer import _forward_step
 
 VOCAB, SEQ, MBS = 64, 16, 2
 MUON_LEAVES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
@@ -48,13 +49,16 @@ def _config(**muon_kw):
     return OptimizerConfig(**kw)
 
 
-def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-
-    def loss_func(per_token_loss):
-        loss = per_token_loss.float().mean()
-        return loss, {"lm loss": loss.detach()}
-    return model(tokens, labels=labels), loss_func
+def _steps(model, optimizer, batches) -> None:
+    """One optimizer step per batch, through the schedule (which finalizes the gradients:
+    sequence-parallel norms' over TP, DP's reduction)."""
+    for batch in batches:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter([batch]), model=[model],
+            num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
+        optimizer.step()
 
 
 def _ours(config, steps, sequence_parallel=False):
@@ -64,13 +68,7 @@ def _ours(config, steps, sequence_parallel=False):
     model.config.finalize_model_grads_func = finalize_model_grads
     model = DDP(model.config, DistributedDataParallelConfig(), model)
     optimizer = get_megatron_optimizer(config, [model])
-    for batch in _batches(steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter([batch]), model=[model],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
-        optimizer.step()
+    _steps(model, optimizer, _batches(steps))
     return model.module, optimizer
 
 
@@ -309,13 +307,7 @@ def _train_dp(config, steps, distributed):
         use_distributed_optimizer=distributed, bucket_size=3000,  # several buckets
         grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(config, [model])
-    for batch in _batches(steps, seed=11 + dp_rank):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter([batch]), model=[model],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
-        optimizer.step()
+    _steps(model, optimizer, _batches(steps, seed=11 + dp_rank))
     state = optimizer.state_dict()
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     owned = sum(p.numel() for p, rank in optimizer.optimizer.sharded.owner.items()
@@ -372,13 +364,7 @@ def _train_dp_same_data(config, steps):
     model = DDP(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
                 model)
     optimizer = get_megatron_optimizer(config, [model])
-    for batch in _batches(steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter([batch]), model=[model],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS)
-        optimizer.step()
+    _steps(model, optimizer, _batches(steps))
     return (0, parallel_state.get_data_parallel_rank(),
             {n: p.detach().clone() for n, p in model.module.named_parameters()}, None, None)
 
