@@ -421,12 +421,13 @@ def test_muon_flags_reach_the_optimizer_config():
     config = build_configs(parse_args(small(
         "--optimizer", "muon", "--muon-momentum", "0.9", "--muon-use-nesterov",
         "--muon-num-ns-steps", "6", "--muon-scale-mode", "shape_scaling",
-        "--muon-extra-scale-factor", "0.2", "--muon-split-qkv", "--muon-ns-dtype", "bf16")),
+        "--muon-extra-scale-factor", "0.2", "--muon-split-qkv", "--muon-ns-dtype", "bf16",
+        "--muon-tp-mode", "duplicated")),
         1).optimizer
     assert (config.optimizer, config.muon_momentum, config.muon_use_nesterov,
             config.muon_num_ns_steps, config.muon_scale_mode, config.muon_extra_scale_factor,
             config.muon_split_qkv, config.muon_tp_mode, config.muon_ns_dtype) == (
-        "muon", 0.9, True, 6, "shape_scaling", 0.2, True, "gather", torch.bfloat16)
+        "muon", 0.9, True, 6, "shape_scaling", 0.2, True, "duplicated", torch.bfloat16)
     default = build_configs(parse_args(small("--optimizer", "muon")), 1).optimizer
     assert (default.muon_momentum, default.muon_use_nesterov, default.muon_num_ns_steps,
             default.muon_scale_mode, default.muon_ns_dtype) == (

@@ -10,7 +10,7 @@ Per matrix W with gradient G (torch.optim.Muon's arithmetic, op for op):
     W <- W - lr * extra_scale_factor * scale(shape) * O
 
 The orthogonalization is of the WHOLE matrix: a tensor-parallel shard's update is all-gathered
-over its TP group (``--muon-tp-mode gather``), every TP rank runs Newton-Schulz on the full
+over its TP group (``--muon-tp-mode duplicated``, Megatron's name), every TP rank runs Newton-Schulz on the full
 matrix and keeps its own rows / columns. Every TP rank rather than one per matrix: the gather
 is needed either way, repeating the iteration saves a scatter back, and every TP rank's update
 is bitwise the same. (Over DP, under the distributed optimizer, each matrix has one owner

@@ -25,7 +25,7 @@ class OptimizerConfig:
     muon_scale_mode: str = "spectral"
     muon_extra_scale_factor: float = 1.0
     muon_split_qkv: bool = False
-    muon_tp_mode: str = "gather"
+    muon_tp_mode: str = "duplicated"
     muon_scalar_optimizer: str = "adam"
     muon_ns_dtype: torch.dtype = torch.float32  # --muon-ns-dtype fp32|bf16
     # Mixed precision: model params in fp16 or bf16, fp32 main params in the optimizer.
@@ -93,10 +93,14 @@ class OptimizerConfig:
         if not self.muon_extra_scale_factor > 0:
             raise ValueError(f"--muon-extra-scale-factor must be > 0, got "
                              f"{self.muon_extra_scale_factor}.")
-        if self.muon_tp_mode != "gather":
-            raise ValueError(f"--muon-tp-mode {self.muon_tp_mode!r}: only 'gather' is built "
-                             "(it orthogonalizes the whole matrix; a per-shard mode would "
-                             "orthogonalize each TP shard alone, another update).")
+        if self.muon_tp_mode == "blockwise":
+            raise ValueError("--muon-tp-mode blockwise orthogonalizes each TP shard alone: "
+                             "another update than one process's, which changes with the TP "
+                             "size; use --muon-tp-mode duplicated (the whole matrix).")
+        if self.muon_tp_mode != "duplicated":
+            raise ValueError(f"--muon-tp-mode {self.muon_tp_mode!r} is not built: a "
+                             "distributed Newton-Schulz moves about 10x the bytes of the "
+                             "one all-gather of duplicated; use --muon-tp-mode duplicated.")
         if self.muon_scalar_optimizer != "adam":
             raise ValueError(f"--muon-scalar-optimizer {self.muon_scalar_optimizer!r}: only "
                              "'adam' (AdamW) is built for the non-matrix parameters.")

@@ -331,8 +331,11 @@ def _add_muon_args(g):
                    help="Times the scale (0.2 with spectral: Moonlight's AdamW-matched RMS).")
     g.add_argument("--muon-split-qkv", action="store_true",
                    help="Orthogonalize Q, K and V of the fused QKV weight apart.")
-    g.add_argument("--muon-tp-mode", default="gather", choices=["gather"],
-                   help="gather: all-gather a TP-sharded matrix and orthogonalize it whole.")
+    g.add_argument("--muon-tp-mode", default="duplicated",
+                   choices=["duplicated", "blockwise", "distributed"],
+                   help="duplicated: all-gather a TP-sharded matrix and orthogonalize it whole "
+                        "on every TP rank (Megatron's names; blockwise and distributed are "
+                        "refused: see docs/architecture.md).")
     g.add_argument("--muon-scalar-optimizer", default="adam", choices=["adam"],
                    help="The optimizer of the non-matrix parameters.")
     g.add_argument("--muon-ns-dtype", default="fp32", choices=["fp32", "bf16"],
