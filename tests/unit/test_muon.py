@@ -316,17 +316,19 @@ def _train_dp(config, steps, distributed):
             state["params"] if dp_rank == 0 else None, owned)
 
 
-@pytest.mark.parametrize("tp,dtype", [(1, torch.float32), (2, torch.float32),
-                                      (1, torch.bfloat16)])
-def test_distributed_optimizer_is_bitwise_the_replicated_one(tp, dtype):
+@pytest.mark.parametrize("tp,dtype,ns_dtype", [(1, torch.float32, torch.float32),
+                                               (2, torch.float32, torch.float32),
+                                               (1, torch.bfloat16, torch.float32),
+                                               (1, torch.float32, torch.bfloat16)])
+def test_distributed_optimizer_is_bitwise_the_replicated_one(tp, dtype, ns_dtype):
     """DP=2 (x TP): each matrix orthogonalized by its owner rank, pieces reduce-scattered,
     equals every replica orthogonalizing it (the same reduced gradients: bitwise); bf16:
-    the fp32 main copies, shards of them or whole."""
+    the fp32 main copies, shards of them or whole; NS in bf16: the exchange in bf16."""
     runs = {}
     for distributed in (False, True):
         config = _config(muon_use_nesterov=True, use_distributed_optimizer=distributed,
                          muon_split_qkv=tp == 2, bf16=dtype == torch.bfloat16,
-                         params_dtype=dtype)
+                         params_dtype=dtype, muon_ns_dtype=ns_dtype)
         runs[distributed] = run_distributed(_train_dp, world_size=2 * tp, tp=tp,
                                             config=config, steps=3, distributed=distributed)
     for plain, sharded in zip(runs[False], runs[True]):

@@ -263,7 +263,10 @@ class ShardedMatrices:
             bucket = shard.bucket
             pieces = [(piece, param, offset) for piece, param, _, _, offset in shard.pieces
                       if param in self.muon]
-            updates = torch.zeros(bucket.numel, dtype=torch.float32, device=shard.main.device)
+            # In the NS dtype: NS casts its input to it first, and its output is in it, so a
+            # bf16 exchange moves half the bytes for the same bits.
+            updates = torch.zeros(bucket.numel, dtype=optimizer.ns_dtype,
+                                  device=shard.main.device)
             local = updates[shard.begin:shard.end]
             for piece, _, offset in pieces:
                 if piece.grad is not None:
