@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from bench.distributed_optimizer import DP, _batch, _forward_step  # noqa: E402
 from bench.launch import launch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
@@ -48,7 +49,6 @@ from megatron.core.optimizer import (  # noqa: E402
 from megatron.core.optimizer import muon  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-DP = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SETTINGS = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0,
                 muon_momentum=0.95, muon_use_nesterov=True, muon_scale_mode="shape_scaling")
@@ -84,15 +84,6 @@ def _ours(args, **flags):
     model = DistributedDataParallel(config, ddp_config_for_optimizer(opt_config), model)
     config.finalize_model_grads_func = finalize_model_grads
     return model, get_megatron_optimizer(opt_config, [model])
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-
-    def loss(per_token):
-        mean = per_token.mean()
-        return mean, {"loss": mean.detach()}
-    return model(tokens, labels=labels), loss
 
 
 def _slowest(seconds: float) -> float:
@@ -155,13 +146,6 @@ class TorchMuon:
             return time.perf_counter() - start
         finally:
             torch_muon._zeropower_via_newtonschulz = original
-
-
-def _batch(args, seed):
-    g = torch.Generator().manual_seed(seed * DP + parallel_state.get_data_parallel_rank())
-    shape = (args.micro_batch_size, args.seq)
-    return [(torch.randint(0, args.vocab, shape, generator=g),
-             torch.randint(0, args.vocab, shape, generator=g)) for _ in range(args.microbatches)]
 
 
 def run_rank(rank, world_size, args):
