@@ -81,10 +81,17 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                            ) -> MegatronOptimizer:
     """The optimizer for this rank's model chunks (wrapped in DDP or not)."""
     groups = get_param_groups(model_chunks, no_weight_decay_cond)
-    if config.optimizer == "muon":
-        return _muon_optimizer(config, groups, model_chunks)
+    layouts = None  # Muon's MatrixLayout per parameter
+    if config.optimizer == "muon":  # its matrices in groups apart from AdamW's (muon.py)
+        names = {p: name for chunk in model_chunks
+                 for name, p in unwrap_model(chunk).named_parameters()}
+        groups = muon.muon_param_groups(groups, names)
+        layouts = muon.matrix_layouts(model_chunks, config.muon_split_qkv)
     from megatron.core.distributed import fsdp  # here: fsdp imports this package
     if fsdp.is_fsdp2(model_chunks):  # fp32 shards are the main params
+        if layouts is not None:  # (the overlapped optimizer and offload: OptimizerConfig)
+            raise ValueError("--optimizer muon with --use-torch-fsdp2 is not built (Muon "
+                             "orthogonalizes whole matrices, FSDP2 holds DP shards of them).")
         optimizer = fsdp.FSDP2Optimizer(_torch_optimizer(groups, config), config, None)
         optimizer.set_param_names(model_chunks)
         return optimizer
@@ -92,44 +99,19 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         return offloaded_optimizer(config, groups, model_chunks,
                                    lambda g: _torch_optimizer(g, config), _grad_scaler(config))
     if config.sharded:
-        return DistributedOptimizer(lambda g: _torch_optimizer(g, config), groups, config,
-                                    _grad_scaler(config), model_chunks)
-    if config.fp16 or config.bf16:
-        main_groups, model_of = fp32_main_param_groups(groups)
-        optimizer = Float16OptimizerWithFloat16Params(_torch_optimizer(main_groups, config),
-                                                      config, _grad_scaler(config), model_of)
-    else:
-        optimizer = FP32Optimizer(_torch_optimizer(groups, config), config, _grad_scaler(config))
-    optimizer.set_param_names(model_chunks)
-    return optimizer
-
-
-def _muon_optimizer(config: OptimizerConfig, groups: List[Dict],
-                    model_chunks: List[torch.nn.Module]) -> MegatronOptimizer:
-    """Muon for the layers' matrices, AdamW for the rest (muon.py): in the plain wrappers
-    every DP replica orthogonalizes the same reduced momentum; in the distributed optimizer
-    each matrix's owner rank does (muon.ShardedMatrices)."""
-    from megatron.core.distributed import fsdp  # here: fsdp imports this package
-    if fsdp.is_fsdp2(model_chunks) or config.overlapped_distributed_optimizer or \
-            config.optimizer_cpu_offload:
-        raise ValueError("--optimizer muon is built for the plain and the distributed "
-                         "optimizer (--use-distributed-optimizer); drop --overlapped-"
-                         "distributed-optimizer / --use-torch-fsdp2 / --optimizer-cpu-offload.")
-    names = {p: name for chunk in model_chunks
-             for name, p in unwrap_model(chunk).named_parameters()}
-    groups = muon.muon_param_groups(groups, names)
-    layouts = muon.matrix_layouts(model_chunks, config.muon_split_qkv)
-    if config.use_distributed_optimizer:  # Adam's state and Muon's momentum sharded
         optimizer = DistributedOptimizer(lambda g: _torch_optimizer(g, config, layouts),
                                          groups, config, _grad_scaler(config), model_chunks)
-        optimizer.optimizer.shard_matrices(optimizer.shards, [
-            p for g in groups if g["use_muon"] for p in g["params"]])
+        if layouts is not None:  # each matrix's owner rank orthogonalizes it
+            optimizer.optimizer.shard_matrices(optimizer.shards, [
+                p for g in groups if g["use_muon"] for p in g["params"]])
         return optimizer
     if config.fp16 or config.bf16:
         main_groups, model_of = fp32_main_param_groups(groups)
+        main_layouts = None if layouts is None else \
+            {main: layouts[param] for main, param in model_of.items()}
         optimizer = Float16OptimizerWithFloat16Params(
-            _torch_optimizer(main_groups, config, {m: layouts[p] for m, p in model_of.items()}),
-            config, _grad_scaler(config), model_of)
+            _torch_optimizer(main_groups, config, main_layouts), config, _grad_scaler(config),
+            model_of)
     else:
         optimizer = FP32Optimizer(_torch_optimizer(groups, config, layouts), config,
                                   _grad_scaler(config))
