@@ -19,6 +19,11 @@ def _mtp_losses(proc):
     return [float(x) for x in re.findall(r"mtp_\d loss: ([0-9.E+-]+)", proc.stdout)]
 
 
+# Grad norms are printed with 3 decimals: sums re-associated over ranks may move the last one
+# by a unit (and the float error of the subtraction).
+NORM_UNIT = 1e-3 + 1e-9
+
+
 def _grad_norms(proc):
     return [float(x) for x in re.findall(r"\| grad norm: ([0-9.]+) \|", proc.stdout)]
 
@@ -50,7 +55,7 @@ def test_mtp_untied_under_pp_and_under_cp_equals_one_process():
         assert got == pytest.approx(want, rel=1e-5), parallel
         assert got_valid == pytest.approx(want_valid, rel=1e-5), parallel
         assert _mtp_losses(proc) == pytest.approx(want_mtp, rel=1e-5), parallel
-        assert _grad_norms(proc) == pytest.approx(_grad_norms(single), abs=2e-3), parallel
+        assert _grad_norms(proc) == pytest.approx(_grad_norms(single), abs=NORM_UNIT), parallel
 
 
 def test_mtp_with_packed_documents_under_cp_all_gather_equals_one_process():
@@ -63,4 +68,4 @@ def test_mtp_with_packed_documents_under_cp_all_gather_equals_one_process():
     assert got_valid == pytest.approx(want_valid, rel=1e-5)
     assert len(_mtp_losses(single)) == 12
     assert _mtp_losses(proc) == pytest.approx(_mtp_losses(single), rel=1e-5)
-    assert _grad_norms(proc) == pytest.approx(_grad_norms(single), abs=2e-3)
+    assert _grad_norms(proc) == pytest.approx(_grad_norms(single), abs=NORM_UNIT)
