@@ -128,7 +128,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for param in group["params"] if group["use_muon"] else []:
                 if param not in layouts:
                     continue  # a flat piece (the distributed optimizer): shard_matrices
-                batched = layouts.get(param, MatrixLayout()).batched
+                batched = layouts[param].batched
                 if param.dim() != (3 if batched else 2):
                     raise ValueError(f"Muon updates matrices; got a parameter of shape "
                                      f"{tuple(param.shape)}: give it to the AdamW groups.")

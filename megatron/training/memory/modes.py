@@ -45,7 +45,7 @@ from megatron.training.memory.base import FP32, ModelStateBytes, OptimizerSetup,
 from megatron.training.memory.fp8 import fp8_weight_cache_bytes
 from megatron.training.memory.moe import expert_data_parallel_size, is_expert_param
 from megatron.training.memory.params import (
-    _shard_pieces,
+    _shard_states,
     add_states,
     bucket_layout,
     chunk_param_shapes,
@@ -144,21 +144,20 @@ def host_state_bytes(shapes: List[ParamShape], setup: OptimizerSetup, data_paral
     """CPU offload: fp32 main params (of every parameter, fp32 ones too) and an fp32 gradient
     buffer for them, the optimizer state and step counters, in host memory; the distributed
     optimizer's are this rank's shard of each bucket (padding included)."""
-    states, steps = setup.states_per_element(), setup.has_step_counters()
     host = ModelStateBytes()
     if not setup.use_distributed_optimizer:
         numel = sum(s.numel for s in shapes)
         host.main_params = host.main_grads = numel * FP32
-        host.optimizer_states = states * numel * FP32
-        host.step_counters = len(shapes) * FP32 if steps else 0
+        host.optimizer_states = sum(setup.states_of(s) * s.numel for s in shapes) * FP32
+        host.step_counters = sum(setup.steps_of(s) for s in shapes) * FP32
         return host
     dp = setup.data_parallel_size
     for group, padded in bucket_layout(shapes, setup, alone):
-        pieces, covered = _shard_pieces(group, padded, dp, data_parallel_rank)
+        steps, state_elements = _shard_states(group, padded, dp, data_parallel_rank, setup)
         host.main_params += padded // dp * FP32
         host.main_grads += padded // dp * FP32
-        host.optimizer_states += states * covered * FP32
-        host.step_counters += pieces * FP32 if steps else 0
+        host.optimizer_states += state_elements * FP32
+        host.step_counters += steps * FP32
     return host
 
 

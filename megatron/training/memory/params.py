@@ -213,24 +213,12 @@ def bucket_layout(shapes: List[ParamShape], setup: OptimizerSetup,
     return layout
 
 
-def _shard_pieces(group: List[ParamShape], padded: int, dp: int, dp_rank: int
-                  ) -> Tuple[int, int]:
-    """(parameters overlapping this DP rank's shard of a bucket, elements they cover): the
-    optimizer holds one tensor per piece; the bucket's padding has no optimizer state."""
-    size = padded // dp
-    begin, end, offset, pieces, covered = dp_rank * size, (dp_rank + 1) * size, 0, 0, 0
-    for shape in group:
-        overlap = min(offset + shape.numel, end) - max(offset, begin)
-        if overlap > 0:
-            pieces, covered = pieces + 1, covered + overlap
-        offset += shape.numel
-    return pieces, covered
-
-
 def _shard_states(group: List[ParamShape], padded: int, dp: int, dp_rank: int,
                   setup: OptimizerSetup) -> Tuple[int, int]:
-    """(step counters, state elements) of this DP rank's shard of a bucket: per piece, its
-    parameter's (Muon's matrices: one momentum, no step; see OptimizerSetup.states_of)."""
+    """(step counters, state elements) of this DP rank's shard of a bucket: the optimizer
+    holds one tensor per parameter piece overlapping it, with its parameter's state (Muon's
+    matrices: one momentum, no step; see OptimizerSetup.states_of); the bucket's padding has
+    no optimizer state."""
     size = padded // dp
     begin, end, offset, steps, states = dp_rank * size, (dp_rank + 1) * size, 0, 0, 0
     for shape in group:
