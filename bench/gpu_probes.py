@@ -143,9 +143,10 @@ def cp_block_flash_forward_backward():
 def varlen_attn_signature():
     from megatron.core.transformer import attention
 
-    if attention._varlen_attn is None:
+    kernel = attention.varlen_kernel()
+    if kernel is None:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not importable")
-    return f"varlen_attn{inspect.signature(attention._varlen_attn)}"
+    return f"varlen_attn{inspect.signature(kernel)}"
 
 
 @probe

@@ -339,3 +339,20 @@ MOVED = {
 def test_moved_module_only_at_its_new_path(old, new):
     assert importlib.util.find_spec(old) is None, f"{old} still importable (moved to {new})"
     assert importlib.import_module(new).__name__ == new
+
+
+def test_entry_points_start_without_torchs_compiler_and_dtensor():
+    """Importing a training entry point loads neither torch._dynamo (torch's varlen attention
+    imports it) nor torch.distributed.tensor (FSDP2's DTensor): about 2 s of every process
+    start together, paid by every rank of every launch. Only a CUDA varlen call and FSDP2
+    itself load them."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, pretrain_llama, pretrain_gpt; "
+             "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', "
+             "'torch.distributed.fsdp') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -3,9 +3,8 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
 from megatron.core import parallel_state
+from megatron.core.distributed.fsdp_checkpoint import is_sharded
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
 
@@ -20,7 +19,7 @@ def reduced_grad(param: torch.nn.Parameter):
     if grad is None:
         grad = getattr(param, "main_grad_shard", None)
     grad = param.grad if grad is None else grad
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad.to_local() if is_sharded(grad) else grad
 
 
 def allreduce_sequence_parallel_grads(model_chunks: List[torch.nn.Module]) -> None:

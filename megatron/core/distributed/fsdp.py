@@ -30,15 +30,12 @@ from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from megatron.core import device, parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
-from megatron.core.distributed.fsdp_checkpoint import local_rows
+from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
 from megatron.core.optimizer.named_state import (
     check_covers,
     check_numel,
@@ -91,6 +88,10 @@ def _restore_parallel_attrs(module: torch.nn.Module, attrs: dict) -> None:
 
 class TorchFSDP2(torch.nn.Module):
     def __init__(self, config, fsdp_config: TorchFSDP2Config, module: torch.nn.Module):
+        # Imported here: torch's FSDP and DTensor cost about 1 s of every process start.
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         super().__init__()
         self.config = config
         self.ddp_config = fsdp_config
@@ -154,6 +155,8 @@ class TorchFSDP2(torch.nn.Module):
     def finish_param_sync(self) -> None:
         """Before a save: every parameter back to its shard (a forward without backward, as
         in evaluation, leaves ZeRO-2's layers gathered), so the state dict holds DTensors."""
+        from torch.distributed.fsdp import FSDPModule
+
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -166,7 +169,7 @@ class TorchFSDP2(torch.nn.Module):
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 class FSDP2Optimizer(FP32Optimizer):

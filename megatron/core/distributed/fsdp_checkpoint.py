@@ -8,19 +8,26 @@ pieces the distributed optimizer writes, which the checkpoint reader serves to a
 (DDP at any TP/PP/DP, the distributed optimizer at any DP, FSDP2 at any DP).
 """
 import math
+import sys
 from typing import Tuple
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 
 def is_sharded(tensor) -> bool:
-    return isinstance(tensor, DTensor)
+    """A DTensor (FSDP2's parameters, gradients and states). Asked without importing
+    torch.distributed.tensor, about 1 s of every process start: no tensor is one before
+    that module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
-def local_rows(tensor: DTensor) -> Tuple[int, torch.Tensor]:
-    """(first flat element of this rank's shard in the TP-local tensor, the shard itself: a
-    view of the DTensor's storage, so copying into it writes the parameter/state)."""
+def local_rows(tensor) -> Tuple[int, torch.Tensor]:
+    """(first flat element of this rank's shard (a DTensor) in the TP-local tensor, the
+    shard itself: a view of the DTensor's storage, so copying into it writes the
+    parameter/state)."""
+    from torch.distributed.tensor import Shard
+
     if tuple(tensor.placements) != (Shard(0),):
         raise ValueError(f"an FSDP2 shard split on dim 0 over one mesh dimension was "
                          f"expected, not {tensor.placements}")

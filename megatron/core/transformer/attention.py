@@ -34,11 +34,23 @@ from megatron.core.transformer.rope import apply_rotary, rotary_function
 from megatron.core.transformer.sliding_window import blocked_window_attention, layer_window
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
 
-try:  # torch's variable-length flash attention (CUDA only)
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-    _VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters
-except ImportError:
-    _varlen_attn, _VARLEN_PARAMS = None, {}
+# torch's variable-length flash attention (CUDA only), imported on first CUDA use: importing
+# it imports torch._dynamo, about 2 s of every process start (CPU runs never need it).
+_NOT_LOADED = object()
+_varlen_attn, _VARLEN_PARAMS = _NOT_LOADED, {}
+
+
+def varlen_kernel():
+    """torch's varlen_attn, or None where this torch lacks it."""
+    global _varlen_attn, _VARLEN_PARAMS
+    if _varlen_attn is _NOT_LOADED:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _varlen_attn = None
+        else:
+            _varlen_attn, _VARLEN_PARAMS = varlen_attn, inspect.signature(varlen_attn).parameters
+    return _varlen_attn
 
 
 
@@ -320,7 +332,7 @@ class SelfAttention(torch.nn.Module):
                                               **kwargs)
 
     def _varlen_applies(self, query, dropout: float) -> bool:
-        return (_varlen_attn is not None and query.is_cuda and dropout == 0
+        return (query.is_cuda and varlen_kernel() is not None and dropout == 0
                 and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM
                 and (self.window is None or "window_size" in _VARLEN_PARAMS))
 
