@@ -5,7 +5,7 @@ checkpoint loaded without --padded-vocab-size. Each: the exit code, one ``error:
 what and the fix, no traceback, nothing trained when knowable at start."""
 import pytest
 
-from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, run_torchrun, tmpfs
+from tests.e2e.bad_inputs.harness import assert_clean_error, listing, run, tmpfs
 from tests.e2e.runner import LLAMA, TINY, without
 from tests.e2e.test_checkpoint_convert_padded_vocab import ROWS, TOKENS, _flags, _qwen2
 from tests.hf_checkpoints import read_safetensors_dir, save_tokenizer
@@ -48,13 +48,17 @@ def test_padded_vocab_size_below_the_tokenizer(tmp_path):
 
 
 def test_padded_vocab_size_that_tensor_parallelism_cannot_split(tmp_path):
-    """67 rows over TP 2: each rank's vocabulary slice must be whole (two real ranks: the
-    world size must allow TP 2 before this check is reached)."""
-    proc = run_torchrun("pretrain_llama.py", FLAGS + [
-        "--padded-vocab-size", "67", "--tensor-model-parallel-size", "2"])
-    assert_clean_error(proc, 1, "--padded-vocab-size 67 does not split evenly over "
+    """67 rows over TP 2: each rank's vocabulary slice must be whole. Rank 0 of a 2-process
+    launch (the world size torchrun gives it: it must allow TP 2 before this check is
+    reached), which stops at the flags, before any process group; that one rank of a real
+    torchrun launch says a flag error once is tests/e2e/bad_inputs/test_training_inputs.py's
+    test_a_config_error_under_torchrun_is_printed_once."""
+    proc = run("pretrain_llama.py", FLAGS + [
+        "--padded-vocab-size", "67", "--tensor-model-parallel-size", "2"],
+        env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert_clean_error(proc, 2, "--padded-vocab-size 67 does not split evenly over "
                        "--tensor-model-parallel-size 2", "choose a tensor-parallel size that "
-                       "divides 67", torchrun=True)
+                       "divides 67")
 
 
 def test_vocab_size_with_a_tokenizer_of_its_own(tmp_path):
