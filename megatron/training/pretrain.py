@@ -15,6 +15,7 @@ from megatron.core import device, parallel_state
 from megatron.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from megatron.core.optimizer.qk_clip import QKClip
 from megatron.core.transformer.gated_linear_unit import GATED_ACTIVATIONS
 from megatron.core.transformer.sliding_window import layer_windows
 from megatron.training.arguments import ConfigError, build_configs, parse_args
@@ -303,6 +304,7 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     history, iteration, validation = [], resumed.iteration, None
     token_guard.checked_at = iteration
     nan_guard = NanGuard(t.check_for_nan_in_loss_and_grad, t.max_consecutive_nan_iterations)
+    qk_clip = QKClip.for_model(model)  # --qk-clip, --log-max-attention-logit: else None
     resumed.restore_rng(t.seed)
     progress.training = True
     try:
@@ -315,14 +317,16 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
                 forward_step, train_iter, model, optimizer, scheduler, num_micro,
                 args.seq_length, t.micro_batch_size,
                 partial(fault_injection.maybe_poison_gradients, iteration=iteration), trace=trace,
-                timers=timers)
+                timers=timers, qk_clip=qk_clip)
             finish_trace(trace, t)
             consumed_train += gbs
             history.append(losses)  # on the device: the logger reads them at --log-interval
             logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
                                 optimizer.get_loss_scale(), skipped_iter=skipped,
                                 grad_norm=grad_norm, num_zeros=num_zeros,
-                                consumed_samples=consumed_train)
+                                consumed_samples=consumed_train,
+                                max_attention_logit=None if qk_clip is None
+                                else qk_clip.max_logit)
             if iteration % t.log_interval == 0:  # the logger just synchronized anyway
                 token_guard.check(iteration)
                 _log_moe(logger, model, configs, iteration)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed.fsdp import TorchFSDP2
+from megatron.core.optimizer.qk_clip import QKClip
 from megatron.core.pipeline_parallel import (
     PipelineTrace,
     build_model_chunks,
@@ -130,7 +131,8 @@ class LossReport(DeviceReport, Mapping):
 def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], optimizer,
                scheduler, num_microbatches: int, seq_length: int, micro_batch_size: int,
                before_optimizer_step: Optional[Callable[[List[torch.nn.Module]], None]] = None,
-               trace: Optional[PipelineTrace] = None, timers: Optional[Timers] = None
+               trace: Optional[PipelineTrace] = None, timers: Optional[Timers] = None,
+               qk_clip: Optional[QKClip] = None
                ) -> Tuple[LossReport, bool, Optional[Union[float, torch.Tensor]],
                           Optional[int]]:
     """Returns (mean reported losses, skipped?, grad norm, zeros in grads); the losses and,
@@ -138,8 +140,12 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
     ``before_optimizer_step(model)`` sees the reduced gradients (fault injection in tests);
     ``trace`` records the schedule's steps (``--pipeline-trace-dir``); ``timers`` times
     Megatron's forward-backward, optimizer (level 1), forward-compute (level 2) and
-    all-grads-sync (level 1: the whole finalize_model_grads)."""
+    all-grads-sync (level 1: the whole finalize_model_grads). ``qk_clip`` (default: as the
+    model's config says) clips W_q / W_k in the step and keeps the max logit for the log."""
     timers = timers or Timers(log_level=0)
+    qk_clip = qk_clip or QKClip.for_model(model)
+    if qk_clip is not None:
+        qk_clip.reset()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -162,8 +168,10 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
         before_optimizer_step(model)
     report = LossReport(losses)
     timers("optimizer", log_level=1).start()
+    # QK-clip's factors (a collective over DP x CP) reach the step, applied if it is taken.
+    clipping = {} if qk_clip is None else {"row_scales": qk_clip.row_scales()}
     # With the NaN check the optimizer reads the norm; the losses come in the same copy.
-    ok, grad_norm, num_zeros = optimizer.step(read_with_norm=report)
+    ok, grad_norm, num_zeros = optimizer.step(read_with_norm=report, **clipping)
     timers("optimizer").stop()
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *

@@ -4,7 +4,8 @@ of sums, which Newton-Schulz amplifies a little: <= 1e-5, the log's 7 digits), a
 really in use (the losses are not Adam's). Checkpoints hold the momentum by parameter name:
 a resumed run is bitwise the uninterrupted one, a TP=2 x DP=2 save (distributed optimizer)
 loads at TP=1 x DP=4 and into one process's replicated optimizer, and loading it with another
---optimizer is refused in one line."""
+--optimizer is refused in one line. MuonClip (--qk-clip) at TP=2 x DP=2 with the distributed
+optimizer gives the one-process losses and max attention logits."""
 import re
 
 import pytest
@@ -127,3 +128,40 @@ def test_muon_latent_attention_tp2_dp2_distributed_equals_one_process():
     assert len(want) == 6 and len(want_valid) == 2
     for a, b in zip(want + want_valid, got + got_valid, strict=True):
         assert abs(a - b) <= TOL, (want, got)
+
+
+# --- MuonClip: --qk-clip ---------------------------------------------------------------------
+
+# At init std 0.2 the heads' largest logits are ~5-6 (at 0.02: ~0.06, where the clip changes
+# the losses by less than TOL); tau 2 clips every iteration.
+WIDE = MUON + ["--init-method-std", "0.2"]
+QK_CLIP = WIDE + ["--qk-clip", "--qk-clip-threshold", "2"]
+
+
+def _max_logits(proc):
+    return [float(x) for x in re.findall(r"\| max attention logit: (-?[0-9.]+) \|",
+                                         proc.stdout)]
+
+
+@pytest.mark.slow
+def test_muon_qk_clip_tp2_dp2_distributed_equals_one_process():
+    """The maxima all-reduced over DP and the clip applied to the distributed optimizer's
+    main shards (then all-gathered) at TP=2 x DP=2: the one-process losses within TOL and max
+    logits within the printed digit; the clip is active (from iteration 2 the losses are not
+    an unclipped run's and the logits stay far below its)."""
+    single = run_script("pretrain_llama.py", QK_CLIP)
+    parallel = run_script("pretrain_llama.py", QK_CLIP + [
+        "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], nproc=4)
+    free = run_script("pretrain_llama.py", WIDE + ["--log-max-attention-logit"])
+    (want, want_valid), (got, got_valid) = parse_losses(single), parse_losses(parallel)
+    assert len(want) == 6 and len(want_valid) == 2
+    for a, b in zip(want + want_valid, got + got_valid, strict=True):
+        assert abs(a - b) <= TOL, (want, got)
+    logits, free_logits = _max_logits(single), _max_logits(free)
+    assert len(logits) == len(free_logits) == 6
+    assert all(abs(a - b) <= 1.001e-3 for a, b in zip(logits, _max_logits(parallel),
+                                                       strict=True))
+    unclipped, _ = parse_losses(free)
+    assert want[0] == unclipped[0] and logits[0] == free_logits[0] > 2  # before any clip
+    assert min(abs(a - b) for a, b in zip(want[1:], unclipped[1:])) > 100 * TOL
+    assert max(logits[1:]) < min(free_logits[1:])

@@ -301,6 +301,20 @@ def test_config_constructor_errors_are_wrapped(extra, message):
     assert message in error_of(small(*extra))
 
 
+def test_qk_clip_flags_reach_the_transformer_config():
+    def fields(*extra):
+        t = build_configs(parse_args(small(*extra)), 1).transformer
+        return t.qk_clip, t.qk_clip_threshold, t.qk_clip_alpha, t.log_max_attention_logit
+
+    assert fields() == (False, 100.0, 0.5, False)  # Megatron-LM's defaults
+    assert fields("--qk-clip", "--qk-clip-threshold", "30", "--qk-clip-alpha", "0.25") == (
+        True, 30.0, 0.25, False)
+    assert fields("--log-max-attention-logit") == (False, 100.0, 0.5, True)
+    assert fields("--optimizer", "muon", "--qk-clip")[0]  # and with Adam above
+    assert "--qk-clip rescales rows of W_q and W_k, which --qk-layernorm's norms" in \
+        error_of(small("--qk-clip", "--qk-layernorm"))
+
+
 def test_missing_files(files, tmp_path):
     argv = launch_argv(files)
     (tmp_path / "data" / "D2.idx").unlink()
@@ -397,6 +411,8 @@ def test_every_numeric_flag_has_a_range():
     (["--init-method-std", "inf"], "--init-method-std must be > 0, got inf."),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be >= 1, got 0 (elements per bucket)."),
     (["--num-workers", "-1"], "--num-workers must be >= 0, got -1"),
+    (["--qk-clip", "--qk-clip-threshold", "0"], "--qk-clip-threshold must be > 0, got 0.0"),
+    (["--qk-clip", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha must be in [0, 1], got 1.5"),
 ])
 def test_ranges_are_checked_before_any_other_rule(extra, message):
     with pytest.raises(ConfigError) as info:

@@ -121,6 +121,8 @@ EXAMPLES = {
                            "--muon-num-ns-steps": ["6"], "--muon-scale-mode": ["shape_scaling"],
                            "--muon-extra-scale-factor": ["0.2"], "--muon-split-qkv": [],
                            "--muon-ns-dtype": ["bf16"]}.items()},
+    **{(flag, "--qk-clip"): (small(flag, value), ["--qk-clip"])
+       for flag, value in {"--qk-clip-threshold": "50", "--qk-clip-alpha": "0.3"}.items()},
     **{(flag, "--save DIR"): (small(flag, *value), ["--save", "ck"]) for flag, value in {
         "--save-interval": ["5"], "--no-save-optim": [], "--no-save-rng": [],
         "--async-save": []}.items()},

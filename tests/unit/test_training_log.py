@@ -204,6 +204,7 @@ MEGATRON_LINE = re.compile(
     rf" learning rate: {E6} \| global batch size: [ \d]{{4}}\d \|"
     rf"(?P<losses>( [a-z ]+: {E6} \|)*) loss scale: \d+\.\d \|"
     r"( grad norm: \d+\.\d{3} \|)?( num zeros: \d+\.\d \|)?( params norm: \d+\.\d{3} \|)?"
+    r"( max attention logit: -?\d+\.\d{3} \|)?"
     r" number of skipped iterations: [ \d]{2}\d \| number of nan iterations: [ \d]{2}\d \|"
     r"(?P<extras>.*)$")
 
@@ -280,6 +281,24 @@ def test_skipped_finite_loss_is_not_nan():
     logger.training_log(2, {"lm loss": 4.0}, 1e-4, 32768.0, interval_seconds=1.0)
     assert "lm loss: 4.000000E+00 | loss scale: 32768.0 |" in printed[0]
     assert "number of skipped iterations:   1 | number of nan iterations:   0 |" in printed[0]
+
+
+def test_max_attention_logit_is_printed_where_megatron_prints_it():
+    """--qk-clip / --log-max-attention-logit: the logged iteration's value (a device scalar,
+    read with the interval's other values), after the params norm."""
+    import torch
+    logger, printed, clock = _logger(log_interval=2)
+    logger.start()
+    for iteration, value in ((1, 12.5), (2, 101.25)):
+        clock.t += 1.0
+        result = logger.training_log(iteration, {"lm loss": 2.0}, 1e-4, 1.0,
+                                     grad_norm=torch.tensor(0.5),
+                                     max_attention_logit=torch.tensor(value))
+        assert (result is None) == (iteration == 1)
+    assert " grad norm: 0.500 | max attention logit: 101.250 | number of skipped iterations:" \
+        in printed[0]
+    assert MEGATRON_LINE.match(printed[0])
+    assert "max attention logit" not in format_log_line(1, 1, 8, 1.0, 1e-4, 8, {}, 1.0)
 
 
 def test_only_the_logging_rank_prints(tmp_path):

@@ -184,6 +184,15 @@ class FSDP2Optimizer(FP32Optimizer):
     def _reduction_group(self):
         return dist.group.WORLD
 
+    def _main_ranges(self):
+        # This rank's rows of each parameter (QK-clip scales them; the next forward's
+        # all-gather spreads them).
+        ranges = []
+        for main in self._main_params():
+            begin, local = local_rows(main)
+            ranges.append((local.view(-1), main, begin, begin + local.numel()))
+        return ranges
+
     def state_dict(self):
         raise NotImplementedError(_SHARDED_ONLY)
 

@@ -98,6 +98,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def _model_param(self, main_param):
         return self._model_of[main_param]
 
+    def _main_ranges(self):
+        # This rank's pieces: QK-clip scales its owned rows here, the all-gather spreads them.
+        return [(piece.data, param, begin, end) for shard in self.shards
+                for piece, param, begin, end, _ in shard.pieces]
+
     def _copy_model_grads_to_main_grads(self) -> None:
         self._finish_param_gather()  # the step writes the shards an all-gather may still read
         for shard in self.shards:

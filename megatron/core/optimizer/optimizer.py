@@ -5,7 +5,9 @@
    precision: copied into the fp32 main params' gradients);
 2. with a loss scaler: unscale, and skip the whole step (and count it) if any rank saw inf/nan;
 3. clip by the global norm over all model-parallel ranks (``clip_grad``);
-4. the torch optimizer steps; mixed precision copies the fp32 main params back to the model.
+4. the torch optimizer steps; ``row_scales`` (QK-clip) rescale rows of the main params; mixed
+   precision copies the fp32 main params back to the model (the distributed optimizer
+   all-gathers them).
 """
 import math
 from typing import Dict, List, Optional, Tuple, Union
@@ -118,12 +120,14 @@ class MegatronOptimizer:
         return grad_norm
 
     @torch.no_grad()
-    def step(self, read_with_norm=None
+    def step(self, read_with_norm=None, row_scales=None
              ) -> Tuple[bool, Optional[Union[float, torch.Tensor]], Optional[int]]:
         """The grad norm comes back as a float where the NaN check read it, else as a device
         tensor (read it when needed: on CUDA each read waits for the GPU). ``read_with_norm``
         (``pending()`` -> tensor or None, ``resolve(floats)``: the iteration's losses) is read
-        in the same host copy as the norm when the check reads it."""
+        in the same host copy as the norm when the check reads it. ``row_scales`` ({model
+        param: [rows] factors}, QK-clip's) multiply the updated main params' rows before they
+        reach the model, only when the step is taken."""
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_inf()
@@ -139,9 +143,27 @@ class MegatronOptimizer:
         num_zeros = count_zeros_fp32(self._grads_for_norm(), self._reduction_group()) \
             if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
+        if row_scales:
+            self._scale_main_rows(row_scales)
         self._copy_main_params_to_model_params()
         weights_changed()  # FP8's quantized weights are of the old ones
         return True, grad_norm, num_zeros
+
+    def _main_ranges(self):
+        """(main values flat, model param, first and end element of the flattened model param
+        they hold): every main param whole here; the distributed optimizer's are pieces."""
+        return [(main.data.view(-1), self._model_param(main), 0, main.numel())
+                for main in self._main_params()]
+
+    def _scale_main_rows(self, row_scales: Dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """Each main value times the factor of its model param's row (dim 0), in fp32 where
+        the main params are (the copy back to the model then rounds once, as after any
+        step)."""
+        for flat, model, begin, end in self._main_ranges():
+            factors = row_scales.get(model)
+            if factors is not None:
+                scale_rows_of_range_(flat, begin, end, model.numel() // model.shape[0],
+                                     factors.to(flat.device, flat.dtype))
 
     # --- checkpoints (format: named_state.py) ------------------------------------------------
     def set_param_names(self, model_chunks: List[torch.nn.Module]) -> None:
@@ -205,6 +227,25 @@ class MegatronOptimizer:
         load_torch_state(self.optimizer, per_param, state["param_groups"])
         load_scaler_and_counters(self, state)
         self._copy_main_params_to_model_params()
+
+
+def scale_rows_of_range_(flat: torch.Tensor, begin: int, end: int, per_row: int,
+                         factors: torch.Tensor) -> None:
+    """``flat`` holds elements [begin, end) of a row-major tensor of ``per_row`` elements per
+    row: multiply each by its row's factor, a partial first row, whole rows, a partial last
+    row (no index tensor the size of the piece)."""
+    pos = begin
+    while pos < end:
+        row = pos // per_row
+        whole = (end - pos) // per_row if pos % per_row == 0 else 0
+        if whole:
+            count = whole * per_row
+            flat[pos - begin:pos - begin + count].view(whole, per_row).mul_(
+                factors[row:row + whole, None])
+        else:
+            count = min(end, (row + 1) * per_row) - pos
+            flat[pos - begin:pos - begin + count].mul_(factors[row])
+        pos += count
 
 
 def _read_norm(grad_norm: torch.Tensor, read_with_norm) -> float:

@@ -1,50 +1,36 @@
-"""QK-clip (MuonClip, Kimi K2): the building blocks, not yet wired into training.
+"""QK-clip (MuonClip, Kimi K2; Megatron-LM's --qk-clip): keeps every attention head's largest
+pre-softmax logit under a threshold tau by rescaling its query and key projections after each
+optimizer step.
 
 Per attention head h, S_max^h = the max over the allowed (mask) entries of
-(q_i . k_j) * softmax_scale. After the optimizer step, each head with S_max^h > tau gets
+(q_i . k_j) * softmax_scale, over the iteration's microbatches (recorded by the attention:
+transformer/attention_logits.py). After the optimizer step, each head with S_max^h > tau gets
 gamma_h = tau / S_max^h: its query rows of W_q are scaled by gamma_h^alpha and its key rows of
 W_k by gamma^(1 - alpha). Under GQA a key head is shared by the group's query heads: its gamma
-is the min over the group (the strongest clip, so every head's max logit ends <= tau).
+is the min over the group (the strongest clip, so every head's max logit ends <= tau). Value
+rows are never touched.
+
+``QKClip`` is the training step's part (training.train_step): reset the layers' maxima before
+the forward passes, reduce them over DP x CP afterwards (TP ranks own their heads, pipeline
+stages their layers), and hand the optimizer each layer's row factors, which it applies to
+its main params between the update and their copy to the model (``MegatronOptimizer.step``'s
+``row_scales``): so the fp32 main params, the distributed optimizer's shards and the model's
+(bf16) params all hold the clipped weights, and the all-gather spreads them.
 """
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-
-@torch.no_grad()
-def max_attention_logits(query: torch.Tensor, key: torch.Tensor, softmax_scale: float,
-                         allowed: Optional[torch.Tensor] = None, causal: bool = True,
-                         block: int = 256) -> torch.Tensor:
-    """query [b, s_q, heads, d], key [b, s_k, groups, d] (heads a multiple of groups; query
-    head h uses key group h // (heads // groups)) -> [heads] fp32 max pre-softmax logit over
-    the entries allowed: ``allowed`` [s_q, s_k] or [b, s_q, s_k] bool (True = attended), else
-    causal (query i sees keys j <= i + s_k - s_q) or everything. Computed a block of query
-    rows at a time (never the whole s_q x s_k per head at once). -inf for a head that attends
-    nothing."""
-    b, s_q, heads, d = query.shape
-    groups = key.size(2)
-    per_group = heads // groups
-    q = query.float().reshape(b, s_q, groups, per_group, d)
-    k = key.float()
-    out = torch.full((heads,), float("-inf"), device=query.device)
-    s_k = k.size(1)
-    cols = torch.arange(s_k, device=query.device)
-    for start in range(0, s_q, block):
-        stop = min(start + block, s_q)
-        # [b, groups, per_group, rows, s_k]
-        logits = torch.einsum("bigpd,bjgd->bgpij", q[:, start:stop], k) * softmax_scale
-        if allowed is not None:
-            mask = allowed[..., start:stop, :]
-            mask = mask.unsqueeze(-3).unsqueeze(-3) if mask.dim() == 3 else mask
-        elif causal:
-            rows = torch.arange(start, stop, device=query.device) + (s_k - s_q)
-            mask = cols[None, :] <= rows[:, None]
-        else:
-            mask = None
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        out = torch.maximum(out, logits.amax(dim=(0, 3, 4)).reshape(heads))
-    return out
+from megatron.core import device, parallel_state
+from megatron.core.pipeline_parallel.model_chunks import get_model_config
+# max_attention_logits lives with the attention that records it; re-exported beside the math
+# it feeds.
+from megatron.core.transformer.attention_logits import (  # noqa: F401
+    FusedQKVRows,
+    LatentRows,
+    max_attention_logits,
+)
 
 
 def clip_factors(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -86,3 +72,83 @@ def scale_mla_(q_weight: torch.Tensor, kv_up_weight: torch.Tensor, gamma: torch.
                         torch.ones_like(g).expand(-1, v_head_dim)], dim=1)
     q_weight.mul_(q_rows.reshape(-1, 1).to(q_weight.dtype))
     kv_up_weight.mul_(k_rows.reshape(-1, 1).to(kv_up_weight.dtype))
+
+
+def row_factors(layout, gamma: torch.Tensor, alpha: float) -> Dict[torch.nn.Parameter,
+                                                                    torch.Tensor]:
+    """{param: fp32 [rows] factor of each of its rows (dim 0)} of one attention layer's
+    ``layout`` (FusedQKVRows or LatentRows) for its heads' ``gamma``: the scale_* functions
+    above applied to a column of ones, so the factors are theirs exactly."""
+    if isinstance(layout, FusedQKVRows):
+        rows = torch.ones(layout.weight.size(0), 1, device=gamma.device)
+        scale_fused_qkv_(rows, gamma, alpha, layout.heads_per_group, layout.head_dim)
+        factors = {layout.weight: rows[:, 0]}
+        if layout.bias is not None:
+            factors[layout.bias] = rows[:, 0]
+        return factors
+    q_rows = torch.ones(layout.q_weight.size(0), 1, device=gamma.device)
+    kv_rows = torch.ones(layout.kv_up_weight.size(0), 1, device=gamma.device)
+    scale_mla_(q_rows, kv_rows, gamma, alpha, layout.nope_dim, layout.rope_dim,
+               layout.v_head_dim)
+    return {layout.q_weight: q_rows[:, 0], layout.kv_up_weight: kv_rows[:, 0]}
+
+
+def _all_reduce_max(tensor: torch.Tensor, group) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+class QKClip:
+    """One training run's QK-clip (or only the max-logit log, ``clip=False``) over this rank's
+    attention layers: every module of ``model_chunks`` with a ``qk_clip_layout()``."""
+
+    def __init__(self, model_chunks: List[torch.nn.Module], threshold: float, alpha: float,
+                 clip: bool = True):
+        self.layers = [m for chunk in model_chunks for m in chunk.modules()
+                       if callable(getattr(m, "qk_clip_layout", None))]
+        self.threshold, self.alpha, self.clip = threshold, alpha, clip
+        # The last iteration's max over every layer and head of the model (all ranks), a
+        # device scalar: the logger reads it at the log interval.
+        self.max_logit: Optional[torch.Tensor] = None
+
+    @classmethod
+    def for_model(cls, model_chunks: List[torch.nn.Module]) -> Optional["QKClip"]:
+        """As the model's config says (--qk-clip, --log-max-attention-logit), or None."""
+        config = get_model_config(model_chunks[0])
+        if not (getattr(config, "qk_clip", False) or
+                getattr(config, "log_max_attention_logit", False)):
+            return None  # (a model config of another kind has neither)
+        return cls(model_chunks, config.qk_clip_threshold, config.qk_clip_alpha,
+                   config.qk_clip)
+
+    def reset(self) -> None:
+        """Before an iteration's forward passes: the running maxima start again."""
+        for layer in self.layers:
+            layer.max_logits = None
+
+    def reduced_maxima(self) -> List[torch.Tensor]:
+        """Each layer's [local heads] max over the iteration, reduced over DP x CP (the same
+        heads on other data and other parts of the sequence); sets ``max_logit``, reduced
+        over the model-parallel ranks too. Collective: every rank calls it."""
+        local = [layer.max_logits if layer.max_logits is not None
+                 else device.empty(layer.local_heads).fill_(float("-inf"))
+                 for layer in self.layers]  # a layer that ran no forward clips nothing
+        flat = torch.cat(local) if local else device.empty(0)
+        _all_reduce_max(flat, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        top = flat.max().reshape(1) if flat.numel() else \
+            device.empty(1).fill_(float("-inf"))  # a stage without attention layers
+        _all_reduce_max(top, parallel_state.get_model_parallel_group())
+        self.max_logit = top[0]
+        return list(flat.split([t.numel() for t in local]))
+
+    def row_scales(self) -> Dict[torch.nn.Parameter, torch.Tensor]:
+        """After the forward and backward passes, before the optimizer step: {model param:
+        [rows] factor} for the step to apply (empty when only logging). Every layer's factors,
+        1 where nothing is clipped: no host read decides which (x * 1.0 is x, bitwise)."""
+        maxima = self.reduced_maxima()
+        scales = {}
+        if self.clip:
+            for layer, layer_max in zip(self.layers, maxima):
+                scales.update(row_factors(layer.qk_clip_layout(),
+                                          clip_factors(layer_max, self.threshold), self.alpha))
+        return scales

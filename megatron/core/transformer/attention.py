@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import (
     get_rng_tracker,
 )
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.attention_logits import FusedQKVRows, record_max_logits
 from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.context_parallel.blocks import FLASH_MAX_HEAD_DIM, HALF_DTYPES
 from megatron.core.transformer.norms import build_norm
@@ -189,6 +190,9 @@ class SelfAttention(torch.nn.Module):
         self.window = layer_window(config, layer_number)  # None: full causal attention
         self.softmax_scale = None  # None: 1 / sqrt(the query head dim), SDPA's default
         self._build_projections(config, tp_size)
+        # QK-clip / --log-max-attention-logit: this iteration's running max pre-softmax logit
+        # per local head (attention_logits.py), reset and read by optimizer/qk_clip.py.
+        self.max_logits: Optional[torch.Tensor] = None
         # One more logit per head in the softmax's denominator, or none ("vanilla").
         if config.softmax_type == "off-by-one":  # a fixed 0: the denominator + 1
             self.register_buffer("sinks", device.zeros(self.local_heads), persistent=False)
@@ -219,6 +223,11 @@ class SelfAttention(torch.nn.Module):
         if config.qk_layernorm:
             self.q_layernorm = _build_head_norm(config)
             self.k_layernorm = _build_head_norm(config)
+
+    def qk_clip_layout(self) -> FusedQKVRows:
+        """The rows QK-clip rescales (optimizer/qk_clip.py)."""
+        return FusedQKVRows(self.linear_qkv.weight, self.linear_qkv.bias, self.heads_per_group,
+                            self.head_dim)
 
     def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
                 packed_seq_params: Optional[PackedSeqParams] = None):
@@ -251,6 +260,10 @@ class SelfAttention(torch.nn.Module):
 
     def _attention(self, query, key, value, attention_mask, packed_seq_params):
         """[b, s, heads|groups, d] Q, K, V -> [s, b, heads * d_v], d_v being V's head dim."""
+        if self.training and (self.config.qk_clip or self.config.log_max_attention_logit):
+            # Here, where every kernel path starts (SDPA, variable-length, windowed, per
+            # document, context-parallel; multi-latent attention's too).
+            record_max_logits(self, query, key, attention_mask, packed_seq_params)
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.config.context_parallel_size > 1 or self.sinks is not None:
             return self._context_parallel_attention(query, key, value, attention_mask,

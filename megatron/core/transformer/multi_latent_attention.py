@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
 )
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention_logits import LatentRows
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import yarn_mscale
 from megatron.core.utils import divide, init_method_normal, scaled_init_method_normal
@@ -88,6 +89,13 @@ class MultiLatentAttention(SelfAttention):
         self.linear_proj = RowParallelLinear(
             heads * self.v_head_dim, h, config=config, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True, init_method=out_init)
+
+    def qk_clip_layout(self) -> LatentRows:
+        """QK-clip's rows: each head's query rows (from the hidden states or the query latent)
+        and its key part of the KV up-projection; the shared rotary key is left alone."""
+        q = self.linear_q_proj if self.config.q_lora_rank is None else self.linear_q_up_proj
+        return LatentRows(q.weight, self.linear_kv_up_proj.weight, self.nope_dim,
+                          self.rope_dim, self.v_head_dim)
 
     def forward(self, hidden, attention_mask=None, rotary_cos=None, rotary_sin=None,
                 packed_seq_params=None):

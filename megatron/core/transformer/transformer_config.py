@@ -110,6 +110,14 @@ class TransformerConfig(ModelParallelConfig):
     # further, their mean losses times mtp_loss_scaling_factor / D added to the loss.
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    # QK-clip (MuonClip, Kimi K2; Megatron's names): after each optimizer step, each head whose
+    # largest pre-softmax logit of the step passed qk_clip_threshold has its query rows scaled
+    # by gamma^qk_clip_alpha and its key rows by gamma^(1 - alpha), gamma = threshold / max
+    # (optimizer/qk_clip.py). log_max_attention_logit records the max without clipping.
+    qk_clip: bool = False
+    qk_clip_threshold: float = 100.0
+    qk_clip_alpha: float = 0.5
+    log_max_attention_logit: bool = False
 
     def __post_init__(self):
         def need(cond, message):
@@ -204,6 +212,19 @@ class TransformerConfig(ModelParallelConfig):
              "distribute_saved_activations is redundant with sequence_parallel; use one.")
         if self.moe is not None:
             self._check_moe(need)
+        if self.qk_clip:
+            self._check_qk_clip(need)
+
+    def _check_qk_clip(self, need):
+        need(self.qk_clip_threshold > 0,
+             f"qk_clip_threshold must be > 0, got {self.qk_clip_threshold}.")
+        need(0.0 <= self.qk_clip_alpha <= 1.0,
+             f"qk_clip_alpha must be in [0, 1], got {self.qk_clip_alpha}.")
+        # A per-head norm after W_q / W_k divides out any scale of their rows (MLA's norms are
+        # the latents', before the rows QK-clip scales: no conflict there).
+        need(not self.qk_layernorm or self.multi_latent_attention,
+             "--qk-clip rescales rows of W_q and W_k, which --qk-layernorm's norms of every "
+             "query and key head undo: drop one of them.")
 
     def _check_latent_attention(self, need):
         """Multi-latent attention's sizes, and what its attention path does not run. Sets

@@ -287,6 +287,15 @@ def _latent_attention_of(args) -> dict:
                 rotary_interleaved=args.rotary_interleaved)
 
 
+def _qk_clip_of(args) -> dict:
+    """The QK-clip fields of TransformerConfig (saved args may predate the flags: off)."""
+    if not (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False)):
+        return {}
+    return dict(qk_clip=args.qk_clip, qk_clip_threshold=args.qk_clip_threshold,
+                qk_clip_alpha=args.qk_clip_alpha,
+                log_max_attention_logit=args.log_max_attention_logit)
+
+
 def activation_of(args) -> str:
     """TransformerConfig.activation of the flags (saved args may predate --quick-geglu)."""
     if args.swiglu:
@@ -329,6 +338,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         softmax_type=getattr(args, "softmax_type", "vanilla"),  # saved args may predate it
         **_latent_attention_of(args),
+        **_qk_clip_of(args),
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,

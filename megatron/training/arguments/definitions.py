@@ -311,6 +311,7 @@ def _add_optimizer_args(parser):
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     _add_muon_args(g)
+    _add_qk_clip_args(g)
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="fp32 main params and optimizer state (the distributed optimizer's "
                         "shard of them) in host memory, the step on the host (torch's fused "
@@ -340,6 +341,23 @@ def _add_muon_args(g):
                    help="The optimizer of the non-matrix parameters.")
     g.add_argument("--muon-ns-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="dtype of the Newton-Schulz matmuls (bf16: torch.optim.Muon's).")
+
+
+def _add_qk_clip_args(g):
+    """Megatron-LM's QK-clip flags (MuonClip, Kimi K2), with any --optimizer."""
+    g.add_argument("--qk-clip", action="store_true",
+                   help="After each step, scale the query and key rows of every attention head "
+                        "whose largest pre-softmax logit of the step passed --qk-clip-threshold "
+                        "(Kimi K2's MuonClip). With any --optimizer: Muon is where logits blow "
+                        "up, but the clip only rescales weights after the update.")
+    g.add_argument("--qk-clip-threshold", type=float, default=100.0,
+                   help="tau: the largest logit a head keeps (Kimi K2: 100).")
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                   help="The clip's share on the queries: W_q rows times gamma^alpha, W_k rows "
+                        "times gamma^(1 - alpha), gamma = tau / max logit.")
+    g.add_argument("--log-max-attention-logit", action="store_true",
+                   help="Print the largest pre-softmax attention logit of each logged "
+                        "iteration (on with --qk-clip), without clipping.")
 
 
 def _add_training_args(parser):

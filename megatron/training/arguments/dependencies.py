@@ -139,6 +139,8 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
       for flag in ("--muon-momentum", "--muon-use-nesterov", "--muon-num-ns-steps",
                    "--muon-scale-mode", "--muon-extra-scale-factor", "--muon-split-qkv",
                    "--muon-ns-dtype")),  # --muon-tp-mode, --muon-scalar-optimizer: one choice
+    *(Dependency(flag, lambda a: a.qk_clip, "--qk-clip")
+      for flag in ("--qk-clip-threshold", "--qk-clip-alpha")),
     # checkpointing
     *(Dependency(flag, lambda a: a.save is not None, "--save DIR")
       for flag in ("--save-interval", "--no-save-optim", "--no-save-rng", "--async-save")),

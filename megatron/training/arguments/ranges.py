@@ -107,6 +107,8 @@ FLAG_RANGES = {
     "muon_momentum": (_PROBABILITY, "an exponential decay rate"),
     "muon_num_ns_steps": (_AT_LEAST_1, "Newton-Schulz iterations, 5 as a rule"),
     "muon_extra_scale_factor": (_POSITIVE, ""),
+    "qk_clip_threshold": (_POSITIVE, "the largest logit a head keeps; Kimi K2 100"),
+    "qk_clip_alpha": (_FRACTION, "the clip's share on the queries; 0.5 = even"),
     "attention_dropout": (_PROBABILITY, "a dropout probability; 0 = no dropout"),
     "hidden_dropout": (_PROBABILITY, "a dropout probability; 0 = no dropout"),
     "lr_warmup_fraction": (_FRACTION, "a fraction of the decay steps"),

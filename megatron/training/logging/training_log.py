@@ -45,8 +45,11 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int,
                     params_norm: Optional[float] = None, skipped_iterations: int = 0,
                     nan_iterations: int = 0, throughput_tflops: Optional[float] = None,
                     timestamp: Optional[datetime] = None,
-                    extras: Sequence[Tuple[str, str]] = ()) -> str:
-    """One Megatron training line; ``losses`` are interval averages; extras go at the end."""
+                    extras: Sequence[Tuple[str, str]] = (),
+                    max_attention_logit: Optional[float] = None) -> str:
+    """One Megatron training line; ``losses`` are interval averages; extras go at the end.
+    ``max_attention_logit`` (--qk-clip, --log-max-attention-logit): the logged iteration's,
+    where Megatron-LM prints it."""
     line = f" [{timestamp.strftime('%Y-%m-%d %H:%M:%S')}]" if timestamp else ""
     line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     line += " consumed samples: {:12d} |".format(consumed_samples)
@@ -65,6 +68,8 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int,
         line += " num zeros: {:.1f} |".format(num_zeros)
     if params_norm is not None:
         line += " params norm: {:.3f} |".format(params_norm)
+    if max_attention_logit is not None:
+        line += " max attention logit: {:.3f} |".format(max_attention_logit)
     line += " number of skipped iterations: {:3d} |".format(skipped_iterations)
     line += " number of nan iterations: {:3d} |".format(nan_iterations)
     for label, value in extras:
@@ -144,6 +149,7 @@ class _Step(NamedTuple):
     num_zeros: Optional[float]
     params_norm: Optional[float]
     consumed_samples: Optional[int]
+    max_attention_logit: Optional[float] = None
 
 
 def _read(value):
@@ -248,7 +254,8 @@ class TrainingLogger:
             self._loss_sums[key] = self._loss_sums.get(key, 0.0) + _as_float(value)
 
     def _write_iteration_scalars(self, iteration, losses, learning_rate, loss_scale,
-                                 grad_norm, num_zeros, params_norm, consumed_samples):
+                                 grad_norm, num_zeros, params_norm, consumed_samples,
+                                 max_attention_logit=None):
         if self.log_learning_rate_to_tensorboard:
             self._add("learning-rate", learning_rate, iteration, consumed_samples)
         if self.log_batch_size_to_tensorboard:
@@ -258,7 +265,8 @@ class TrainingLogger:
         if self.log_loss_scale_to_tensorboard:
             self._add("loss-scale", loss_scale, iteration, consumed_samples)
         for tag, value in (("grad-norm", grad_norm), ("num-zeros", num_zeros),
-                           ("params-norm", params_norm)):
+                           ("params-norm", params_norm),
+                           ("max-attention-logit", max_attention_logit)):
             if value is not None:
                 self._add(tag, value, iteration, consumed_samples)
 
@@ -267,34 +275,42 @@ class TrainingLogger:
                      grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
                      params_norm: Optional[float] = None,
                      consumed_samples: Optional[int] = None,
-                     interval_seconds: Optional[float] = None) -> Optional[str]:
+                     interval_seconds: Optional[float] = None,
+                     max_attention_logit: Optional[float] = None) -> Optional[str]:
         """Record one step; at the log interval print and return the console line.
 
-        Losses (a ``deferred.DeviceReport``) or a grad norm (a tensor) still on the device wait
-        for the log interval (or ``close()``): then the interval's steps are read in one host
-        copy and logged in order, so the writers get the same values at the same steps."""
+        Losses (a ``deferred.DeviceReport``), a grad norm or a max attention logit (tensors)
+        still on the device wait for the log interval (or ``close()``): then the interval's
+        steps are read in one host copy and logged in order, so the writers get the same
+        values at the same steps."""
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = DeviceScalar(grad_norm)
+        if isinstance(max_attention_logit, torch.Tensor):
+            max_attention_logit = DeviceScalar(max_attention_logit)
         self._waiting.append(_Step(iteration, losses, learning_rate, loss_scale, skipped_iter,
-                                   grad_norm, num_zeros, params_norm, consumed_samples))
-        on_device = isinstance(losses, DeviceReport) or isinstance(grad_norm, DeviceReport)
+                                   grad_norm, num_zeros, params_norm, consumed_samples,
+                                   max_attention_logit))
+        on_device = any(isinstance(v, DeviceReport)
+                        for v in (losses, grad_norm, max_attention_logit))
         if on_device and not self._is_log_point(iteration):
             return None
         return self._log_waiting(interval_seconds)
 
     def _log_waiting(self, interval_seconds: Optional[float]) -> Optional[str]:
         steps, self._waiting = self._waiting, []
-        resolve_reports([s.losses for s in steps] + [s.grad_norm for s in steps])
+        resolve_reports([s.losses for s in steps] + [s.grad_norm for s in steps] +
+                        [s.max_attention_logit for s in steps])
         line = None
         for s in steps:
             line = self._log_step(
                 s.iteration, _read(s.losses), s.learning_rate, s.loss_scale, s.skipped_iter,
                 _read(s.grad_norm), s.num_zeros, s.params_norm, s.consumed_samples,
-                interval_seconds)
+                interval_seconds, _read(s.max_attention_logit))
         return line
 
     def _log_step(self, iteration, losses, learning_rate, loss_scale, skipped_iter, grad_norm,
-                  num_zeros, params_norm, consumed_samples, interval_seconds) -> Optional[str]:
+                  num_zeros, params_norm, consumed_samples, interval_seconds,
+                  max_attention_logit=None) -> Optional[str]:
         self._accumulate(losses, skipped_iter)
         interval_iters = self._advanced + self._skipped
         # Timers are read only at the log interval: reading one synchronizes the device, and a
@@ -305,7 +321,8 @@ class TrainingLogger:
             self.timers.write(TIMERS_TO_LOG, self.writer, iteration, normalizer=interval_iters)
         if self.writer is not None and iteration % self.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, learning_rate, loss_scale,
-                                          grad_norm, num_zeros, params_norm, consumed_samples)
+                                          grad_norm, num_zeros, params_norm, consumed_samples,
+                                          max_attention_logit)
         if not self._is_log_point(iteration):
             return None
         seconds = self._interval_seconds(interval_seconds) / interval_iters
@@ -330,7 +347,8 @@ class TrainingLogger:
             {k: v / max(1, self._advanced) for k, v in self._loss_sums.items()}, loss_scale,
             grad_norm, num_zeros, params_norm, self._skipped, self._nan,
             throughput if self.log_throughput else None,
-            self.now() if self.timestamps else None, self._extras(iteration, seconds))
+            self.now() if self.timestamps else None, self._extras(iteration, seconds),
+            max_attention_logit)
         self._reset_interval()
         self._print(line)
         if self.timers is not None:

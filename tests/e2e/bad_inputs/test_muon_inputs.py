@@ -1,5 +1,5 @@
-"""Bad Muon settings (--optimizer muon), as a user types them: one ``error:`` line naming the
-flag and the fix, exit 2, no traceback, no iteration."""
+"""Bad Muon settings (--optimizer muon) and MuonClip's (--qk-clip), as a user types them: one
+``error:`` line naming the flag and the fix, exit 2, no traceback, no iteration."""
 import pytest
 
 from tests.e2e.bad_inputs.harness import assert_clean_error, run
@@ -27,6 +27,17 @@ CASES = [
      ["--optimizer muon with --optimizer-cpu-offload is not built yet"]),
     ("fsdp2", MUON + ["--use-torch-fsdp2"],
      ["--use-torch-fsdp2 with --optimizer muon is not built yet"]),
+    ("qk-clip-threshold-without-qk-clip", MUON + ["--qk-clip-threshold", "50"],
+     ["--qk-clip-threshold has no effect without --qk-clip: add --qk-clip"]),
+    ("qk-clip-alpha-without-qk-clip", ["--qk-clip-alpha", "0.3"],
+     ["--qk-clip-alpha has no effect without --qk-clip"]),
+    ("qk-clip-zero-threshold", MUON + ["--qk-clip", "--qk-clip-threshold", "0"],
+     ["--qk-clip-threshold must be > 0, got 0.0"]),
+    ("qk-clip-alpha-above-one", MUON + ["--qk-clip", "--qk-clip-alpha", "1.5"],
+     ["--qk-clip-alpha must be in [0, 1], got 1.5"]),
+    ("qk-clip-with-qk-layernorm", MUON + ["--qk-clip", "--qk-layernorm"],
+     ["--qk-clip rescales rows of W_q and W_k, which --qk-layernorm's norms",
+      "drop one of them"]),
 ]
 
 
