@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MEGATRON_DEVICE", "cpu")
 
 import torch  # noqa: E402,F401  (the import is the cost shared between cases)
+import torch._dynamo  # noqa: E402,F401  (a torch optimizer's constructor imports it)
 import torch.distributed  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
