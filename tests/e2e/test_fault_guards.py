@@ -7,6 +7,7 @@ import subprocess
 
 import torch
 
+from tests.e2e.bad_inputs.harness import run as run_forked
 from tests.e2e.runner import (
     LLAMA,
     TINY,
@@ -40,9 +41,8 @@ def test_one_nan_gradient_is_skipped_and_logged(monkeypatch):
 def test_nan_gradients_in_a_row_stop_the_run_keeping_the_last_good_state(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_FAULT_INJECTION", "nan:0:2-9")
     root = tmp_path / "ckpt"
-    proc = run_script("pretrain_llama.py", FLAGS + ["--save", root, "--save-interval", "1",
-                                                    "--max-consecutive-nan-iterations", "3"],
-                      warm=False)
+    proc = run_forked("pretrain_llama.py", FLAGS + [  # a failing run: not the warm pool's
+        "--save", root, "--save-interval", "1", "--max-consecutive-nan-iterations", "3"])
     assert proc.returncode == 1
     assert "3 iterations in a row (2-4) had non-finite gradients; stopping" in proc.stderr
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "4"
