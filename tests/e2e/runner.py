@@ -15,7 +15,10 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
         "--train-iters 6 --lr 1e-3 --lr-decay-style constant --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 64 --log-interval 1 --eval-interval 3 "
-        "--eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split()
+        "--eval-iters 1 --hidden-dropout 0 --attention-dropout 0 --num-workers 0").split()
+# --num-workers 0: a tiny batch costs less to build than a loader worker process costs to fork
+# and feed (about a quarter of an 8-rank tiny run's CPU); the worker path keeps its own tests
+# (tests/unit/test_pretrain_loop.py, tests/e2e/test_exit_conditions.py, the SIGTERM cases).
 LLAMA = ("--normalization RMSNorm --swiglu --ffn-hidden-size 48 --position-embedding-type rope "
          "--disable-bias-linear --untie-embeddings-and-output-weights").split()
 

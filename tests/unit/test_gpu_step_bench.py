@@ -29,11 +29,12 @@ def _run(*extra):
 
 
 @pytest.mark.slow  # starts processes: the full suite, not the quick tier
-@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("microbatches", [3])
 def test_tiny_run_same_model_and_sane_figures(microbatches):
     """With several micro batches a step is their gradient accumulation: the reported loss is
     their mean (the same batch each time, so the same initial loss), the FLOPs and tokens
-    scale with them."""
+    scale with them. (One micro batch is the same path with one pass: its own run cost a
+    Python start and both models' builds for no line of the bench this one leaves out.)"""
     out = _run("--num-microbatches", str(microbatches))
     ours, hf = map(float, re.search(r"initial loss: ours ([0-9.]+) HF ([0-9.]+)", out).groups())
     assert abs(ours - hf) <= LOSS_TOL, out

@@ -241,7 +241,7 @@ def test_single_node_trains_gpt_small_on_cpu(tmp_path):
                     MEGATRON_DEVICE="cpu", OMP_NUM_THREADS=1, TRAIN_ITERS=2, MICRO_BATCH=2,
                     GLOBAL_BATCH=4, CHECKPOINT_DIR=checkpoints)
     extra = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-             "--vocab-size 64 --eval-iters 1 --device cpu").split()
+             "--vocab-size 64 --eval-iters 1 --device cpu --num-workers 0").split()
     proc = subprocess.run(["bash", "shtools/launch/single_node.sh", *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

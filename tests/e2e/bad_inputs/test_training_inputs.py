@@ -146,8 +146,9 @@ def _interrupt_at(flags, iteration: int, signum=signal.SIGINT):
     return proc
 
 
-LONG = without(TINY, "--train-iters", "--eval-interval") + LLAMA + [
-    "--train-iters", "100000", "--eval-interval", "100000"]
+# Interrupted runs keep Megatron's 2 loader workers: a Ctrl-C reaches them too.
+LONG = without(TINY, "--train-iters", "--eval-interval", "--num-workers") + LLAMA + [
+    "--train-iters", "100000", "--eval-interval", "100000", "--num-workers", "2"]
 
 
 def test_sigint_without_the_handler_is_one_line_and_exit_130(tmp_path):
@@ -192,8 +193,7 @@ def test_sigterm_to_the_process_group_with_loader_workers_still_saves(tmp_path):
     saves and exits 0 (before, torch's worker handler exited and the rank failed on its next
     batch: "DataLoader worker ... is killed by signal: Terminated", nothing saved)."""
     root = tmp_path / "ckpt"
-    flags = without(LONG, "--num-workers") + ["--num-workers", "2", "--save", root,
-                                              "--exit-signal-handler"]
+    flags = LONG + ["--save", root, "--exit-signal-handler"]
     proc = _interrupt_at(flags, 2, signum=signal.SIGTERM)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stopped = int((root / "latest_checkpointed_iteration.txt").read_text())
