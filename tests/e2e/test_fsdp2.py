@@ -1,6 +1,6 @@
 """--use-torch-fsdp2 through pretrain_llama.py on CPU (gloo, fp32): 10 iterations at DP 2 and
-4, and TP=2 x DP=2 with sequence parallelism, ZeRO-3 (default) and ZeRO-2
-(--no-reshard-after-forward), against one process.
+4, TP=2 x DP=2 with sequence parallelism, and context parallelism (CP=2 x DP=2, TP=2 x CP=2),
+ZeRO-3 (default) and ZeRO-2 (--no-reshard-after-forward), against one process.
 
 The layouts differ from one process only in the order of the gradient sums (per rank, then
 the reduce-scatter over DP; the norm shard by shard), so the losses agree to 1e-6: the log's
@@ -51,6 +51,16 @@ def test_fsdp2_tp2_dp2_sequence_parallel_equals_one_process(single_process):
     tp_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     _check_runs(single_process, {"tp2 dp2 sp zero3": (4, tp_sp),
                                  "tp2 dp2 sp zero2": (4, tp_sp + ZERO2)})
+
+
+def test_fsdp2_with_context_parallelism_equals_one_process(single_process):
+    """FSDP2 shards over DP x CP (the ranks that reduce the same gradients): CP2 x DP2, and
+    TP2 (SP) x CP2 with ZeRO-2, each sharded 2 ways over CP alone or 4 over DP x CP."""
+    cp = ["--context-parallel-size", "2"]
+    _check_runs(single_process, {
+        "cp2 dp2 zero3": (4, cp),
+        "tp2 sp cp2 zero2": (4, cp + ["--tensor-model-parallel-size", "2",
+                                      "--sequence-parallel"] + ZERO2)})
 
 
 def test_fsdp2_bf16_equals_ddp_bf16_at_dp2():

@@ -133,8 +133,6 @@ def _fsdp2_config(args, ddp):
     _need(args.pipeline_model_parallel_size == 1,
           f"{flag} does not compose with pipeline parallelism yet; drop "
           "--pipeline-model-parallel-size.")
-    _need(args.context_parallel_size == 1,
-          f"{flag} with --context-parallel-size is not supported yet.")
     _need(not args.fp16, f"{flag} with --fp16 (loss scaling) is not supported yet; use "
           "--bf16 or fp32.")
     _need(not (args.use_distributed_optimizer or args.overlapped_distributed_optimizer
