@@ -301,20 +301,6 @@ def test_config_constructor_errors_are_wrapped(extra, message):
     assert message in error_of(small(*extra))
 
 
-def test_qk_clip_flags_reach_the_transformer_config():
-    def fields(*extra):
-        t = build_configs(parse_args(small(*extra)), 1).transformer
-        return t.qk_clip, t.qk_clip_threshold, t.qk_clip_alpha, t.log_max_attention_logit
-
-    assert fields() == (False, 100.0, 0.5, False)  # Megatron-LM's defaults
-    assert fields("--qk-clip", "--qk-clip-threshold", "30", "--qk-clip-alpha", "0.25") == (
-        True, 30.0, 0.25, False)
-    assert fields("--log-max-attention-logit") == (False, 100.0, 0.5, True)
-    assert fields("--optimizer", "muon", "--qk-clip")[0]  # and with Adam above
-    assert "--qk-clip rescales rows of W_q and W_k, which --qk-layernorm's norms" in \
-        error_of(small("--qk-clip", "--qk-layernorm"))
-
-
 def test_missing_files(files, tmp_path):
     argv = launch_argv(files)
     (tmp_path / "data" / "D2.idx").unlink()

@@ -5,6 +5,8 @@ import torch
 
 from megatron.core.optimizer.qk_clip import (clip_factors, max_attention_logits,
                                              scale_fused_qkv_)
+from megatron.training.arguments import build_configs, parse_args
+from tests.unit.test_arguments import error_of, small
 
 
 def _reference(query, key, scale, mask):
@@ -76,3 +78,17 @@ def test_mla_rescale_per_part():
     scale_mla_(q_w, kv_w, gamma, alpha, nope, rope, v)
     torch.testing.assert_close(q_w, q_ref.view_as(q_w), rtol=1e-6, atol=0)
     torch.testing.assert_close(kv_w, kv_ref.view_as(kv_w), rtol=1e-6, atol=0)
+
+
+def test_qk_clip_flags_reach_the_transformer_config():
+    def fields(*extra):
+        t = build_configs(parse_args(small(*extra)), 1).transformer
+        return t.qk_clip, t.qk_clip_threshold, t.qk_clip_alpha, t.log_max_attention_logit
+
+    assert fields() == (False, 100.0, 0.5, False)  # Megatron-LM's defaults
+    assert fields("--qk-clip", "--qk-clip-threshold", "30", "--qk-clip-alpha", "0.25") == (
+        True, 30.0, 0.25, False)
+    assert fields("--log-max-attention-logit") == (False, 100.0, 0.5, True)
+    assert fields("--optimizer", "muon", "--qk-clip")[0]  # and with Adam above
+    assert "--qk-clip rescales rows of W_q and W_k, which --qk-layernorm's norms" in \
+        error_of(small("--qk-clip", "--qk-layernorm"))
