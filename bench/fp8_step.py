@@ -95,6 +95,10 @@ def run(args):
     results = []
     for recipe in variants:
         results.append((recipe, *_time_variant(args, hf, hf_config, recipe)))
+        # As it goes: a later variant that fails (or a run cut short) keeps this one's figure.
+        median, peak = results[-1][1], results[-1][5]
+        print(f"measured {recipe or args.dtype}: median step {median * 1e3:.2f} ms, peak "
+              f"memory {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}", flush=True)
     sequences = args.micro_batch_size * args.num_microbatches
     shape = (args.layers, args.hidden, args.ffn, args.heads, args.groups, args.seq,
              configs.model_kwargs["padded_vocab_size"], sequences)

@@ -109,7 +109,7 @@ step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatche
     grep -h "iteration *20/" "$OUTDIR/pretrain.log" 2>/dev/null | sed 's/^/pretrain: /'
     if [ -f "$OUTDIR/bench_fp8.log" ]; then
         echo "bench_fp8:"
-        grep -E "^config:|baseline medians|median step|^error" "$OUTDIR/bench_fp8.log"
+        grep -E "^config:|baseline medians|median step|^error|Error" "$OUTDIR/bench_fp8.log"
     fi
     for log in bench_eager bench_compile; do
         [ -f "$OUTDIR/$log.log" ] || continue

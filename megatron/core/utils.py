@@ -1,6 +1,7 @@
 """Small helpers shared across megatron.core."""
 import os
 import tempfile
+import weakref
 from typing import Callable
 
 
@@ -68,3 +69,20 @@ def write_atomically(path: str, write: Callable, binary: bool = False) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def weak_hook(method):
+    """``method`` (a bound method) as a hook that does not keep its object alive. Autograd holds
+    a tensor's hooks in C++, where the garbage collector cannot follow them: a parameter whose
+    hook is its owner's bound method forms a cycle (parameter -> hook -> owner -> parameter)
+    that is never freed, so a dropped model would keep its memory for the life of the process."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args, **kwargs):
+        bound = ref()
+        if bound is not None:
+            return bound(*args, **kwargs)
+        return None
+
+    return hook
+

@@ -25,6 +25,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
+from megatron.core.utils import weak_hook
 
 
 def is_expert(param: torch.nn.Parameter) -> bool:
@@ -88,7 +89,7 @@ class DistributedDataParallel(torch.nn.Module):
                                     key=lambda b: min(position[p] for p in b.params))
         self._gathers_launched = len(self._gather_order)
         self._in_flight = []  # ZeRO-2: overlapped buckets launched, not yet waited for
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
                        for p in self._bucket_of]
         if ddp_config.overlap_param_gather:
             self._register_param_gather_waits()
