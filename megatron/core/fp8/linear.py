@@ -17,7 +17,9 @@ changes, i.e. until the optimizer writes it), and reused transposed for dgrad wh
 recipe's groups transpose exactly (a tensor's scale, a 128 x 128 block's); rowwise needs
 the weight's columns scaled, a second quantization of the same step's weight, cached too.
 The output gradient is quantized once for dgrad and, transposed the same way, for wgrad
-(rowwise and blockwise: again along the tokens).
+(rowwise and blockwise: again along the tokens). Tensorwise, the input too: the forward
+writes x's FP8 and its transpose in one pass (``forward_keeping_input``), and the layer keeps
+that for wgrad in place of the high-precision x (half the bytes of a bf16 activation).
 
 Tensor parallelism (``kind`` "column" or "row", ``group`` the TP group): where a scaling group
 spans the TP shards (a tensorwise scale of a sharded operand; a row scale along a sharded
@@ -97,10 +99,11 @@ class Fp8Gemms:
     ``kind``/``group``: a column- or row-parallel layer's TP sharding (module docstring)."""
 
     def __init__(self, config: Fp8Config, kind: Optional[str] = None,
-                 group: Optional[dist.ProcessGroup] = None):
+                 group: Optional[dist.ProcessGroup] = None, compile: bool = False):
         self.config = config
         self.act, self.weight = _SCALINGS[config.recipe]
         self.kind, self.group = kind, group
+        self.compile = compile  # --torch-compile: each quantization's cast as one kernel
 
     def _reduce(self, sharded: bool):
         """The amax all-reduce where this operand's scaling group spans the TP shards."""
@@ -108,8 +111,9 @@ class Fp8Gemms:
             return None
         return lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
 
-    def _quantize(self, x, dtype, scaling, sharded=False):
-        return quantize(x, dtype, scaling, self.config.margin, self._reduce(sharded))
+    def _quantize(self, x, dtype, scaling, sharded=False, transpose=False):
+        return quantize(x, dtype, scaling, self.config.margin, self._reduce(sharded),
+                        self.compile, transpose)
 
     @property
     def _tensorwise(self) -> bool:
@@ -133,12 +137,31 @@ class Fp8Gemms:
         return _cached_weight(weight, key, lambda: self._quantize(
             weight.detach().t(), dtype, self.weight, self.kind == "column"))
 
-    def _input(self, x: torch.Tensor) -> Quantized:
+    def _input(self, x: torch.Tensor, transpose: bool = False) -> Quantized:
         """x [M, K]: K is the row-parallel layer's shard."""
-        return self._quantize(x, self.config.forward_dtype, self.act, self.kind == "row")
+        return self._quantize(x, self.config.forward_dtype, self.act, self.kind == "row",
+                              transpose)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp8_gemm(self._input(x), self._weight(weight), x.dtype)
+
+    @property
+    def reuses_input(self) -> bool:
+        """Whether wgrad can take the forward's quantized input (tensorwise: x's FP8
+        transposed is exactly what wgrad quantizes; the other recipes group x.T along the
+        tokens, other groups than the forward's)."""
+        return self._tensorwise
+
+    def forward_keeping_input(self, x: torch.Tensor, weight: torch.Tensor,
+                              rows: Optional[slice] = None):
+        """``forward``, and (data, scale) of x's FP8 for wgrad (``reuses_input`` only): x.T
+        [K, M], written by the same pass; with ``rows`` (sequence parallelism: this rank's
+        shard of the gathered x) those rows of x [m, K], which the backward gathers."""
+        xq = self._input(x, transpose=rows is None)
+        out = fp8_gemm(xq, self._weight(weight), x.dtype)
+        if rows is None:
+            return out, (xq.transposed.data, xq.scale)
+        return out, (xq.data[rows].clone(), xq.scale)
 
     def quantize_grad(self, grad: torch.Tensor) -> Quantized:
         """dy [M, N]: N is the column-parallel layer's shard."""
@@ -150,13 +173,21 @@ class Fp8Gemms:
         gq = grad_q if grad_q is not None else self.quantize_grad(grad)
         return fp8_gemm(gq, self._weight_t(weight), grad.dtype)
 
-    def wgrad(self, grad: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype,
-              grad_q: Optional[Quantized] = None) -> torch.Tensor:
+    def wgrad(self, grad: torch.Tensor, x: Optional[torch.Tensor], out_dtype: torch.dtype,
+              grad_q: Optional[Quantized] = None, kept=None,
+              kept_rows: bool = False) -> torch.Tensor:
         """dW [N, K] = grad.T @ x, both [M, *]: the tokens contracted (never TP-sharded: under
-        sequence parallelism both arrive gathered), so only tensorwise scales span shards."""
+        sequence parallelism both arrive gathered), so only tensorwise scales span shards.
+        ``kept``: ``forward_keeping_input``'s (data, scale) in place of x, the data x.T [K, M]
+        or (``kept_rows``: the gathered rows) x [M, K]."""
         if self._tensorwise:
             gq = _transposed(grad_q if grad_q is not None else self.quantize_grad(grad))
-            xq = _transposed(self._input(x))
+            if kept is not None:
+                data, scale = kept
+                xq = Quantized(data.t().contiguous() if kept_rows else data, scale,
+                               TENSORWISE)
+            else:
+                xq = _transposed(self._input(x))
         else:
             gq = self._quantize(grad.t(), self.config.gradient_dtype, self.act)
             xq = self._quantize(x.t(), self.config.forward_dtype, self.act)

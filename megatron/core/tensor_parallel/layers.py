@@ -15,6 +15,7 @@ from torch.nn import Parameter
 
 from megatron.core import device, parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.fp8_input import fp8_forward, gather_kept
 from megatron.core.tensor_parallel.mappings import (
     gather_along_first_dim,
     gather_from_tensor_model_parallel_region,
@@ -140,13 +141,13 @@ class LinearWithGradAllReduce(torch.autograd.Function):
 
     FP8 (``fp8``, an ``fp8.linear.Fp8Gemms``): the forward, input-gradient and weight-gradient
     GEMMs run in FP8 with fp32 accumulation (``megatron/core/fp8``); everything above (the
-    gathers, reductions, fusion and the split backward) is unchanged around them.
+    gathers, reductions, fusion and the split backward) is unchanged around them, except that
+    a tensorwise layer keeps its input's FP8 (``fp8_input``) instead of the input.
     """
 
     @staticmethod
     def forward(ctx, input_, weight, bias, sequence_parallel, reduce_input_grad,
                 gradient_accumulation_fusion=False, deferrable=True, fp8=None):
-        ctx.save_for_backward(input_, weight)
         ctx.fp8 = fp8
         ctx.use_bias = bias is not None
         ctx.sequence_parallel = sequence_parallel
@@ -154,17 +155,20 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.deferrable = deferrable
         total_input = gather_along_first_dim(input_) if sequence_parallel else input_
+        kept = None
         if fp8 is not None:
-            output = _fp8_forward(fp8, total_input, weight)
+            output, kept = fp8_forward(fp8, total_input, input_, weight, sequence_parallel)
         else:
             output = torch.matmul(total_input, weight.t())
+        ctx.fp8_kept = kept is not None  # saved: x's FP8 and scale in place of x
+        ctx.save_for_backward(*((kept[0], weight, kept[1]) if kept else (input_, weight)))
         if bias is not None:
             output = output + bias
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, param = ctx.saved_tensors
+        input_, param, *kept_scale = ctx.saved_tensors  # input_: x's FP8 where fp8_kept
         weight = param
         cast = weight.dtype != grad_output.dtype  # forward ran under autocast: so does backward
         if cast:
@@ -173,17 +177,18 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         store = current_weight_grad_store() if ctx.deferrable else None
         if need_weight_grad and store is not None:
             store.push(DeferredWeightGrad(
-                param, (grad_output, input_.detach()),
-                functools.partial(_weight_grad, param, cast=cast,
+                param, (grad_output, input_.detach(), *kept_scale),
+                functools.partial(_weight_grad, param, cast=cast and not ctx.fp8_kept,
                                   sequence_parallel=ctx.sequence_parallel,
                                   fusion=ctx.gradient_accumulation_fusion, fp8=ctx.fp8)))
             need_weight_grad = False  # W delivers it; B returns None for the weight
-        if cast and need_weight_grad:
+        if cast and need_weight_grad and not ctx.fp8_kept:
             input_ = input_.to(grad_output.dtype)
         gather_handle = None
         total_input = input_
         if ctx.sequence_parallel and need_weight_grad:
-            total_input, gather_handle = gather_along_first_dim(input_, async_op=True)
+            gather = gather_kept if ctx.fp8_kept else gather_along_first_dim
+            total_input, gather_handle = gather(input_, async_op=True)
 
         grad_input = reduce_handle = grad_q = None
         if need_input_grad and ctx.fp8 is not None:
@@ -207,7 +212,8 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         grad_weight = grad_bias = None
         if need_weight_grad:  # overlaps the input gradient's reduction
             grad_weight = _weight_grad_gemm(param, grad_output, total_input,
-                                            ctx.gradient_accumulation_fusion, ctx.fp8, grad_q)
+                                            ctx.gradient_accumulation_fusion, ctx.fp8, grad_q,
+                                            kept_scale, ctx.sequence_parallel)
         if ctx.use_bias and ctx.needs_input_grad[2]:  # always in B: a column sum, tiny
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if reduce_handle is not None:
@@ -215,32 +221,27 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _fp8_forward(fp8, total_input, weight):
-    """``total_input @ weight.T`` by FP8 GEMM, in the dtype torch.matmul would give (autocast's
-    where it is on)."""
-    x = total_input.reshape(-1, total_input.shape[-1])
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    # _unsafe_view, as torch.matmul's own 3-D path: a plain view of a tensor made inside a
-    # custom Function may not be modified in place (the TP all-reduce does).
-    return torch.ops.aten._unsafe_view(fp8.forward(x, weight),
-                                       (*total_input.shape[:-1], weight.shape[0]))
-
-
-def _weight_grad_gemm(param, grad_output, total_input, fusion, fp8=None, grad_q=None):
+def _weight_grad_gemm(param, grad_output, total_input, fusion, fp8=None, grad_q=None,
+                      kept_scale=(), kept_rows=False):
     """The weight gradient from the (gathered) input: into ``param.main_grad`` when fused
     (returning the placeholder autograd delivers to DDP's hook), else returned. FP8: the
-    GEMM in FP8 (``grad_q``: the output gradient dgrad quantized), its fp32 result added to
-    ``main_grad``."""
+    GEMM in FP8 (``grad_q``: the output gradient dgrad quantized; with ``kept_scale``,
+    ``total_input`` is the input's kept FP8, gathered rows where ``kept_rows``), its fp32
+    result added to ``main_grad``."""
     grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-    input_2d = total_input.reshape(-1, total_input.shape[-1])
     main_grad = getattr(param, "main_grad", None) if fusion else None
     if fp8 is not None:
+        kept = (total_input, kept_scale[0]) if kept_scale else None
+        input_2d = None if kept else total_input.reshape(-1, total_input.shape[-1])
+        dtype = grad_2d.dtype if main_grad is None else torch.float32
+        extra = {"kept": kept, "kept_rows": kept_rows} if kept else {}
+        grad_weight = fp8.wgrad(grad_2d, input_2d, dtype, grad_q, **extra)
         if main_grad is None:
-            return fp8.wgrad(grad_2d, input_2d, grad_2d.dtype, grad_q)
-        main_grad.add_(fp8.wgrad(grad_2d, input_2d, torch.float32, grad_q))
+            return grad_weight
+        main_grad.add_(grad_weight)
         param.grad_added_to_main_grad = True
         return torch.empty_like(param)
+    input_2d = total_input.reshape(-1, total_input.shape[-1])
     if main_grad is None:
         return grad_2d.t().matmul(input_2d)
     accumulate_weight_grad(main_grad, grad_2d, input_2d)
@@ -248,13 +249,19 @@ def _weight_grad_gemm(param, grad_output, total_input, fusion, fp8=None, grad_q=
     return torch.empty_like(param)
 
 
-def _weight_grad(param, grad_output, input_, *, cast, sequence_parallel, fusion, fp8=None):
-    """A deferred W: the whole backward's dtype handling, gather and GEMM. ``main_grad`` is
-    looked up now, not at B (ZeRO-2 creates it at the bucket's first gradient)."""
-    if cast:
-        input_ = input_.to(grad_output.dtype)
-    total_input = gather_along_first_dim(input_) if sequence_parallel else input_
-    return _weight_grad_gemm(param, grad_output, total_input, fusion, fp8)
+def _weight_grad(param, grad_output, input_, *kept_scale, cast, sequence_parallel, fusion,
+                 fp8=None):
+    """A deferred W: the whole backward's dtype handling, gather and GEMM (``kept_scale``:
+    ``input_`` is the input's kept FP8). ``main_grad`` is looked up now, not at B (ZeRO-2
+    creates it at the bucket's first gradient)."""
+    if kept_scale:
+        total_input, _ = gather_kept(input_, sequence_parallel)
+    else:
+        if cast:
+            input_ = input_.to(grad_output.dtype)
+        total_input = gather_along_first_dim(input_) if sequence_parallel else input_
+    return _weight_grad_gemm(param, grad_output, total_input, fusion, fp8, None, kept_scale,
+                             sequence_parallel)
 
 
 class ColumnParallelLinear(torch.nn.Module):

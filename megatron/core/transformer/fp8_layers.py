@@ -7,10 +7,11 @@ from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.linear import Fp8Gemms
 
 
-def use_fp8(module: torch.nn.Module, config: Fp8Config) -> int:
+def use_fp8(module: torch.nn.Module, config: Fp8Config, compile: bool = False) -> int:
     """Run the GEMMs of every column- and row-parallel linear in ``module``, and of the MoE
     experts' projections (fp8/experts.py), in FP8; returns how many modules. The router
-    stays in high precision (it is neither)."""
+    stays in high precision (it is neither). ``compile``: --torch-compile's switch (the
+    quantizations' casts compiled, fp8/quantize.py)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SwiGLUExperts
@@ -23,10 +24,10 @@ def use_fp8(module: torch.nn.Module, config: Fp8Config) -> int:
         etp_group = parallel_state.get_expert_tensor_parallel_group()
     # The experts' fc1 is split over the expert-TP ranks by rows, fc2 by columns: as a
     # column- and a row-parallel linear, over the expert-TP group.
-    gemms = {ColumnParallelLinear: Fp8Gemms(config, "column", group),
-             RowParallelLinear: Fp8Gemms(config, "row", group),
-             SwiGLUExperts: (Fp8Gemms(config, "column", etp_group),
-                             Fp8Gemms(config, "row", etp_group))}
+    gemms = {ColumnParallelLinear: Fp8Gemms(config, "column", group, compile),
+             RowParallelLinear: Fp8Gemms(config, "row", group, compile),
+             SwiGLUExperts: (Fp8Gemms(config, "column", etp_group, compile),
+                             Fp8Gemms(config, "row", etp_group, compile))}
     count = 0
     for layer in module.modules():
         if type(layer) in gemms:

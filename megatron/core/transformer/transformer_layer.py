@@ -42,7 +42,7 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MLP(config)
         fp8 = layer_fp8(config, layer_number)
         if fp8 is not None:
-            use_fp8(self, fp8)
+            use_fp8(self, fp8, config.torch_compile)
 
     def _residual(self, residual, output, bias):
         if bias is not None:
