@@ -211,13 +211,15 @@ def fp8_scaled_mm_tensorwise_and_rowwise():
 @probe
 def fp8_blockwise_native_or_sliced():
     """Blockwise: whether torch's native block-scaled GEMM agrees with the per-K-slice path
-    (and so is used), and the error of what runs."""
-    from megatron.core.fp8.gemm import native_blockwise
+    (and so is used), why not (the exception, or the mismatch), and the error of what runs."""
+    from megatron.core.fp8.gemm import NATIVE_BLOCKWISE_WHY, native_blockwise
 
-    native = {pair: native_blockwise(device.device_type(), *pair)
-              for pair in (("1x128", "128x128"), ("1x128", "1x128"))}
+    pairs = (("1x128", "128x128"), ("1x128", "1x128"))
+    native = {pair: native_blockwise(device.device_type(), *pair) for pair in pairs}
+    why = {f"{a}x{b}": NATIVE_BLOCKWISE_WHY.get((device.device_type(), a, b), "?")
+           for a, b in pairs}
     errors = {f"{a}x{b}": f"{_fp8_case(a, b):.1e}" for a, b in native}
-    return f"native: {native}; relative errors {errors}"
+    return f"native: {native}; why: {why}; relative errors {errors}"
 
 
 def main() -> int:

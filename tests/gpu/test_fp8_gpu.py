@@ -65,3 +65,35 @@ def test_fp8_linears_on_cuda_equal_the_dequantized_reference(gpu_env, recipe, fm
     for errors in results:
         for kind, (out, dgrad, wgrad) in errors.items():
             assert max(out, dgrad, wgrad) <= TOL, (kind, out, dgrad, wgrad)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "1x128", "128x128"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_compiled_quantization_is_bitwise_the_eager_one_on_cuda(scaling, dtype):
+    """Inductor's Triton kernel for the scale-clamp-cast pass (tests/unit/test_fp8_fused.py
+    checks its CPU kernel) writes the bytes eager CUDA writes."""
+    from megatron.core.fp8.quantize import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(1024, 768, device="cuda", generator=g)
+         * torch.logspace(-3, 3, 1024, device="cuda")[:, None]).bfloat16()
+    x[5] = 0
+    for operand in (x, x.t()):
+        eager = quantize(operand, dtype, scaling, 1)
+        fused = quantize(operand, dtype, scaling, 1, compile=True,
+                         transpose=scaling == "tensorwise")
+        assert torch.equal(eager.data.view(torch.uint8), fused.data.view(torch.uint8))
+        assert torch.equal(eager.scale, fused.scale)
+        if scaling == "tensorwise":
+            assert torch.equal(fused.transposed.data.view(torch.uint8),
+                               eager.data.t().contiguous().view(torch.uint8))
+
+
+def test_native_blockwise_agrees_on_hopper():
+    from megatron.core.fp8.gemm import NATIVE_BLOCKWISE_WHY, native_blockwise
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("torch's DeepSeek-style block scaling is sm90 only")
+    for pair in (("1x128", "128x128"), ("1x128", "1x128")):
+        assert native_blockwise("cuda", *pair), NATIVE_BLOCKWISE_WHY[("cuda", *pair)]
