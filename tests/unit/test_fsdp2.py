@@ -97,7 +97,10 @@ SMALL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 @pytest.mark.parametrize("extra,reshard,reduce_fp32", [  # fp32 runs reduce in their dtype
     ([], True, False), (["--no-reshard-after-forward"], False, False),
     (["--bf16"], True, True), (["--bf16", "--grad-reduce-in-bf16"], True, False),
-    (["--context-parallel-size", "2"], True, False)])  # sharded over DP x CP
+    (["--context-parallel-size", "2"], True, False),  # sharded over DP x CP
+    (["--pipeline-model-parallel-size", "2"], True, False),  # each stage over its DP
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--no-reshard-after-forward"], False, False)])
 def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
     ddp = build_configs(parse_args(SMALL + extra), world_size=2).ddp
     assert isinstance(ddp, TorchFSDP2Config)
@@ -105,7 +108,10 @@ def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+     "the deferred weight gradients (W)"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--num-layers", "4"],
+     "--pipeline-schedule zbv is not supported"),
     (["--fp16"], "--fp16"),
     (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "drop --overlap-grad-reduce"),

@@ -21,8 +21,23 @@ Checkpoints: the sharded format only (fsdp_checkpoint.py): each rank writes its 
 every weight and optimizer state, readable by any layout (DDP, the distributed optimizer, FSDP2
 at any DP), and reads its own rows of any layout's checkpoint.
 
-Not composed yet (refused by the flags): pipeline parallelism, context parallelism, fp16 with
-loss scaling, the distributed optimizer, and the torch checkpoint format.
+Pipeline parallelism (1F1B and interleaved): each model chunk of this rank is its own
+``TorchFSDP2`` (its own FSDP root) over this stage's DP (x CP) group; nothing is sharded across
+stages. Across microbatches the policy is the flag's: ZeRO-3 (default) gathers each layer for
+its forward and again for its backward, every microbatch (two all-gathers per layer per
+microbatch; held: a layer or two at a time); ``--no-reshard-after-forward`` (torchtitan's
+choice under PP) keeps a layer gathered from a forward until a backward frees it, one
+all-gather per layer per microbatch, and under 1F1B, with up to PP microbatches in flight, that
+is most of the stage's layers gathered through the step (up to the stage's unsharded weights in
+the compute dtype). The gradients are reduce-scattered every microbatch, as without PP (see
+``no_sync``). The tied embedding's copies (first and last stage) have the same shape and are
+sharded alike over DP groups of one size, so their local rows are summed over the embedding
+group (tied_embeddings.py); the norm sums over every rank (FSDP2Optimizer).
+
+Not composed (refused by the flags): the zero-bubble schedules (FSDP2 reduce-scatters a
+layer's gradients once its input gradient, B, is done; the deferred weight gradients, W, come
+after it, so the last microbatch's would never be reduced), MoE, fp16 with loss scaling, the
+distributed optimizer, CPU offload, Muon and the torch checkpoint format.
 """
 import contextlib
 from dataclasses import dataclass
@@ -46,6 +61,7 @@ from megatron.core.optimizer.named_state import (
     wrap_state,
 )
 from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.pipeline_parallel.schedule_order import ZERO_BUBBLE
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 _SHARDED_ONLY = ("--use-torch-fsdp2 saves and loads the sharded checkpoint format only "
@@ -102,6 +118,11 @@ class TorchFSDP2(torch.nn.Module):
         # initialised again in the same process).
         mesh = DeviceMesh.from_group(group, device.device_type(),
                                      mesh_dim_names=(f"dp_{group.group_name}",))
+        if getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE:
+            raise ValueError(f"--use-torch-fsdp2 with --pipeline-schedule "
+                             f"{config.pipeline_schedule} is not supported: its deferred "
+                             "weight gradients miss FSDP2's reduce-scatter; use 1f1b or "
+                             "interleaved.")
         compute_dtype = config.params_dtype
         if compute_dtype == torch.float16:
             raise ValueError("--use-torch-fsdp2 with --fp16 (loss scaling) is not supported "
@@ -120,6 +141,9 @@ class TorchFSDP2(torch.nn.Module):
         # The root unit (embedding, final norm, output layer) stays gathered after forward:
         # backward starts with the output layer, so resharding would gather it again at
         # once. torch does this itself only when reshard_after_forward is left to None.
+        # Under PP every chunk is such a root (a middle stage's holds no parameters); its
+        # backward reshards it, so with microbatches in flight it is gathered again at the
+        # next forward, as the layers are.
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         _restore_parallel_attrs(module, attrs)
         self.module = module
@@ -141,7 +165,12 @@ class TorchFSDP2(torch.nn.Module):
         the sharded ``.grad`` (as torchtitan does). Holding the reduction to the last
         microbatch, as DDP does, would keep every unit's unsharded gradient alive across the
         microbatches (4 bytes per parameter in fp32), ZeRO's saving lost, for one
-        reduce-scatter per unit per iteration instead of per microbatch."""
+        reduce-scatter per unit per iteration instead of per microbatch. Under PP the same
+        choice, kept without a measurement (reasoned, not timed): the schedule's hold would
+        keep the stage's unsharded gradients from the first backward to the last, while the
+        per-microbatch reduce-scatter of a layer overlaps (on CUDA) the backward of the layer
+        below it; it costs (microbatches - 1) more reduce-scatters of the stage's gradients
+        per iteration, the price FSDP already pays for its all-gathers."""
         yield
 
     def zero_grad_buffer(self) -> None:

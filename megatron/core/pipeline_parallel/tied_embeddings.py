@@ -62,7 +62,12 @@ def _reduced_grad(weight: torch.nn.Parameter) -> torch.Tensor:
     if grad is None:
         raise RuntimeError("the tied embedding has no gradient on this stage; run backward on "
                            "every microbatch before summing the tied-embedding gradients.")
-    return grad
+    from megatron.core.distributed.fsdp_checkpoint import is_sharded  # (a cycle at import)
+
+    # FSDP2: this rank's rows. Both copies have the same shape and are sharded on dim 0 over
+    # DP groups of the same size, and the embedding group pairs equal DP ranks, so the two
+    # ends of the all-reduce hold the same rows.
+    return grad.to_local() if is_sharded(grad) else grad
 
 
 def allreduce_tied_embedding_grads(chunks: List[torch.nn.Module]) -> None:

@@ -243,9 +243,10 @@ def _add_parallel_args(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="Shard parameters, gradients and optimizer state over DP with torch's "
-                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, not "
-                        "yet with PP, CP, --fp16, --ckpt-format torch or "
-                        "--optimizer-cpu-offload (checkpoints: the sharded format).")
+                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, CP and PP "
+                        "(1F1B, interleaved), not with the zero-bubble schedules, MoE, "
+                        "--fp16, --ckpt-format torch or --optimizer-cpu-offload "
+                        "(checkpoints: the sharded format).")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                    action="store_false",
                    help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
