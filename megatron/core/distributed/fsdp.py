@@ -104,6 +104,11 @@ def _restore_parallel_attrs(module: torch.nn.Module, attrs: dict) -> None:
 
 class TorchFSDP2(torch.nn.Module):
     def __init__(self, config, fsdp_config: TorchFSDP2Config, module: torch.nn.Module):
+        if getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE:
+            raise ValueError(f"--use-torch-fsdp2 with --pipeline-schedule "
+                             f"{config.pipeline_schedule} is not supported: its deferred "
+                             "weight gradients miss FSDP2's reduce-scatter; use 1f1b or "
+                             "interleaved.")
         # Imported here: torch's FSDP and DTensor cost about 1 s of every process start.
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -118,11 +123,6 @@ class TorchFSDP2(torch.nn.Module):
         # initialised again in the same process).
         mesh = DeviceMesh.from_group(group, device.device_type(),
                                      mesh_dim_names=(f"dp_{group.group_name}",))
-        if getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE:
-            raise ValueError(f"--use-torch-fsdp2 with --pipeline-schedule "
-                             f"{config.pipeline_schedule} is not supported: its deferred "
-                             "weight gradients miss FSDP2's reduce-scatter; use 1f1b or "
-                             "interleaved.")
         compute_dtype = config.params_dtype
         if compute_dtype == torch.float16:
             raise ValueError("--use-torch-fsdp2 with --fp16 (loss scaling) is not supported "
