@@ -3,7 +3,7 @@ the same model in bf16 (CUDA's default path: compiled element-wise regions), our
 
     python3 bench/fp8_step.py [--recipes tensorwise,rowwise,blockwise] [--fp8-format e4m3]
         [--num-microbatches 4] [--steps 10] [--warmup 3] [--peak-tflops 989]
-        [--fp8-peak-tflops 1979]
+        [--fp8-peak-tflops 1979] [--profile]
     MEGATRON_DEVICE=cpu python3 bench/fp8_step.py --tiny     # end to end on CPU, seconds
 
 Each variant is built as pretrain_llama.py builds it (gpu_step.build_ours, from HF's initial
@@ -13,7 +13,8 @@ run one after another, bf16 first and again last (its two medians bound the mach
 over the run). Printed per variant: median step, tokens/s, MFU against the bf16 peak and
 against the FP8 peak (1979 TFLOP/s dense on an H100 SXM: Megatron's FLOP count is the same
 work; FP8 only runs the linears' GEMMs faster), peak memory, the ratio to bf16's tokens/s, and
-the first step's loss (FP8 against bf16: the same model, the same batch).
+the first step's loss (FP8 against bf16: the same model, the same batch). ``--profile``: one
+more step of each FP8 variant profiled (top kernels, time by kind: bench/kernel_profile.py).
 """
 import argparse
 import gc
@@ -75,6 +76,13 @@ def _time_variant(args, hf, hf_config, recipe):
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     peak = None if before is None else device.max_memory_allocated() - before
+    if args.profile and recipe is not None:  # where an FP8 step's time goes (bf16's: gpu_step)
+        from bench.kernel_profile import profile_step
+
+        try:  # a profiler failure must not cost the variants still to come
+            print(profile_step(ours, f"{recipe} ({args.num_microbatches} micro batches)"))
+        except Exception as exc:
+            print(f"profile of {recipe} failed: {type(exc).__name__}: {exc}")
     del model, optimizer, scheduler, ours
     gc.collect()
     if torch.cuda.is_available():

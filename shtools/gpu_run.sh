@@ -82,7 +82,7 @@ step machine 90 bash -c "$MACHINE" "$PYTHON"
 # FP8's figures first (each recipe against bf16 on the default path: the newest work), then
 # the tier, the training log, the default path against HF and the eager baseline (both
 # measured on three earlier runs: the steps a short budget gives up first).
-step bench_fp8 300 "$PYTHON" bench/fp8_step.py "${BENCH[@]}" --num-microbatches 4
+step bench_fp8 300 "$PYTHON" bench/fp8_step.py "${BENCH[@]}" --num-microbatches 4 --profile
 step tests 300 "$PYTHON" -m pytest "${TIER[@]}" "${TIER_FLAGS[@]}"
 # shellcheck disable=SC2207
 # The training log's figures on the path CUDA runs by default (compiled element-wise regions;
@@ -109,7 +109,7 @@ step bench_eager 150 "$PYTHON" bench/gpu_step.py "${BENCH[@]}" --num-microbatche
     grep -h "iteration *20/" "$OUTDIR/pretrain.log" 2>/dev/null | sed 's/^/pretrain: /'
     if [ -f "$OUTDIR/bench_fp8.log" ]; then
         echo "bench_fp8:"
-        grep -E "^config:|baseline medians|median step|^error|Error" "$OUTDIR/bench_fp8.log"
+        grep -E "^config:|baseline medians|median step|^profile of|^error|Error" "$OUTDIR/bench_fp8.log"
     fi
     for log in bench_eager bench_compile; do
         [ -f "$OUTDIR/$log.log" ] || continue

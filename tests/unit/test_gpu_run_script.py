@@ -37,6 +37,8 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
         difference = abs(float(first) - float(reference))
         assert (difference == 0) if name.startswith("fp32") else (0 < difference < 1e-2), \
             (name, first, reference)
+    for recipe in ("tensorwise", "rowwise", "blockwise"):  # where each FP8 step's time goes
+        assert f"profile of one step, {recipe} (4 micro batches)" in summary, summary
     assert re.search(r"^=+ \d+ skipped", summary, re.M), summary  # the GPU tier: needs CUDA
     assert re.search(r"^pretrain: .*iteration +20/ +20 .*lm loss", summary, re.M), summary
     assert re.search(r"^ours: median step .* causal MFU", summary, re.M), summary
