@@ -68,35 +68,41 @@ CONFIGS = [Fp8Config(format=f, recipe=r) for r in ("tensorwise", "rowwise", "blo
 S, B, H, F = 64, 2, 256, 384  # sequence, batch, hidden, the linears' other size
 
 
-def _layers_against_reference(fp8_config, sequence_parallel):
-    """Per layer kind and fusion setting: (outputs, input grads, weight grads) of the FP8
-    layer and of the reference, on this rank, and the fp32 bounds of each."""
+def tp_linear_and_input(kind, sequence_parallel, fusion, seq=S):
+    """A column-parallel (H -> F) or row-parallel (F -> H) linear, seeded alike on every
+    rank, and this rank's input [s, B, k] (its own shard's values, spread over two decades
+    along k): (layer, x, the output's last size on this rank)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.utils import init_method_normal
 
     tp = ps.get_tensor_model_parallel_world_size()
-    rank = ps.get_tensor_model_parallel_rank()
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                               tensor_model_parallel_size=tp,
+                               sequence_parallel=sequence_parallel,
+                               gradient_accumulation_fusion=fusion)
+    torch.manual_seed(3)
+    if kind == "column":
+        layer = ColumnParallelLinear(H, F, config=config, bias=False,
+                                     init_method=init_method_normal(0.02))
+        in_size, out_size, s_in = H, F // tp, (seq // tp if sequence_parallel else seq)
+    else:
+        layer = RowParallelLinear(F, H, config=config, bias=False,
+                                  init_method=init_method_normal(0.02))
+        in_size, out_size, s_in = F // tp, H, seq
+    g = torch.Generator().manual_seed(11 + ps.get_tensor_model_parallel_rank())
+    x = torch.randn(s_in, B, in_size, generator=g) * torch.logspace(-1, 1, in_size)
+    return layer, x, out_size
+
+
+def _layers_against_reference(fp8_config, sequence_parallel):
+    """Per layer kind and fusion setting: (outputs, input grads, weight grads) of the FP8
+    layer and of the reference, on this rank, and the fp32 bounds of each."""
+    tp = ps.get_tensor_model_parallel_world_size()
     results = []
     for kind in ("column", "row"):
         for fusion in (False, True):
-            config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
-                                       tensor_model_parallel_size=tp,
-                                       sequence_parallel=sequence_parallel,
-                                       gradient_accumulation_fusion=fusion)
-            torch.manual_seed(3)
-            if kind == "column":
-                layer = ColumnParallelLinear(H, F, config=config, bias=False,
-                                             init_method=init_method_normal(0.02))
-                in_size, out_size = H, F // tp
-                s_in = S // tp if sequence_parallel else S
-            else:
-                layer = RowParallelLinear(F, H, config=config, bias=False,
-                                          init_method=init_method_normal(0.02))
-                in_size, out_size = F // tp, H
-                s_in = S
-            g = torch.Generator().manual_seed(11 + rank)  # each rank its own shard's values
-            x = torch.randn(s_in, B, in_size, generator=g) * torch.logspace(-1, 1, in_size)
+            layer, x, out_size = tp_linear_and_input(kind, sequence_parallel, fusion)
             out_s = S if kind == "column" else (S // tp if sequence_parallel else S)
             seed = torch.randn(out_s, B, out_size, generator=torch.Generator().manual_seed(5))
             runs = []

@@ -13,8 +13,9 @@ from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8 import linear as fp8_linear
 from megatron.core.fp8.linear import Fp8Gemms
 from tests.distributed import run_distributed
+from tests.unit.test_fp8_linear import B, tp_linear_and_input
 
-S, B, H, F = 32, 2, 256, 384  # 64 tokens: no operand shares the input's element count
+S = 32  # 64 tokens: no operand shares the input's element count (B, H, F: test_fp8_linear's)
 
 
 class RequantizingGemms(Fp8Gemms):
@@ -24,13 +25,10 @@ class RequantizingGemms(Fp8Gemms):
 
 
 def _run(recipe, sequence_parallel):
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.weight_grad_store import (
         WeightGradStore,
         deferring_weight_grads,
     )
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.utils import init_method_normal
 
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
@@ -39,21 +37,7 @@ def _run(recipe, sequence_parallel):
     for kind in ("column", "row"):
         for fusion in (False, True):
             for split in (False, True):
-                config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
-                                           tensor_model_parallel_size=tp,
-                                           sequence_parallel=sequence_parallel,
-                                           gradient_accumulation_fusion=fusion)
-                torch.manual_seed(3)
-                if kind == "column":
-                    layer = ColumnParallelLinear(H, F, config=config, bias=False,
-                                                 init_method=init_method_normal(0.02))
-                    k, s_in = H, (S // tp if sequence_parallel else S)
-                else:
-                    layer = RowParallelLinear(F, H, config=config, bias=False,
-                                              init_method=init_method_normal(0.02))
-                    k, s_in = F // tp, S
-                g = torch.Generator().manual_seed(11 + ps.get_tensor_model_parallel_rank())
-                x = torch.randn(s_in, B, k, generator=g) * torch.logspace(-1, 1, k)
+                layer, x, _ = tp_linear_and_input(kind, sequence_parallel, fusion, seq=S)
                 runs = []
                 for cls in (Fp8Gemms, RequantizingGemms):
                     layer.fp8 = cls(Fp8Config(recipe=recipe), kind, group)
@@ -89,6 +73,7 @@ def _run(recipe, sequence_parallel):
                     finally:
                         fp8_linear.quantize = real_quantize
                     m_total = S * B
+                    k = x.shape[-1]
                     inputs = sum(c in ((m_total, k), (k, m_total)) for c in calls)
                     wgrad = layer.weight.main_grad if fusion else layer.weight.grad
                     runs.append(dict(out=y.detach(), dx=xi.grad, dw=wgrad.clone(),
