@@ -102,7 +102,8 @@ def _reshard_flags():
 
 LAYOUTS = {"fsdp2 dp2 zero3": (2, FSDP2), "fsdp2 dp2 zero2": (2, FSDP2 + ZERO2),
            "distributed dp4": (4, DISTRIBUTED), "plain dp1": (1, []),
-           "fsdp2 tp2 dp2": (4, FSDP2 + ["--tensor-model-parallel-size", "2"])}
+           "fsdp2 tp2 dp2": (4, FSDP2 + ["--tensor-model-parallel-size", "2"]),
+           "fsdp2 pp2 dp2": (4, FSDP2 + ["--pipeline-model-parallel-size", "2"])}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,9 @@ def straight_runs(tmp_path_factory):
     ("fsdp2 dp2 zero3", "distributed dp4"), ("distributed dp4", "fsdp2 dp2 zero2"),
     ("fsdp2 dp2 zero2", "plain dp1"), ("plain dp1", "fsdp2 dp2 zero3"),
     ("fsdp2 tp2 dp2", "distributed dp4"),  # TP 2 -> 1: FSDP2's rows of column-split tensors
+    # FSDP2 x PP2 (tests/e2e/test_fsdp2_pipeline.py): each stage's rows, to and from one stage
+    ("fsdp2 pp2 dp2", "plain dp1"), ("fsdp2 pp2 dp2", "distributed dp4"),
+    ("plain dp1", "fsdp2 pp2 dp2"), ("distributed dp4", "fsdp2 pp2 dp2"),
 ])
 def test_fsdp2_checkpoint_loads_into_another_layout(straight_runs, tmp_path, saved, target):
     root, _ = straight_runs[saved]

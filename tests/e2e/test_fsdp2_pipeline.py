@@ -10,15 +10,14 @@ Layouts (4 microbatches of 1 per DP rank at DP 2: several in flight on the first
   * TP2 x PP2 x DP2 (8 ranks), sequence parallelism, untied (the issue's triple).
 The global norm is summed over every rank with the last stage's tied copy and TP duplicates
 left out: a double count shows in the printed grad norm (and, with Adam, in the losses).
-Checkpoints saved under FSDP2 x PP2 load into one process and the distributed optimizer at
-DP4, and the reverse, continuing within the resharding tests' 1e-5 of an uninterrupted run.
+Checkpoints saved under FSDP2 x PP2 loading at other layouts, and the reverse: with the other
+FSDP2 resharding cases in tests/e2e/test_fsdp2.py (one set of uninterrupted runs for all).
 """
 import re
 
 import pytest
 
-from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script
-from tests.e2e.test_checkpoint_resume import _flags, _iteration_losses
+from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, start_script
 
 TOL = 1e-5  # the issue's bound; these runs print the one-process digits
 NORM_TOL = 1e-3 + 1e-9  # the log prints the grad norm to 3 decimals
@@ -58,40 +57,3 @@ def test_fsdp2_with_pipeline_parallelism_equals_one_process(references):
             assert abs(a - b) <= TOL, (name, want, losses)
         for a, b in zip(want_norms, norms, strict=True):
             assert abs(a - b) <= NORM_TOL, (name, want_norms, norms)
-
-
-# --- checkpoints: FSDP2 x PP2 <-> one process, the distributed optimizer ----------------------
-RESHARD_TOL = 1e-5
-LAYOUTS = {"fsdp2 pp2 dp2": (4, PP2), "plain dp1": (1, []),
-           "distributed dp4": (4, ["--use-distributed-optimizer"])}
-
-
-def _reshard_flags():
-    return _flags(dropout="0", loader="single")  # masks and sample order independent of DP
-
-
-@pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
-    """Each layout uninterrupted for 4 iterations, saving at 2."""
-    root = tmp_path_factory.mktemp("fsdp2_pp_reshard")
-    started = {name: start_script("pretrain_llama.py", _reshard_flags() + extra + [
-        "--save", root / name.replace(" ", "_"), "--save-interval", "2"], nproc=nproc)
-        for name, (nproc, extra) in LAYOUTS.items()}
-    return {name: (root / name.replace(" ", "_"), _iteration_losses(finish(popen, timeout=600)))
-            for name, popen in started.items()}
-
-
-@pytest.mark.parametrize("saved,target", [
-    ("fsdp2 pp2 dp2", "plain dp1"), ("fsdp2 pp2 dp2", "distributed dp4"),
-    ("plain dp1", "fsdp2 pp2 dp2"), ("distributed dp4", "fsdp2 pp2 dp2")])
-def test_fsdp2_pipeline_checkpoint_loads_into_another_layout(straight_runs, tmp_path, saved,
-                                                             target):
-    root, _ = straight_runs[saved]
-    nproc, extra = LAYOUTS[target]
-    proc = run_script("pretrain_llama.py", _reshard_flags() + extra + [
-        "--load", root, "--ckpt-step", "2", "--save", tmp_path / "again"], nproc)
-    got, want = _iteration_losses(proc), straight_runs[target][1]
-    assert "resharded from" in proc.stdout
-    assert sorted(got) == ["3", "4"]
-    for i in "34":
-        assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
