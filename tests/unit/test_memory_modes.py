@@ -3,7 +3,8 @@
 After one real training step on every rank (gloo, fp32 / bf16): the bytes of the distinct
 storages of the parameters, gradients, fp32 main params and their gradients, optimizer states
 and step counters equal ``rank_state_bytes`` / ``rank_memory`` to the byte, for FSDP2 (ZeRO-3
-and ZeRO-2) at DP=4 and for the distributed optimizer's ZeRO-2 (--shard-gradients) at DP=4;
+and ZeRO-2) at DP=4, at PP=2 x DP=2 and CP=2 x DP=2, and for the distributed optimizer's
+ZeRO-2 (--shard-gradients) at DP=4;
 ZeRO-2's backward transient (the most full gradient buckets alive at once) is measured too.
 Then, from those measurements: state at DP=4 <= state at DP=1 / 4 + the unsharded remainder
 the estimate states (ZeRO-2: the full parameters and step counters; FSDP2: the step counters;
@@ -81,7 +82,9 @@ def _setup(model, optimizer):
 # --- FSDP2 ---------------------------------------------------------------------------------
 
 def _fsdp2_step(reshard, dtype):
-    config = _config(params_dtype=dtype)
+    config = _config(params_dtype=dtype,
+                     pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                     context_parallel_size=ps.get_context_parallel_world_size())
     model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
                         TorchFSDP2Config(reshard_after_forward=reshard,
                                          grad_reduce_in_fp32=True), seed=42)
@@ -94,9 +97,12 @@ def _fsdp2_step(reshard, dtype):
                           MBS)[1]
     params = list(model[0].module.parameters())
     measured = _measured(params, [p.grad for p in params], optimizer)
-    setup = _setup(model, optimizer)
+    # FSDP2 shards over DP x CP: the setup's size and this rank's place in that group.
+    setup = optimizer_setup_from(model[0].ddp_config, optimizer.config, dp,
+                                 ps.get_context_parallel_world_size())
     assert setup.fsdp2 and setup.reshard_after_forward == reshard
-    estimate = rank_state_bytes(config, VOCAB, setup, 0, dtype.itemsize, rank,
+    estimate = rank_state_bytes(config, VOCAB, setup, ps.get_pipeline_model_parallel_rank(),
+                                dtype.itemsize, ps.get_data_parallel_rank(True),
                                 share_embeddings_and_output_weights=False)
     return dataclasses.asdict(measured), dataclasses.asdict(estimate)
 
@@ -118,6 +124,19 @@ def test_fsdp2_state_estimate_equals_the_tensors_at_dp4(reshard, dtype):
     for measured, _ in four:
         assert measured["step_counters"] == remainder
         assert sum(measured.values()) <= whole / 4 + remainder
+
+
+@pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)], ids=["pp2-dp2", "cp2-dp2"])
+def test_fsdp2_state_estimate_equals_the_tensors_with_pp_and_cp(pp, cp):
+    """Each pipeline stage's chunk its own FSDP2 root (a stage's own layers and ends, not the
+    first stage's), and the shards over DP x CP, to the byte on every rank."""
+    four = run_distributed(_fsdp2_step, world_size=4, tp=1, pp=pp, cp=cp, reshard=True,
+                           dtype=torch.float32)
+    for rank, (measured, estimate) in enumerate(four):
+        assert measured == estimate, rank
+        assert min(measured["params"], measured["grads"], measured["optimizer_states"]) > 0
+    if pp > 1:  # the two stages hold different parameters (the embedding, the output layer)
+        assert four[0][0]["params"] != four[2][0]["params"]
 
 
 # --- ZeRO-2 for the distributed optimizer --------------------------------------------------

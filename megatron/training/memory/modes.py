@@ -48,7 +48,6 @@ from megatron.training.memory.params import (
     _shard_states,
     add_states,
     bucket_layout,
-    chunk_param_shapes,
     chunk_state_bytes,
     rank_chunks,
 )
@@ -118,11 +117,14 @@ def fsdp2_chunk_state(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
 
 
 def fsdp2_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup, rank: int,
-                      share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
-    """One chunk (FSDP2 refuses pipeline parallelism)."""
-    shapes = chunk_param_shapes(config, padded_vocab_size, 0, 0,
-                                share_embeddings_and_output_weights)
-    return fsdp2_chunk_state(shapes, setup, config.params_dtype.itemsize, rank)
+                      share_embeddings_and_output_weights: bool = True,
+                      pipeline_rank: int = 0) -> ModelStateBytes:
+    """Every chunk of one pipeline rank (each chunk its own FSDP2 root, its stage's shapes)."""
+    total = ModelStateBytes()
+    for shapes, _ in rank_chunks(config, padded_vocab_size, pipeline_rank,
+                                 share_embeddings_and_output_weights):
+        add_states(total, fsdp2_chunk_state(shapes, setup, config.params_dtype.itemsize, rank))
+    return total
 
 
 def fsdp2_transient_bytes(shapes: List[ParamShape], setup: OptimizerSetup,
@@ -169,11 +171,12 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
     """Device state after the step, host state, and what forward/backward adds (docstring)."""
     share = share_embeddings_and_output_weights
     memory = RankMemory()
-    if setup.fsdp2:
-        shapes = chunk_param_shapes(config, padded_vocab_size, 0, 0, share)
-        memory.device = fsdp2_chunk_state(shapes, setup, param_bytes, data_parallel_rank)
-        memory.device.fp8_weights = fp8_weight_cache_bytes(config, shapes)
-        memory.transient_bytes = fsdp2_transient_bytes(shapes, setup, param_bytes)
+    if setup.fsdp2:  # each chunk its own root; transients summed over chunks (a bound)
+        for shapes, _ in rank_chunks(config, padded_vocab_size, pipeline_rank, share):
+            step = fsdp2_chunk_state(shapes, setup, param_bytes, data_parallel_rank)
+            step.fp8_weights = fp8_weight_cache_bytes(config, shapes)
+            add_states(memory.device, step)
+            memory.transient_bytes += fsdp2_transient_bytes(shapes, setup, param_bytes)
         return memory
     full_grads = dataclasses.replace(setup, shard_gradients=False)
     for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank, share):
@@ -195,7 +198,7 @@ def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
     """Every chunk of one pipeline rank, on the device, after the optimizer step."""
     if setup.fsdp2:
         return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
-                                 share_embeddings_and_output_weights)
+                                 share_embeddings_and_output_weights, pipeline_rank)
     total = ModelStateBytes()
     expert_setup = dataclasses.replace(
         setup, data_parallel_size=expert_data_parallel_size(config, setup.data_parallel_size))
