@@ -137,5 +137,5 @@ def test_config_formats_and_layers():
     config = Fp8Config(layers_at_start_in_high_precision=1, layers_at_end_in_high_precision=2)
     assert [config.layer_in_fp8(i, 6) for i in range(1, 7)] == [False, True, True, True, False,
                                                                 False]
-    with pytest.raises(ValueError, match="recipe 'delayed'"):
-        Fp8Config(recipe="delayed")
+    with pytest.raises(ValueError, match="recipe 'mxfp8'"):
+        Fp8Config(recipe="mxfp8")

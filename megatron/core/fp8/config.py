@@ -14,6 +14,10 @@ absolute maximum at the moment it is quantized.
   contracted, so activations and gradients are scaled per column there).
 - ``blockwise`` (DeepSeek-V3): activations and gradients in 1 x 128 tiles along the
   contraction dimension, weights in 128 x 128 blocks.
+
+And ``delayed`` (TransformerEngine's DelayedScaling): tensorwise, each operand's scale from an
+amax history of the previous optimizer steps (``amax_history_len`` steps, ``most_recent``
+or ``max`` of them; fp8/delayed.py).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -21,7 +25,8 @@ from typing import Optional
 import torch
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 TILE = 128  # the blockwise recipe's tile and block edge
 
 E4M3 = torch.float8_e4m3fn
@@ -39,6 +44,9 @@ class Fp8Config:
     # under --first-last-layers-bf16).
     layers_at_start_in_high_precision: int = 0
     layers_at_end_in_high_precision: int = 0
+    # delayed only (Megatron's --fp8-amax-history-len, --fp8-amax-compute-algo and defaults)
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -50,6 +58,12 @@ class Fp8Config:
                              "(its 1 x 128 and 128 x 128 scales are for e4m3 operands, as in "
                              "DeepSeek-V3): use --fp8-format e4m3, or --fp8-recipe tensorwise "
                              "or rowwise for e5m2 gradients")
+        if self.amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be >= 1, got "
+                             f"{self.amax_history_len}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"--fp8-amax-compute-algo {self.amax_compute_algo!r} is not one "
+                             f"of {', '.join(AMAX_COMPUTE_ALGOS)}")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
 

@@ -27,6 +27,11 @@ contraction: the row-parallel forward's K, the column-parallel dgrad's N) its am
 all-reduce over the group, so every rank scales its shard as the unsharded tensor is scaled
 and a TP run quantizes the same bytes as one process. Blockwise groups are 128 wide: they
 stay inside a shard when the shard sizes are multiples of 128 (checked at start).
+
+Delayed scaling (recipe ``delayed``): tensorwise, and each Fp8Gemms (one per linear then)
+holds its linear's ``DelayedScaling``; the input, weight and gradient are cast with their
+histories' scales, no amax all-reduce before the cast, and their local amaxes are reduced at
+the step boundary instead (fp8/delayed.py).
 """
 from typing import Optional
 
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.config import TILE, Fp8Config
+from megatron.core.fp8.delayed import DelayedScaling
 from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.quantize import (
     BLOCKS_128x128,
@@ -41,10 +47,12 @@ from megatron.core.fp8.quantize import (
     TENSORWISE,
     TILES_1x128,
     Quantized,
+    group_amax,
     quantize,
 )
 
-_SCALINGS = {"tensorwise": (TENSORWISE, TENSORWISE), "rowwise": (ROWWISE, ROWWISE),
+_SCALINGS = {"tensorwise": (TENSORWISE, TENSORWISE), "delayed": (TENSORWISE, TENSORWISE),
+             "rowwise": (ROWWISE, ROWWISE),
              "blockwise": (TILES_1x128, BLOCKS_128x128)}
 
 
@@ -85,7 +93,7 @@ def weight_cache_bytes(rows: int, cols: int, recipe: str) -> int:
     ``_weight_t``): two copies of one byte an element, and their fp32 scales (tensorwise one
     each; rowwise one a row of W and one a row of W.T; blockwise one a 128 x 128 block
     each)."""
-    if recipe == "tensorwise":
+    if recipe in ("tensorwise", "delayed"):
         scales = 1 + 1
     elif recipe == "rowwise":
         scales = rows + cols
@@ -104,6 +112,9 @@ class Fp8Gemms:
         self.act, self.weight = _SCALINGS[config.recipe]
         self.kind, self.group = kind, group
         self.compile = compile  # --torch-compile: each quantization's cast as one kernel
+        # delayed scaling: this linear's amax histories (one Fp8Gemms per linear then)
+        self.delayed = DelayedScaling(config.amax_history_len, config.amax_compute_algo) \
+            if config.recipe == "delayed" else None
 
     def _reduce(self, sharded: bool):
         """The amax all-reduce where this operand's scaling group spans the TP shards."""
@@ -111,9 +122,22 @@ class Fp8Gemms:
             return None
         return lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
 
-    def _quantize(self, x, dtype, scaling, sharded=False, transpose=False):
-        return quantize(x, dtype, scaling, self.config.margin, self._reduce(sharded),
-                        self.compile, transpose)
+    def _quantize(self, x, dtype, scaling, sharded=False, transpose=False, operand=None):
+        """``operand`` (one of delayed.OPERANDS): under delayed scaling, cast with its
+        history's scale (current scaling on the first step) and record x's local amax."""
+        encode = None
+        if self.delayed is not None and operand is not None:
+            encode = self.delayed.encode(operand, dtype, self.config.margin, x.device)
+        q = quantize(x, dtype, scaling, self.config.margin, self._reduce(sharded),
+                     self.compile, transpose, encode)
+        if self.delayed is not None and operand is not None:
+            self.delayed.record(operand, group_amax(x, TENSORWISE))
+        return q
+
+    def _key(self, what: str) -> str:
+        """The weight cache's key: delayed scaling's scale changes at each step boundary."""
+        steps = f" {self.delayed.steps}" if self.delayed is not None else ""
+        return f"{what} {self.config.recipe} {self.config.margin}{steps}"
 
     @property
     def _tensorwise(self) -> bool:
@@ -124,13 +148,13 @@ class Fp8Gemms:
         scale only along the row-parallel K."""
         dtype = self.config.forward_dtype
         sharded = self._tensorwise or self.kind == "row"
-        return _cached_weight(weight, f"forward {self.config.recipe} {self.config.margin}",
+        return _cached_weight(weight, self._key("forward"),
                               lambda: self._quantize(weight.detach(), dtype, self.weight,
-                                                     sharded))
+                                                     sharded, operand="weight"))
 
     def _weight_t(self, weight: torch.Tensor) -> Quantized:
         """W.T [K, N] for dgrad (rows along N: sharded in the column-parallel layer)."""
-        key = f"dgrad {self.config.recipe} {self.config.margin}"
+        key = self._key("dgrad")
         if self.weight in (TENSORWISE, BLOCKS_128x128):
             return _cached_weight(weight, key, lambda: _transposed(self._weight(weight)))
         dtype = self.config.forward_dtype
@@ -140,7 +164,7 @@ class Fp8Gemms:
     def _input(self, x: torch.Tensor, transpose: bool = False) -> Quantized:
         """x [M, K]: K is the row-parallel layer's shard."""
         return self._quantize(x, self.config.forward_dtype, self.act, self.kind == "row",
-                              transpose)
+                              transpose, operand="input")
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp8_gemm(self._input(x), self._weight(weight), x.dtype)
@@ -166,7 +190,7 @@ class Fp8Gemms:
     def quantize_grad(self, grad: torch.Tensor) -> Quantized:
         """dy [M, N]: N is the column-parallel layer's shard."""
         return self._quantize(grad, self.config.gradient_dtype, self.act,
-                              self.kind == "column")
+                              self.kind == "column", operand="grad")
 
     def dgrad(self, grad: torch.Tensor, weight: torch.Tensor,
               grad_q: Optional[Quantized] = None) -> torch.Tensor:

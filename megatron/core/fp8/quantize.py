@@ -133,21 +133,26 @@ def _compiled_cast(x: torch.Tensor, encode: torch.Tensor, scaling: str, dtype: t
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, margin: int = 0,
              reduce_amax: Optional[Callable[[torch.Tensor], None]] = None,
-             compile: bool = False, transpose: bool = False) -> Quantized:
+             compile: bool = False, transpose: bool = False,
+             encode: Optional[torch.Tensor] = None) -> Quantized:
     """``x`` [rows, cols] (any float dtype, any strides) -> Quantized, contiguous.
     ``reduce_amax`` (tensorwise and rowwise): takes the amax (fp32, in place) to that of the
     whole tensor ``x`` is a shard of, e.g. a MAX all-reduce over the TP ranks, so each shard
     is scaled as the unsharded tensor would be. ``compile``: the cast as one compiled kernel
     (the same bytes). ``transpose`` (tensorwise): also ``.transposed``, written by the same
-    pass."""
+    pass. ``encode`` (tensorwise): the encode scale to cast with, given (delayed scaling's,
+    from an amax history: fp8/delayed.py) in place of one from ``x``'s amax."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a 2-D operand, got shape {tuple(x.shape)}")
     if transpose and scaling != TENSORWISE:
         raise ValueError(f"{scaling} groups do not transpose")
-    amax = group_amax(x, scaling)
-    if reduce_amax is not None and scaling in (TENSORWISE, ROWWISE):
-        reduce_amax(amax)
-    encode = _encode(amax, dtype, margin)
+    if encode is None:
+        amax = group_amax(x, scaling)
+        if reduce_amax is not None and scaling in (TENSORWISE, ROWWISE):
+            reduce_amax(amax)
+        encode = _encode(amax, dtype, margin)
+    elif scaling != TENSORWISE:
+        raise ValueError(f"a given encode scale is tensorwise, not {scaling}")
     cast = _compiled_cast(x, encode, scaling, dtype, transpose) if compile else _scale_and_cast
     data, data_t = cast(x, encode, scaling, fp8_max(dtype), dtype, transpose)
     scale = torch.reciprocal(encode)

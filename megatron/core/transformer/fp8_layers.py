@@ -31,6 +31,14 @@ def use_fp8(module: torch.nn.Module, config: Fp8Config, compile: bool = False) -
     count = 0
     for layer in module.modules():
         if type(layer) in gemms:
-            layer.fp8 = gemms[type(layer)]
+            if config.recipe == "delayed":
+                if type(layer) is SwiGLUExperts:
+                    raise ValueError("--fp8-recipe delayed does not cover the MoE experts' "
+                                     "GEMMs yet: use --fp8-recipe tensorwise with MoE")
+                # each linear its own amax histories (fp8/delayed.py)
+                layer.fp8 = Fp8Gemms(config, gemms[type(layer)].kind,
+                                     gemms[type(layer)].group, compile)
+            else:
+                layer.fp8 = gemms[type(layer)]
             count += 1
     return count

@@ -1,0 +1,134 @@
+"""Delayed scaling (``--fp8-recipe delayed``, TransformerEngine's ``DelayedScaling``):
+tensorwise FP8 whose scales come from an amax HISTORY of earlier optimizer steps, not from
+the tensor being cast, so the cast needs no amax reduction in front of it (on a GPU the amax
+is taken during or after the cast, off the critical path; here it is a separate reduction
+after the cast, the same numbers).
+
+Per FP8 linear, one ``DelayedScaling`` holds a history for each of its three quantized
+operands (``OPERANDS``: the input, the weight, the output gradient), ``history_len`` amaxes,
+column 0 the most recent step (TE's ``amax_history`` rotates the same way):
+
+- **During a step** every quantization of an operand casts with the encode scale of the
+  history and records the operand's local amax into ``pending`` (a MAX over the step's
+  microbatches, and over recomputation: the same values).
+- **The scale**: ``amax = history[0]`` (``most_recent``) or ``history.max()`` (``max``), then
+  ``encode = max_fp8 / amax / 2^margin`` (1 where that amax is 0), quantize.py's rule.
+- **At the step boundary** (``step_delayed_scaling``, after the optimizer step) each
+  ``pending`` is MAX all-reduced over the groups given (the training loop gives the TP group
+  and the DP x CP group: a sharded operand's amax is its whole tensor's, as current scaling's
+  TP all-reduce makes it, and every replica then holds the same history and so the same
+  scales, which keeps DP replicas bitwise identical), pushed in at column 0, and the oldest
+  amax drops out.
+- **The first step** (no step recorded yet, ``steps == 0``) uses current scaling: each
+  operand's own amax, TP-reduced where sharded, exactly the tensorwise recipe. TE instead
+  starts from scale 1, which flushes small gradients to zero and saturates large
+  activations on step 1; initializing from the first cast's amax is the rule of torchao's
+  predecessor float8_experimental (``_maybe_initialize_amaxes_for_float8_cast``: "if the
+  amax buffers are not initialized, initializes them" from the tensor, with a distributed
+  reduction "to match numerics between single GPU and multi GPU").
+
+The histories are training state: ``state_dict``/``load_state_dict`` carry them (and
+``steps``) through checkpoints so that a resumed run scales as the uninterrupted one did.
+"""
+from typing import Iterable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8.config import fp8_max
+
+ALGOS = ("most_recent", "max")
+OPERANDS = ("input", "weight", "grad")
+
+
+def history_encode(history: torch.Tensor, algo: str, dtype: torch.dtype,
+                   margin: int) -> torch.Tensor:
+    """The encode scale (fp32, shape ()) a history gives: quantize.py's rule on the amax
+    ``algo`` picks from it."""
+    amax = history[0] if algo == "most_recent" else history.max()
+    amax = amax.float()
+    encode = fp8_max(dtype) / amax / (2.0 ** margin)
+    return torch.where(amax > 0, encode, 1.0)
+
+
+class DelayedScaling:
+    """One FP8 linear's amax histories (module docstring)."""
+
+    def __init__(self, history_len: int, algo: str):
+        if history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be >= 1, got {history_len}")
+        if algo not in ALGOS:
+            raise ValueError(f"--fp8-amax-compute-algo {algo!r} is not one of "
+                             f"{', '.join(ALGOS)}")
+        self.algo = algo
+        self.history = torch.zeros(len(OPERANDS), history_len)
+        self.pending = torch.zeros(len(OPERANDS))
+        self.steps = 0
+
+    def _to(self, device: torch.device) -> None:
+        if self.history.device != device:
+            self.history = self.history.to(device)
+            self.pending = self.pending.to(device)
+
+    def encode(self, operand: str, dtype: torch.dtype, margin: int,
+               device: torch.device) -> Optional[torch.Tensor]:
+        """The encode scale of ``operand`` for this step; None on the first step (current
+        scaling)."""
+        if self.steps == 0:
+            return None
+        self._to(device)
+        return history_encode(self.history[OPERANDS.index(operand)], self.algo, dtype,
+                              margin)
+
+    def record(self, operand: str, amax: torch.Tensor) -> None:
+        self._to(amax.device)
+        i = OPERANDS.index(operand)
+        torch.maximum(self.pending[i], amax.float(), out=self.pending[i])
+
+    def roll(self, pending: Optional[torch.Tensor] = None) -> None:
+        """End of a step: ``pending`` (default this state's own) becomes the most recent
+        amax of each history."""
+        new = self.pending if pending is None else pending.to(self.pending.device)
+        self.history = torch.cat([new[:, None], self.history[:, :-1]], dim=1)
+        self.pending = torch.zeros_like(self.pending)
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.cpu().clone(), "steps": self.steps,
+                "algo": self.algo}
+
+    def load_state_dict(self, state: dict) -> None:
+        history = state["history"]
+        if history.shape != self.history.shape:
+            raise ValueError(f"the checkpoint's FP8 amax history has shape "
+                             f"{tuple(history.shape)}, this run's {tuple(self.history.shape)}: "
+                             f"resume with the same --fp8-amax-history-len")
+        self.history = history.to(self.history.device, torch.float32).clone()
+        self.pending = torch.zeros_like(self.pending)
+        self.steps = int(state["steps"])
+
+
+def delayed_states(modules: Iterable[torch.nn.Module]) -> List[DelayedScaling]:
+    """The DelayedScaling of every FP8 linear in ``modules``, in module order (the same order
+    on every rank of a pipeline stage)."""
+    states = []
+    for module in modules:
+        for layer in module.modules():
+            state = getattr(getattr(layer, "fp8", None), "delayed", None)
+            if isinstance(state, DelayedScaling):
+                states.append(state)
+    return states
+
+
+def step_delayed_scaling(states: Sequence[DelayedScaling],
+                         groups: Sequence[Optional[dist.ProcessGroup]] = ()) -> None:
+    """The step boundary: every state's pending amaxes MAX all-reduced over ``groups`` in one
+    collective each, then rolled into the histories."""
+    if not states:
+        return
+    pending = torch.stack([s.pending.to(states[0].pending.device) for s in states])
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
+    for state, amax in zip(states, pending):
+        state.roll(amax)
