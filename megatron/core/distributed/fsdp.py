@@ -3,7 +3,7 @@
     model = TorchFSDP2(config, TorchFSDP2Config(reshard_after_forward=True), model_chunk)
 
 Each transformer layer, then the whole chunk (embedding, final norm, output layer), is a
-``fully_shard`` unit over a 1-D mesh of this rank's DP group. Under tensor parallelism the
+``fully_shard`` unit over a 1-D mesh of this rank's DP group (routed experts: expert-DP). Under tensor parallelism the
 tensor FSDP shards is this TP rank's local weight, so TP's collectives are untouched. After
 sharding every parameter is a DTensor split on dim 0 over DP, and backward leaves each rank the
 DP-averaged gradient of its own shard in ``.grad`` (a DTensor): there is no ``main_grad``, so
@@ -34,9 +34,15 @@ the compute dtype). The gradients are reduce-scattered every microbatch, as with
 sharded alike over DP groups of one size, so their local rows are summed over the embedding
 group (tied_embeddings.py); the norm sums over every rank (FSDP2Optimizer).
 
+Mixture of experts: each MoE layer's routed-expert module is sharded first, over a mesh of
+the expert-DP group (the ranks holding the same experts), so the layer's unit leaves it out;
+its reduce-scatter divides by DP x CP (DDP's factor: the all-to-all's backward already summed
+the EP ranks' tokens), not by the expert-DP size. Stacked [E/EP, ...] weights are cut on dim 0;
+with fewer local experts than expert-DP ranks the last ranks hold none.
+
 Not composed (refused by the flags): the zero-bubble schedules (FSDP2 reduce-scatters a
 layer's gradients once its input gradient, B, is done; the deferred weight gradients, W, come
-after it, so the last microbatch's would never be reduced), MoE, fp16 with loss scaling, the
+after it, so the last microbatch's would never be reduced), fp16 with loss scaling, the
 distributed optimizer, CPU offload, Muon and the torch checkpoint format.
 """
 import contextlib
@@ -46,7 +52,7 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, parallel_state
+from megatron.core import device, expert_parallel_state, parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -102,6 +108,22 @@ def _restore_parallel_attrs(module: torch.nn.Module, attrs: dict) -> None:
                 setattr(param, key, value)
 
 
+def _routed_experts(layer: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules of ``layer`` whose own parameters are routed experts' weights."""
+    return [m for m in layer.modules()
+            if any(True for _ in m.parameters(recurse=False))
+            and all(getattr(p, "expert_parallel", False) for p in m.parameters(recurse=False))]
+
+
+def _expert_mesh(device_mesh_class):
+    """A 1-D mesh over the expert-DP group (None without MoE)."""
+    if not expert_parallel_state.expert_parallel_is_initialized():
+        return None
+    group = expert_parallel_state.get_expert_data_parallel_group()
+    return device_mesh_class.from_group(group, device.device_type(),
+                                        mesh_dim_names=(f"edp_{group.group_name}",))
+
+
 class TorchFSDP2(torch.nn.Module):
     def __init__(self, config, fsdp_config: TorchFSDP2Config, module: torch.nn.Module):
         if getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE:
@@ -118,6 +140,7 @@ class TorchFSDP2(torch.nn.Module):
         self.ddp_config = fsdp_config
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self._broadcast_params(module, group)
+        expert_mesh = _expert_mesh(DeviceMesh)
         # Named after the group: meshes over the same ranks compare equal otherwise, and
         # DTensor's caches would hand back one holding a destroyed group (parallel_state
         # initialised again in the same process).
@@ -134,8 +157,18 @@ class TorchFSDP2(torch.nn.Module):
         # Inputs as the unsharded model gets them (rotary cos/sin stay fp32, as under DDP).
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                       cast_forward_inputs=False)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         for layer in module.modules():
             if isinstance(layer, TransformerLayer):
+                # Routed experts first, over the ranks holding the same experts (expert-DP),
+                # so the layer's unit leaves them out. Their gradients are divided by DP x CP
+                # as DDP's: the all-to-all's backward already summed the EP ranks' tokens.
+                for experts in _routed_experts(layer):
+                    fully_shard(experts, mesh=expert_mesh, mp_policy=policy,
+                                reshard_after_forward=fsdp_config.reshard_after_forward)
+                    experts.set_gradient_divide_factor(float(dp_size))
+                    # Sum, then divide: the fused pre-multiplied sum (NCCL) is not in gloo.
+                    experts.set_force_sum_reduction_for_comms(True)
                 fully_shard(layer, mesh=mesh, mp_policy=policy,
                             reshard_after_forward=fsdp_config.reshard_after_forward)
         # The root unit (embedding, final norm, output layer) stays gathered after forward:
@@ -150,11 +183,17 @@ class TorchFSDP2(torch.nn.Module):
 
     @staticmethod
     def _broadcast_params(module: torch.nn.Module, group) -> None:
-        """Every DP replica shards DP rank 0's weights (as DDP starts from them)."""
+        """Every DP replica shards DP rank 0's weights (as DDP starts from them); routed
+        experts come from expert-DP rank 0 (the DP group's EP ranks hold other experts)."""
         src = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
         with torch.no_grad():
             for param in module.parameters():
-                dist.broadcast(param.data, src=src, group=group)
+                if getattr(param, "expert_parallel", False):
+                    dist.broadcast(param.data,
+                                   src=expert_parallel_state.get_expert_data_parallel_ranks()[0],
+                                   group=expert_parallel_state.get_expert_data_parallel_group())
+                else:
+                    dist.broadcast(param.data, src=src, group=group)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

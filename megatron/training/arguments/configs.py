@@ -150,8 +150,6 @@ def _fsdp2_config(args, ddp):
                or args.ddp_bucket_size is not None),
           f"{flag} overlaps its own collectives per layer; drop --overlap-grad-reduce, "
           "--overlap-param-gather and --ddp-bucket-size.")
-    _need(getattr(args, "num_experts", None) is None,
-          f"{flag} with --num-experts (mixture of experts) is not supported yet.")
     _need(args.ckpt_format != "torch" or (args.save is None and args.load is None),
           f"{flag} saves and loads the sharded checkpoint format only: use --ckpt-format "
           "torch_dist (the default), not --ckpt-format torch.")

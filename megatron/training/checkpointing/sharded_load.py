@@ -153,11 +153,15 @@ class ModelReads:
                 for local, parts in names.items():
                     target = state[local]
                     if is_sharded(target):  # FSDP2: only the rows this rank holds
-                        (name, placement, _), = parts
                         begin, rows = local_rows(target)
-                        rows.copy_(self.reader.read(f"model/{name}", placement, begin,
-                                                    begin + rows.numel(),
-                                                    dtype=rows.dtype).view_as(rows))
+                        flat = rows.view(-1)
+                        for name, placement, first in parts:  # one per expert if stacked
+                            lo = max(begin, first)
+                            hi = min(begin + flat.numel(), first + placement.local_numel)
+                            if lo < hi:
+                                flat[lo - begin:hi - begin].copy_(self.reader.read(
+                                    f"model/{name}", placement, lo - first, hi - first,
+                                    dtype=rows.dtype))
                         continue
                     flat = target.view(-1)
                     for name, placement, first in parts:

@@ -113,11 +113,17 @@ def _add_weights(shard: _Shard, model_chunks, layout, dp_rank: int, dp_size: int
                 raise TypeError(f"{local}: only tensors can be saved in the sharded format")
             if is_embedding_copy(local, layout["tied_output"], module.pre_process):
                 continue  # the first stage saves the embedding it copies
-            if is_sharded(tensor):  # FSDP2: each DP rank writes the rows it holds
+            if is_sharded(tensor):  # FSDP2: each DP (expert-DP) rank writes the rows it holds
                 begin, rows = local_rows(tensor)
-                (name, placement, _, _), = tensor_parts(local, tensor.shape, offset, layout,
-                                                        tp_rank, cut)
-                entries.append((f"model/{name}", placement, rows.detach(), begin, False, True))
+                flat = rows.detach().reshape(-1)
+                # Stacked experts are one part per global expert: this shard's share of each.
+                for name, placement, first, _ in tensor_parts(local, tensor.shape, offset,
+                                                              layout, tp_rank, cut):
+                    lo = max(begin, first)
+                    hi = min(begin + flat.numel(), first + placement.local_numel)
+                    if lo < hi:
+                        entries.append((f"model/{name}", placement,
+                                        flat[lo - begin:hi - begin], lo - first, False, True))
                 continue
             flat = tensor.detach().reshape(-1)
             for name, placement, first, expert in tensor_parts(local, tensor.shape, offset,

@@ -144,9 +144,6 @@ CASES = [
     ("moe-gelu-experts", "pretrain_gpt.py", ["--num-experts", "4"], None,
      ["the MoE experts are gated FFNs ([gate; up] fc1 rows); activation 'gelu' is not: use "
       "--swiglu or --quick-geglu."]),
-    ("moe-with-fsdp2", "pretrain_llama.py", ["--num-experts", "4", "--use-torch-fsdp2"],
-     {"WORLD_SIZE": "2"},
-     ["--use-torch-fsdp2 with --num-experts (mixture of experts) is not supported yet."]),
     ("moe-zero-experts", "pretrain_llama.py", ["--num-experts", "0"], None,
      ["--num-experts must be >= 1, got 0"]),
     # A flag that means something only with another, given without it (dependencies.py).
