@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import device, parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed.fsdp import TorchFSDP2
+from megatron.core.fp8.delayed import delayed_states, step_delayed_scaling
 from megatron.core.optimizer.qk_clip import QKClip
 from megatron.core.pipeline_parallel import (
     PipelineTrace,
@@ -149,6 +150,8 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    for state in delayed_states(model):
+        state.begin_step()
     config = get_model_config(model[0])
     finalize = config.finalize_model_grads_func
     if finalize is not None:
@@ -173,10 +176,23 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
     # With the NaN check the optimizer reads the norm; the losses come in the same copy.
     ok, grad_norm, num_zeros = optimizer.step(read_with_norm=report, **clipping)
     timers("optimizer").stop()
+    step_fp8_delayed_scaling(model)
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *
                        parallel_state.get_data_parallel_world_size())
     return report, not ok, grad_norm, num_zeros
+
+
+def step_fp8_delayed_scaling(model: List[torch.nn.Module]) -> None:
+    """--fp8-recipe delayed's step boundary (fp8/delayed.py), taken or skipped step alike:
+    the step's amaxes MAX-reduced over TP (a sharded operand's amax is its whole tensor's)
+    and over DP x CP (every replica then holds the same histories, so the same scales: the
+    replicas stay bitwise identical), then rolled into the histories."""
+    states = delayed_states(model)
+    if states:
+        step_delayed_scaling(states, [
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True)])
 
 
 def _timed(fn: Callable, timer) -> Callable:

@@ -19,9 +19,15 @@ TOL = 1e-5  # as tests/e2e/test_pretrain.py: the layouts differ in the order of 
 FLIP_TOL = 3e-4  # after updates: FP8 rounding flips (docstring), ~2x the largest measured
 
 
-@pytest.mark.parametrize("recipe,fmt", [("rowwise", "hybrid")])  # the TP amax all-reduces
-def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe, fmt):
-    flags = TINY + LLAMA + ["--fp8-format", fmt, "--fp8-recipe", recipe]
+DELAYED = ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
+           "--fp8-amax-compute-algo", "max"]
+
+
+# rowwise: the TP amax all-reduces; delayed: the histories' MAX over TP and DP at each step
+@pytest.mark.parametrize("recipe", [["--fp8-recipe", "rowwise"], DELAYED],
+                         ids=["rowwise", "delayed"])
+def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe):
+    flags = TINY + LLAMA + ["--fp8-format", "hybrid"] + recipe
     single, single_valid = parse_losses(run_script("pretrain_llama.py", flags))
     parallel, parallel_valid = parse_losses(run_script("pretrain_llama.py", flags + [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], nproc=8))
@@ -73,7 +79,8 @@ def high_precision_curve(quickstart_data):
     return _curve(quickstart_data, [])
 
 
-@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "e4m3"), ("blockwise", "e4m3")])
+@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "e4m3"), ("blockwise", "e4m3"),
+                                        ("delayed", "e4m3")])
 def test_fp8_loss_curve_follows_high_precision(quickstart_data, high_precision_curve, recipe,
                                                fmt):
     """The corpus is learnable (the loss falls by over 1.0 in 30 iterations: measured 6.28 to

@@ -84,6 +84,9 @@ EXAMPLES = {
     **{(flag, "--first-last-layers-bf16"): (
         small("--fp8-format", "e4m3", flag, "2"), ["--first-last-layers-bf16"])
        for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16")},
+    **{(flag, "--fp8-recipe delayed"): (
+        small("--fp8-format", "e4m3", flag, value), ["--fp8-recipe", "delayed"])
+       for flag, value in (("--fp8-amax-history-len", "4"), ("--fp8-amax-compute-algo", "max"))},
     **{(flag, "--position-embedding-type rope"): (
         small(flag, *value), ["--position-embedding-type", "rope"]) for flag, value in {
         "--rotary-base": ["500000"], "--rotary-percent": ["0.5"],

@@ -13,6 +13,10 @@ column 0 the most recent step (TE's ``amax_history`` rotates the same way):
   microbatches, and over recomputation: the same values).
 - **The scale**: ``amax = history[0]`` (``most_recent``) or ``history.max()`` (``max``), then
   ``encode = max_fp8 / amax / 2^margin`` (1 where that amax is 0), quantize.py's rule.
+- **Evaluation** casts with the histories too; what it records is dropped when the next
+  training step begins (``begin_step``), so eval intervals do not change training's scales
+  (a weight's amax is kept with its cached FP8 copy and recorded at each use, so a copy
+  evaluation made still counts for the step that reuses it).
 - **At the step boundary** (``step_delayed_scaling``, after the optimizer step) each
   ``pending`` is MAX all-reduced over the groups given (the training loop gives the TP group
   and the DP x CP group: a sharded operand's amax is its whole tensor's, as current scaling's
@@ -84,6 +88,11 @@ class DelayedScaling:
         self._to(amax.device)
         i = OPERANDS.index(operand)
         torch.maximum(self.pending[i], amax.float(), out=self.pending[i])
+
+    def begin_step(self) -> None:
+        """A training step starts: what evaluation recorded since the last step is dropped
+        (its casts use the histories and leave them alone)."""
+        self.pending.zero_()
 
     def roll(self, pending: Optional[torch.Tensor] = None) -> None:
         """End of a step: ``pending`` (default this state's own) becomes the most recent

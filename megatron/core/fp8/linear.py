@@ -131,7 +131,8 @@ class Fp8Gemms:
         q = quantize(x, dtype, scaling, self.config.margin, self._reduce(sharded),
                      self.compile, transpose, encode)
         if self.delayed is not None and operand is not None:
-            self.delayed.record(operand, group_amax(x, TENSORWISE))
+            q.amax = group_amax(x, TENSORWISE)  # the cached weight's, for each step's record
+            self.delayed.record(operand, q.amax)
         return q
 
     def _key(self, what: str) -> str:
@@ -148,9 +149,12 @@ class Fp8Gemms:
         scale only along the row-parallel K."""
         dtype = self.config.forward_dtype
         sharded = self._tensorwise or self.kind == "row"
-        return _cached_weight(weight, self._key("forward"),
-                              lambda: self._quantize(weight.detach(), dtype, self.weight,
-                                                     sharded, operand="weight"))
+        q = _cached_weight(weight, self._key("forward"),
+                           lambda: self._quantize(weight.detach(), dtype, self.weight,
+                                                  sharded, operand="weight"))
+        if self.delayed is not None:  # also where evaluation made the cached copy
+            self.delayed.record("weight", q.amax)
+        return q
 
     def _weight_t(self, weight: torch.Tensor) -> Quantized:
         """W.T [K, N] for dgrad (rows along N: sharded in the column-parallel layer)."""

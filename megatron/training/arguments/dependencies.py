@@ -114,6 +114,8 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
     # FP8
     *(Dependency(flag, lambda a: a.fp8_format is not None, "--fp8-format e4m3|hybrid")
       for flag in ("--fp8-recipe", "--fp8-margin", "--first-last-layers-bf16")),
+    *(Dependency(flag, lambda a: a.fp8_recipe == "delayed", "--fp8-recipe delayed")
+      for flag in ("--fp8-amax-history-len", "--fp8-amax-compute-algo")),
     *(Dependency(flag, lambda a: a.first_last_layers_bf16, "--first-last-layers-bf16")
       for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16")),
     # mixed precision

@@ -2,6 +2,7 @@
 from typing import Optional
 
 from megatron.core.fp8 import FORMATS, RECIPES, Fp8Config
+from megatron.core.fp8.config import AMAX_COMPUTE_ALGOS
 
 
 def add_fp8_args(parser) -> None:
@@ -11,7 +12,13 @@ def add_fp8_args(parser) -> None:
                         "operand, or hybrid (e5m2 output gradients); unset: no FP8")
     g.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
                    help="current scaling per tensor, per row, or in DeepSeek-V3's 1x128 "
-                        "activation tiles and 128x128 weight blocks")
+                        "activation tiles and 128x128 weight blocks; or delayed: per tensor, "
+                        "scales from an amax history of earlier steps")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed: the steps of amax history each scale is computed from")
+    g.add_argument("--fp8-amax-compute-algo", choices=AMAX_COMPUTE_ALGOS,
+                   default="most_recent",
+                   help="delayed: the history's most recent amax, or its max")
     g.add_argument("--fp8-margin", type=int, default=0,
                    help="scale so that each group's amax lands 2^margin below the largest "
                         "FP8 value")
@@ -30,4 +37,6 @@ def fp8_config_from_args(args) -> Optional[Fp8Config]:
                      layers_at_start_in_high_precision=args.num_layers_at_start_in_bf16
                      if ends else 0,
                      layers_at_end_in_high_precision=args.num_layers_at_end_in_bf16
-                     if ends else 0)
+                     if ends else 0,
+                     amax_history_len=getattr(args, "fp8_amax_history_len", 1),
+                     amax_compute_algo=getattr(args, "fp8_amax_compute_algo", "most_recent"))

@@ -71,6 +71,7 @@ FLAG_RANGES = {
     "moe_expert_capacity_factor": (_POSITIVE, "unset = no token dropping"),
     "tiktoken_num_special_tokens": (_NON_NEGATIVE, "ids reserved below the BPE ranks"),
     "fp8_margin": (_NON_NEGATIVE, "0 = amax at the largest FP8 value"),
+    "fp8_amax_history_len": (_AT_LEAST_1, "delayed scaling's window of steps"),
     "window_attn_skip_freq": (_AT_LEAST_1, "every N-th layer keeps full attention"),
     "q_lora_rank": (_AT_LEAST_1, "the query latent; unset = none"),
     "kv_lora_rank": (_AT_LEAST_1, "the key/value latent; DeepSeek-V3 512"),

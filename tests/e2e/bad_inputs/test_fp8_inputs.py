@@ -16,6 +16,17 @@ CASES = [
       "use --fp8-format e4m3"]),
     ("recipe-without-format", ["--fp8-recipe", "rowwise"],
      ["--fp8-recipe has no effect without --fp8-format e4m3|hybrid"]),
+    ("history-without-delayed", ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise",
+                                 "--fp8-amax-history-len", "16"],
+     ["--fp8-amax-history-len has no effect without --fp8-recipe delayed"]),
+    ("history-of-zero", ["--fp8-format", "e4m3", "--fp8-recipe", "delayed",
+                         "--fp8-amax-history-len", "0"], ["--fp8-amax-history-len"]),
+    ("unknown-amax-algo", ["--fp8-format", "e4m3", "--fp8-recipe", "delayed",
+                           "--fp8-amax-compute-algo", "mean"],
+     ["--fp8-amax-compute-algo", "most_recent", "max"]),
+    ("delayed-with-experts", ["--fp8-format", "e4m3", "--fp8-recipe", "delayed",
+                              "--num-experts", "4", "--moe-router-topk", "2"],
+     ["--fp8-recipe delayed does not cover the MoE experts' GEMMs yet"]),
 ]
 
 
