@@ -24,8 +24,12 @@ from tests.e2e.test_checkpoint_resume import _flags, _iteration_losses
 MOE = ("--train-iters 4 --eval-interval 2 --num-experts 4 --moe-router-topk 2 "
        "--moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
        "--moe-grouped-gemm").split()
+# Adam's eps near the gradients' size makes the step feel their scale (at 1e-8 Adam divides
+# a mis-scaled expert gradient out again, and only the 3-digit grad norm would show it).
 FLAGS = TINY + LLAMA + MOE + ["--moe-router-enable-expert-bias",
-                              "--moe-router-load-balancing-type", "seq_aux_loss"]
+                              "--moe-router-load-balancing-type", "seq_aux_loss",
+                              "--adam-eps", "1e-2", "--lr", "1e-2"]
+TOL = 1e-6 + 1e-12  # one unit in the printed 7th digit (as test_fsdp2.py)
 FSDP2_EP2 = ["--use-torch-fsdp2", "--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # expert TP 2 too
 
@@ -41,6 +45,7 @@ def _grad_norms(proc):
 
 def test_fsdp2_with_expert_parallelism_equals_one_process():
     layouts = {"ep2 edp2": (4, FSDP2_EP2),
+               "ep4 edp1": (4, ["--use-torch-fsdp2", "--expert-model-parallel-size", "4"]),
                "cp2 ep2 edp4": (8, FSDP2_EP2 + ["--context-parallel-size", "2"]),
                "tp2 sp etp2 ep2 edp2": (8, FSDP2_EP2 + TP2_SP),
                "pp2 ep2 edp2": (8, FSDP2_EP2 + ["--pipeline-model-parallel-size", "2"])}
@@ -53,8 +58,8 @@ def test_fsdp2_with_expert_parallelism_equals_one_process():
     for name, popen in started.items():
         proc = finish(popen, timeout=400)
         got, got_valid = parse_losses(proc)
-        assert got == pytest.approx(want, rel=1e-5), name
-        assert got_valid == pytest.approx(want_valid, rel=1e-5), name
+        for a, b in zip(want + want_valid, got + got_valid, strict=True):
+            assert abs(a - b) <= TOL, (name, want + want_valid, got + got_valid)
         assert _moe_losses(proc) == pytest.approx(_moe_losses(one), rel=1e-5), name
         assert _grad_norms(proc) == pytest.approx(_grad_norms(one), rel=1e-5), name
 

@@ -168,7 +168,10 @@ class TorchFSDP2(torch.nn.Module):
                                 reshard_after_forward=fsdp_config.reshard_after_forward)
                     experts.set_gradient_divide_factor(float(dp_size))
                     # Sum, then divide: the fused pre-multiplied sum (NCCL) is not in gloo.
-                    experts.set_force_sum_reduction_for_comms(True)
+                    # Not on a mesh of one rank: torch then divides the copied gradient by the
+                    # factor itself, and a forced sum would divide it a second time.
+                    if expert_mesh.size() > 1:
+                        experts.set_force_sum_reduction_for_comms(True)
                 fully_shard(layer, mesh=mesh, mp_policy=policy,
                             reshard_after_forward=fsdp_config.reshard_after_forward)
         # The root unit (embedding, final norm, output layer) stays gathered after forward:
