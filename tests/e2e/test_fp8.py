@@ -21,12 +21,17 @@ FLIP_TOL = 3e-4  # after updates: FP8 rounding flips (docstring), ~2x the larges
 
 DELAYED = ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
            "--fp8-amax-compute-algo", "max"]
+# Delayed scaling: iteration 1 is current scaling (equal to 1e-5 as above); after it a
+# rounding flip also moves an amax, and so the scales of the next 3 steps: measured 2.9e-4
+# apart at most over these 8 losses (1.9e-4 at iteration 3); the bound ~2x that.
+DELAYED_FLIP_TOL = 6e-4
 
 
 # rowwise: the TP amax all-reduces; delayed: the histories' MAX over TP and DP at each step
-@pytest.mark.parametrize("recipe", [["--fp8-recipe", "rowwise"], DELAYED],
+@pytest.mark.parametrize("recipe,flip_tol", [(["--fp8-recipe", "rowwise"], FLIP_TOL),
+                                             (DELAYED, DELAYED_FLIP_TOL)],
                          ids=["rowwise", "delayed"])
-def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe):
+def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe, flip_tol):
     flags = TINY + LLAMA + ["--fp8-format", "hybrid"] + recipe
     single, single_valid = parse_losses(run_script("pretrain_llama.py", flags))
     parallel, parallel_valid = parse_losses(run_script("pretrain_llama.py", flags + [
@@ -36,7 +41,7 @@ def test_fp8_tp_pp_dp_on_8_processes_follows_one_process(recipe):
     assert abs(single[0] - parallel[0]) <= TOL, (single, parallel)
     assert abs(single[0] - high[0]) >= 5 * TOL, (single, high)  # FP8 ran, in both
     for a, b in zip(single + single_valid, parallel + parallel_valid, strict=True):
-        assert abs(a - b) <= FLIP_TOL, (single, parallel)
+        assert abs(a - b) <= flip_tol, (single, parallel)
 
 
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
@@ -86,7 +91,7 @@ def test_fp8_loss_curve_follows_high_precision(quickstart_data, high_precision_c
     """The corpus is learnable (the loss falls by over 1.0 in 30 iterations: measured 6.28 to
     3.01); each FP8 recipe's loss (rowwise: the MoE curve below) stays within 3 % of the fp32 run's at every iteration, and
     its mean over the last 10 iterations within 2 % (measured: at most 1.1-1.6 % and
-    0.3-1.0 %)."""
+    0.3-1.0 %; delayed scaling, e4m3 with the default history of 1: 1.8 % and 1.2 %)."""
     fp8 = _curve(quickstart_data, ["--fp8-format", fmt, "--fp8-recipe", recipe])
     high = high_precision_curve
     assert high[0] - high[-1] > 1.0, high

@@ -31,8 +31,9 @@ column 0 the most recent step (TE's ``amax_history`` rotates the same way):
   amax buffers are not initialized, initializes them" from the tensor, with a distributed
   reduction "to match numerics between single GPU and multi GPU").
 
-The histories are training state: ``state_dict``/``load_state_dict`` carry them (and
-``steps``) through checkpoints so that a resumed run scales as the uninterrupted one did.
+The histories are training state: ``state_dict``/``load_state_dict`` give and take them
+(and ``steps``), for checkpoints; neither checkpoint format saves them yet, so a resumed run
+starts them again with the first-step rule (docs/architecture.md, FP8).
 """
 from typing import Iterable, List, Optional, Sequence
 
