@@ -31,9 +31,11 @@ column 0 the most recent step (TE's ``amax_history`` rotates the same way):
   amax buffers are not initialized, initializes them" from the tensor, with a distributed
   reduction "to match numerics between single GPU and multi GPU").
 
-The histories are training state: ``state_dict``/``load_state_dict`` give and take them
-(and ``steps``), for checkpoints; neither checkpoint format saves them yet, so a resumed run
-starts them again with the first-step rule (docs/architecture.md, FP8).
+The histories are training state, saved in checkpoints as plain data
+(``capture_histories``: both formats, in each rank's own record) and restored on a resume at
+the same layout, so a resumed run scales exactly as the uninterrupted one; at another layout,
+or from a checkpoint without them, they restart with the first-step rule (a note says so).
+They are not model state: a checkpoint with them loads without FP8 and the reverse.
 """
 from typing import Iterable, List, Optional, Sequence
 
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from megatron.core.fp8.config import fp8_max
 
 ALGOS = ("most_recent", "max")
+CHECKPOINT_KEY = "fp8_delayed_scaling"  # a checkpoint rank record's key for the histories
 OPERANDS = ("input", "weight", "grad")
 
 
@@ -104,16 +107,17 @@ class DelayedScaling:
         self.steps += 1
 
     def state_dict(self) -> dict:
-        return {"history": self.history.cpu().clone(), "steps": self.steps,
-                "algo": self.algo}
+        """Plain data (JSON and ``weights_only`` safe; fp32 values round-trip exactly
+        through Python floats)."""
+        return {"history": self.history.cpu().tolist(), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
-        history = state["history"]
+        history = torch.tensor(state["history"], dtype=torch.float32)
         if history.shape != self.history.shape:
             raise ValueError(f"the checkpoint's FP8 amax history has shape "
                              f"{tuple(history.shape)}, this run's {tuple(self.history.shape)}: "
                              f"resume with the same --fp8-amax-history-len")
-        self.history = history.to(self.history.device, torch.float32).clone()
+        self.history = history.to(self.history.device)
         self.pending = torch.zeros_like(self.pending)
         self.steps = int(state["steps"])
 
@@ -128,6 +132,33 @@ def delayed_states(modules: Iterable[torch.nn.Module]) -> List[DelayedScaling]:
             if isinstance(state, DelayedScaling):
                 states.append(state)
     return states
+
+
+def capture_histories(modules: Iterable[torch.nn.Module]) -> Optional[List[dict]]:
+    """What a checkpoint saves: each delayed-scaling linear's state in module order (the
+    same on every TP and DP rank of a pipeline stage); None without delayed scaling."""
+    states = delayed_states(modules)
+    return [s.state_dict() for s in states] if states else None
+
+
+def restore_histories(modules: Iterable[torch.nn.Module], saved: Optional[list]) -> bool:
+    """Put ``capture_histories``'s list back; False (nothing changed: the histories restart
+    with the first-step rule) where there is none or it is another model's. True where this
+    run has no delayed scaling (a checkpoint's histories are then ignored)."""
+    states = delayed_states(modules)
+    if not states:
+        return True
+    if not saved or len(saved) != len(states):
+        return False
+    try:
+        for state, entry in zip(states, saved):
+            if torch.tensor(entry["history"]).shape != state.history.shape:
+                return False
+        for state, entry in zip(states, saved):
+            state.load_state_dict(entry)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 def step_delayed_scaling(states: Sequence[DelayedScaling],

@@ -4,6 +4,7 @@ Reading and checking happen first, with no collective calls, and every rank lear
 any rank failed before anything is applied; so a bad checkpoint stops every rank with the
 same message instead of leaving some of them waiting in a collective.
 """
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
+from megatron.core.fp8.delayed import CHECKPOINT_KEY, restore_histories
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.architecture import architecture_mismatch
 from megatron.training.checkpointing.expert_files import has_experts, load_experts
@@ -31,7 +33,11 @@ from megatron.training.checkpointing.paths import (
 from megatron.training.checkpointing.resharder import Resharder
 from megatron.training.checkpointing.rng_state import restore_rng_state
 from megatron.training.checkpointing.safe_io import safe_load
-from megatron.training.checkpointing.sharded_index import is_sharded_checkpoint, read_metadata
+from megatron.training.checkpointing.sharded_index import (
+    is_sharded_checkpoint,
+    read_metadata,
+    shard_file_name,
+)
 from megatron.training.checkpointing.sharded_load import (
     ModelReads,
     ShardedReader,
@@ -52,6 +58,7 @@ class LoadedCheckpoint:
     notes: List[str] = field(default_factory=list)
     rng_state: Optional[Dict] = None
     tokenizer: Optional[Dict] = None  # the fingerprint its args record (None: older ones)
+    fp8_histories: Optional[List] = None  # --fp8-recipe delayed's (same layout only)
 
     def restore_rng(self, seed: int) -> None:
         """Call right before the first iteration: anything drawn after it (building data
@@ -231,8 +238,11 @@ def _read(model_chunks, configs, run_args: Optional[Dict] = None) -> Optional[_R
             rng = states[parallel_state.get_data_parallel_rank(with_context_parallel=True)]
         else:
             notes.append("random-generator state not restored (another layout, or none saved)")
-    return _result(t, release, probe, iteration, iteration_dir, notes, rng, models, optimizer,
+    read = _result(t, release, probe, iteration, iteration_dir, notes, rng, models, optimizer,
                    load_optim)
+    if same_model_cut(saved_layout, layout) and own_dir in rank_dirs.values():
+        read.result.fp8_histories = probe.get(CHECKPOINT_KEY)
+    return read
 
 
 def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
@@ -273,8 +283,12 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
         rng = read_rng_state(reader, dist.get_rank()) if same_ranks else None
         if rng is None:
             notes.append("random-generator state not restored (another layout, or none saved)")
-    return _result(t, release, meta, iteration, iteration_dir, notes, rng, models, optimizer,
+    read = _result(t, release, meta, iteration, iteration_dir, notes, rng, models, optimizer,
                    load_optim)
+    text = reader.file(shard_file_name(dist.get_rank())).metadata.get(CHECKPOINT_KEY) \
+        if same_ranks else None
+    read.result.fp8_histories = json.loads(text) if text is not None else None
+    return read
 
 
 def _result(t, release: bool, record: Dict, iteration: int, iteration_dir: str, notes, rng,
@@ -323,6 +337,9 @@ def load_checkpoint(model_chunks, optimizer, scheduler, configs,
         else:
             for chunk, state in zip(model_chunks, read.models):
                 unwrap_model(chunk).load_state_dict(state, strict=True)
+    if not restore_histories(model_chunks, read.result.fp8_histories):
+        read.result.notes.append("FP8 amax histories not restored (another layout, or none "
+                                 "saved): they restart with the first-step rule")
     optimizer.reload_model_params()
     if read.optimizer is not None:
         try:  # these checks see the same values on every rank: all raise alike

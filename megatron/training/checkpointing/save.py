@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.fp8.delayed import CHECKPOINT_KEY, capture_histories
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.disk_space import space_for_save, tree_nbytes
 from megatron.training.checkpointing.expert_files import (
@@ -128,6 +129,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
                 state["optimizer"] = optimizer_state
         if rng_states is not None:
             state["rng_state"] = rng_states
+        histories = capture_histories(model_chunks)  # the same on every TP and DP rank
+        if histories is not None:
+            state[CHECKPOINT_KEY] = histories
         rank_dir = os.path.join(staging, rank_dir_name(
             parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_rank(),

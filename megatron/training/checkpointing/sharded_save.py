@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import device, parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
+from megatron.core.fp8.delayed import CHECKPOINT_KEY, capture_histories
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing import checksums
 from megatron.training.checkpointing.disk_space import SaveSpace, space_for_save
@@ -218,6 +219,9 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
         optimizer_meta = _add_optimizer(shard, optimizer, model_chunks, layout, replicated,
                                         dp_rank, dp_size)
     header = {} if t.no_save_rng else _rng_header(shard)
+    histories = capture_histories(model_chunks)  # --fp8-recipe delayed (fp8/delayed.py)
+    if histories is not None:
+        header[CHECKPOINT_KEY] = json.dumps(histories)
     if writer.async_save:  # host copies now; the thread writes them while training goes on
         writer.host.start()
         # Only the bytes written (a file holds each tensor's own bytes): a DP rank's share of
