@@ -106,15 +106,21 @@ LAYOUTS = {"fsdp2 dp2 zero3": (2, FSDP2), "fsdp2 dp2 zero2": (2, FSDP2 + ZERO2),
            "fsdp2 pp2 dp2": (4, FSDP2 + ["--pipeline-model-parallel-size", "2"])}
 
 
-@pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
-    """Each layout uninterrupted for 4 iterations, saving at 2 (started together)."""
-    root = tmp_path_factory.mktemp("fsdp2_reshard")
-    started = {name: start_script("pretrain_llama.py", _reshard_flags() + extra + [
+def uninterrupted_runs(root, flags, layouts):
+    """Each of ``layouts`` ({name: (ranks, extra flags)}) run uninterrupted, saving at
+    iteration 2 (started together): {name: (its checkpoint root, its per-iteration losses)}."""
+    started = {name: start_script("pretrain_llama.py", flags + extra + [
         "--save", root / name.replace(" ", "_"), "--save-interval", "2"], nproc=nproc)
-        for name, (nproc, extra) in LAYOUTS.items()}
+        for name, (nproc, extra) in layouts.items()}
     return {name: (root / name.replace(" ", "_"), _iteration_losses(finish(popen, timeout=600)))
             for name, popen in started.items()}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Each layout uninterrupted for 4 iterations, saving at 2."""
+    return uninterrupted_runs(tmp_path_factory.mktemp("fsdp2_reshard"), _reshard_flags(),
+                              LAYOUTS)
 
 
 @pytest.mark.parametrize("saved,target", [

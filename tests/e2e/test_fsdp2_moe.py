@@ -20,6 +20,7 @@ import pytest
 
 from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script
 from tests.e2e.test_checkpoint_resume import _flags, _iteration_losses
+from tests.e2e.test_fsdp2 import uninterrupted_runs
 
 MOE = ("--train-iters 4 --eval-interval 2 --num-experts 4 --moe-router-topk 2 "
        "--moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
@@ -79,12 +80,8 @@ def _ckpt_flags():
 
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp2_moe_reshard")
-    started = {name: start_script("pretrain_llama.py", _ckpt_flags() + extra + [
-        "--save", root / name.replace(" ", "_"), "--save-interval", "2"], nproc=nproc)
-        for name, (nproc, extra) in CKPT_LAYOUTS.items()}
-    return {name: (root / name.replace(" ", "_"), _iteration_losses(finish(popen, timeout=600)))
-            for name, popen in started.items()}
+    return uninterrupted_runs(tmp_path_factory.mktemp("fsdp2_moe_reshard"), _ckpt_flags(),
+                              CKPT_LAYOUTS)
 
 
 @pytest.mark.parametrize("saved,target", [("fsdp2 ep2", "distributed ep4"),

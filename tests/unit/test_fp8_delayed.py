@@ -12,9 +12,8 @@ from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.delayed import DelayedScaling, delayed_states, step_delayed_scaling
 from megatron.core.fp8.linear import Fp8Gemms
 from megatron.core.fp8.quantize import TENSORWISE, quantize
-from megatron.core.transformer.fp8_layers import use_fp8
 from tests.distributed import run_distributed
-from tests.unit.test_fp8_linear import B, S, _close
+from tests.unit.test_fp8_linear import _close, fp8_layer_as_the_model_builds_it
 
 E4M3 = torch.float8_e4m3fn
 
@@ -107,25 +106,12 @@ def _delayed_steps(kind, fp8_config):
     every cast, the whole tensors' amaxes (plain torch; whole only at TP 1), and the outputs
     and gradients gathered to whole tensors; and the final histories."""
     import megatron.core.fp8.linear as linear
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import (
         _gather_along_last_dim as gather_along_last_dim,
     )
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.utils import init_method_normal
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    hidden, other = 256, 512
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
-                               tensor_model_parallel_size=tp)
-    torch.manual_seed(3)
-    cls, (k, n) = ((ColumnParallelLinear, (hidden, other)) if kind == "column"
-                   else (RowParallelLinear, (other, hidden)))
-    layer = cls(k, n, config=config, bias=False, init_method=init_method_normal(0.02))
-    assert use_fp8(layer, fp8_config) == 1
-    g = torch.Generator().manual_seed(11)
-    x0 = torch.randn(S, B, k, generator=g) * torch.logspace(-1, 1, k)
-    seed0 = torch.randn(S, B, n, generator=g)
+    layer, x0, seed0 = fp8_layer_as_the_model_builds_it(kind, fp8_config)
     calls, real = [], linear.quantize
 
     def spy(x, dtype, scaling, margin, reduce, compile, transpose, encode=None):

@@ -250,22 +250,17 @@ def test_hybrid_blockwise_is_refused():
         Fp8Config(format="hybrid", recipe="blockwise")
 
 
-def _layer_at_this_tp(kind, fp8_config):
-    """One FP8 layer as the model builds it (use_fp8: the TP group's amax reductions), its
-    input and output gradient the same full tensors on every rank: (output, input gradient,
-    weight gradient), each gathered to the full tensor."""
+def fp8_layer_as_the_model_builds_it(kind, fp8_config):
+    """A column- (256 -> 512) or row-parallel (512 -> 256) layer at this TP, FP8 through
+    use_fp8 (the TP group's amax reductions; shards of 256: whole 128-wide blocks at TP 2),
+    and a whole input and output gradient, the same on every rank: (layer, x, seed)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel.mappings import (
-        _gather_along_last_dim as gather_along_last_dim,
-    )
     from megatron.core.transformer import TransformerConfig
     from megatron.core.utils import init_method_normal
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    rank = ps.get_tensor_model_parallel_rank()
-    hidden, other = 256, 512  # shards of 256: whole 128-wide blocks at TP 2
+    hidden, other = 256, 512
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
-                               tensor_model_parallel_size=tp)
+                               tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
     torch.manual_seed(3)
     cls, (k, n) = ((ColumnParallelLinear, (hidden, other)) if kind == "column"
                    else (RowParallelLinear, (other, hidden)))
@@ -273,7 +268,20 @@ def _layer_at_this_tp(kind, fp8_config):
     assert use_fp8(layer, fp8_config) == 1
     g = torch.Generator().manual_seed(11)
     x = torch.randn(S, B, k, generator=g) * torch.logspace(-1, 1, k)
-    seed = torch.randn(S, B, n, generator=g)
+    return layer, x, torch.randn(S, B, n, generator=g)
+
+
+def _layer_at_this_tp(kind, fp8_config):
+    """One FP8 layer as the model builds it (use_fp8: the TP group's amax reductions), its
+    input and output gradient the same full tensors on every rank: (output, input gradient,
+    weight gradient), each gathered to the full tensor."""
+    from megatron.core.tensor_parallel.mappings import (
+        _gather_along_last_dim as gather_along_last_dim,
+    )
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank()
+    layer, x, seed = fp8_layer_as_the_model_builds_it(kind, fp8_config)
     if kind == "row":
         x = x.chunk(tp, dim=2)[rank]
     x.requires_grad_()
