@@ -29,6 +29,7 @@ VOCAB, SEQ, MBS = 64, 16, 2
 STEPS = 5
 REASSOCIATION_TOL = 1e-6
 ADAM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+SGD = dict(optimizer="sgd", lr=0.1, sgd_momentum=0.9, weight_decay=0.1)
 
 
 def _config(**extra):
@@ -55,14 +56,18 @@ def _forward_step(data_iterator, model):
     return model(tokens.to(dev), labels=labels.to(dev)), _loss_func
 
 
-def _reference(num_microbatches, clip_grad=0.0):
-    """Plain torch: the whole global batch, gradient accumulation, torch AdamW."""
+def _reference(num_microbatches, clip_grad=0.0, sgd=False):
+    """Plain torch: the whole global batch, gradient accumulation, torch AdamW (or SGD with
+    momentum)."""
     torch.manual_seed(42)
     model = LlamaModel(_config(), VOCAB)
     groups = [{**g, "weight_decay": ADAM["weight_decay"] * g["wd_mult"]}
               for g in get_param_groups([model])]
-    opt = torch.optim.AdamW(groups, lr=ADAM["lr"], betas=(ADAM["adam_beta1"],
-                            ADAM["adam_beta2"]), eps=ADAM["adam_eps"], fused=True)
+    if sgd:
+        opt = torch.optim.SGD(groups, lr=SGD["lr"], momentum=SGD["sgd_momentum"], fused=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=ADAM["lr"], betas=(ADAM["adam_beta1"],
+                                ADAM["adam_beta2"]), eps=ADAM["adam_eps"], fused=True)
     history = []
     for batch in _global_batches(num_microbatches):
         opt.zero_grad(set_to_none=True)

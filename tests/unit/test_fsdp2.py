@@ -24,6 +24,7 @@ from tests.unit.test_data_parallel import (
     MBS,
     REASSOCIATION_TOL,
     SEQ,
+    SGD,
     VOCAB,
     _assert_params,
     _config,
@@ -35,11 +36,12 @@ from tests.unit.test_data_parallel import (
 STEPS = 3
 
 
-def _fsdp_train(num_microbatches, reshard, clip_grad=0.0):
+def _fsdp_train(num_microbatches, reshard, clip_grad=0.0, sgd=False):
     config = _config()
     model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
                         TorchFSDP2Config(reshard_after_forward=reshard), seed=42)
-    optimizer = get_megatron_optimizer(OptimizerConfig(clip_grad=clip_grad, **ADAM), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(clip_grad=clip_grad, **(SGD if sgd else ADAM)), model)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     local = num_microbatches // dp
     shards, history = {}, []
@@ -71,6 +73,16 @@ def test_fsdp2_dp2_steps_equal_single_process(reshard):
     reference = run_distributed(_reference, world_size=1, tp=1, num_microbatches=4)[0]
     ranks = run_distributed(_fsdp_train, world_size=2, tp=1, num_microbatches=4,
                             reshard=reshard)
+    _check_against_reference(ranks, reference, dp=2)
+
+
+def test_fsdp2_with_sgd_equals_single_process():
+    """SGD with momentum over FSDP2's DTensor shards (torch's fused SGD has no DTensor rule:
+    the step takes foreach there) against torch's fused SGD on one process."""
+    reference = run_distributed(_reference, world_size=1, tp=1, num_microbatches=4,
+                                sgd=True)[0]
+    ranks = run_distributed(_fsdp_train, world_size=2, tp=1, num_microbatches=4,
+                            reshard=True, sgd=True)
     _check_against_reference(ranks, reference, dp=2)
 
 

@@ -43,13 +43,17 @@ def get_param_groups(model_chunks: List[torch.nn.Module],
 
 
 def _torch_optimizer(param_groups: List[Dict], config: OptimizerConfig,
-                     layouts: Optional[Dict] = None) -> torch.optim.Optimizer:
-    """``layouts``: Muon's MatrixLayout per parameter (--optimizer muon)."""
+                     layouts: Optional[Dict] = None,
+                     dtensors: bool = False) -> torch.optim.Optimizer:
+    """``layouts``: Muon's MatrixLayout per parameter (--optimizer muon). ``dtensors``: the
+    parameters are FSDP2's DTensor shards."""
     groups = [{**g, "weight_decay": config.weight_decay * g["wd_mult"],
                "lr": config.lr * g["lr_mult"]} for g in param_groups]
     # One fused kernel per step where torch has one for the device (CUDA and CPU), else
-    # foreach (a few multi-tensor ops).
-    fused = device.device_type() in ("cuda", "cpu")
+    # foreach (a few multi-tensor ops). DTensor has no sharding rule for the fused SGD
+    # kernel (it has one for fused AdamW): SGD over FSDP2's shards takes foreach.
+    fused = device.device_type() in ("cuda", "cpu") and not (
+        dtensors and config.optimizer == "sgd")
     if config.optimizer == "muon":
         return muon.MuonWithAdamW(
             groups, layouts or {}, lr=config.lr, weight_decay=config.weight_decay,
@@ -92,7 +96,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         if layouts is not None:  # (the overlapped optimizer and offload: OptimizerConfig)
             raise ValueError("--optimizer muon with --use-torch-fsdp2 is not built (Muon "
                              "orthogonalizes whole matrices, FSDP2 holds DP shards of them).")
-        optimizer = fsdp.FSDP2Optimizer(_torch_optimizer(groups, config), config, None)
+        optimizer = fsdp.FSDP2Optimizer(_torch_optimizer(groups, config, dtensors=True),
+                                        config, None)
         optimizer.set_param_names(model_chunks)
         return optimizer
     if config.optimizer_cpu_offload:  # main params and state on the host
