@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.models import LlamaModel, llama_config
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_manual_seed
@@ -40,6 +41,7 @@ from megatron.training.memory.params import chunk_param_shapes
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
 from tests.unit.test_data_parallel import _forward_step
+from tests.unit.test_memory_modes import _measured as _fsdp2_measured
 from tests.unit.test_theoretical_memory import _measured_state, _ptrs, _unique_bytes
 
 HIDDEN, SEQ, MBS, VOCAB = 16, 6, 2, 64
@@ -216,13 +218,14 @@ def _context_parallel_forward_step(data_iterator, model):
     return per_token_loss, lambda out: (out.mean(), {"lm loss": out.mean().detach()})
 
 
-def _state_after_a_step(ep, distributed, context_parallel=1):
+def _state_after_a_step(ep, distributed, context_parallel=1, fsdp2=False):
     cp = context_parallel  # not "cp": run_distributed would initialise the groups itself
     ps.initialize_model_parallel(1, 1, context_parallel_size=cp,
                                  expert_model_parallel_size=ep)
     try:
         config = _llama_moe(expert_model_parallel_size=ep, context_parallel_size=cp)
-        ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+        ddp = TorchFSDP2Config() if fsdp2 else \
+            DistributedDataParallelConfig(use_distributed_optimizer=distributed)
         model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config, ddp, 42)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             lr=1e-3, use_distributed_optimizer=distributed), model)
@@ -234,21 +237,29 @@ def _state_after_a_step(ep, distributed, context_parallel=1):
         assert not skipped
         # the estimate's DP size is DP x CP (estimate.optimizer_setup_from)
         setup = OptimizerSetup(data_parallel_size=ps.get_data_parallel_world_size(
-            with_context_parallel=True), use_distributed_optimizer=distributed)
+            with_context_parallel=True), use_distributed_optimizer=distributed, fsdp2=fsdp2)
         estimate = rank_state_bytes(config, VOCAB, setup, 0, 4, ps.get_data_parallel_rank(
             with_context_parallel=True), share_embeddings_and_output_weights=False)
-        return (dataclasses.asdict(_measured_state(model, optimizer)),
-                dataclasses.asdict(estimate))
+        if fsdp2:  # no DDP buffers: each DTensor's local shard and its gradient
+            params = list(model[0].module.parameters())
+            measured = _fsdp2_measured(params, [p.grad for p in params], optimizer)
+        else:
+            measured = _measured_state(model, optimizer)
+        return dataclasses.asdict(measured), dataclasses.asdict(estimate)
     finally:
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("ep,distributed,cp", [(2, True, 1), (4, False, 1), (2, True, 2)])
-def test_whole_model_state_equals_a_real_step(ep, distributed, cp):
+@pytest.mark.parametrize("ep,distributed,cp,fsdp2", [
+    (2, True, 1, False), (4, False, 1, False), (2, True, 2, False),
+    (2, False, 1, True), (2, False, 2, True)])  # FSDP2: experts sharded over expert-DP
+def test_whole_model_state_equals_a_real_step(ep, distributed, cp, fsdp2):
     """4 ranks: dense state over DP x CP 4, experts over expert-DP 4 / EP (CP ranks hold
-    the same weights: the expert-DP group spans them too)."""
+    the same weights: the expert-DP group spans them too), under DDP, the distributed
+    optimizer and FSDP2."""
     for rank, (measured, estimate) in enumerate(run_distributed(
-            _state_after_a_step, 4, ep=ep, distributed=distributed, context_parallel=cp)):
+            _state_after_a_step, 4, ep=ep, distributed=distributed, context_parallel=cp,
+            fsdp2=fsdp2)):
         assert measured == estimate, f"rank {rank}"
 
 

@@ -116,6 +116,21 @@ def fsdp2_chunk_state(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
     return state
 
 
+def fsdp2_rank_chunk_state(config, shapes: List[ParamShape], setup: OptimizerSetup,
+                           param_bytes: int, rank: int) -> ModelStateBytes:
+    """One chunk on one rank: the dense parameters sharded over DP x CP, the routed experts'
+    over the expert-DP group (their own fully_shard, fsdp.py), as DDP's buffers are."""
+    experts = [s for s in shapes if is_expert_param(s)]
+    state = fsdp2_chunk_state([s for s in shapes if not is_expert_param(s)], setup,
+                              param_bytes, rank)
+    if experts:
+        expert_setup = dataclasses.replace(setup, data_parallel_size=expert_data_parallel_size(
+            config, setup.data_parallel_size))
+        add_states(state, fsdp2_chunk_state(experts, expert_setup, param_bytes,
+                                            rank % expert_setup.data_parallel_size))
+    return state
+
+
 def fsdp2_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup, rank: int,
                       share_embeddings_and_output_weights: bool = True,
                       pipeline_rank: int = 0) -> ModelStateBytes:
@@ -123,7 +138,8 @@ def fsdp2_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup, ran
     total = ModelStateBytes()
     for shapes, _ in rank_chunks(config, padded_vocab_size, pipeline_rank,
                                  share_embeddings_and_output_weights):
-        add_states(total, fsdp2_chunk_state(shapes, setup, config.params_dtype.itemsize, rank))
+        add_states(total, fsdp2_rank_chunk_state(config, shapes, setup,
+                                                 config.params_dtype.itemsize, rank))
     return total
 
 
@@ -173,7 +189,8 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
     memory = RankMemory()
     if setup.fsdp2:  # each chunk its own root; transients summed over chunks (a bound)
         for shapes, _ in rank_chunks(config, padded_vocab_size, pipeline_rank, share):
-            step = fsdp2_chunk_state(shapes, setup, param_bytes, data_parallel_rank)
+            step = fsdp2_rank_chunk_state(config, shapes, setup, param_bytes,
+                                          data_parallel_rank)
             step.fp8_weights = fp8_weight_cache_bytes(config, shapes)
             add_states(memory.device, step)
             memory.transient_bytes += fsdp2_transient_bytes(shapes, setup, param_bytes)

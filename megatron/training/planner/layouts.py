@@ -239,7 +239,7 @@ def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int):
     """(recomputation, distributed optimizer, EP) of a TP/PP/CP/DP layout."""
     shardings = _sharding_choices(mode, p, c, d)
     if is_moe(args) and mode in ("fsdp2", "fsdp2-zero2"):
-        shardings = ()  # not modelled yet: the estimate would shard experts over DP
+        shardings = ()  # the step time does not count FSDP2's per-microbatch collectives
     for recompute in RECOMPUTE_CHOICES:
         for sharded in shardings:
             for ep in expert_parallel_sizes(args, t * c * d, t):
