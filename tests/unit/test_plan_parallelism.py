@@ -382,7 +382,8 @@ def test_memory_mode_flags_parse_back_to_the_planned_estimate(mode, sharded):
 
 def test_a_memory_mode_is_proposed_when_nothing_fits_otherwise():
     """LLaMA-2 7B, 8 GPUs, 8 sequences a step, 12 GiB per GPU: the smallest layout without a
-    mode needs 14.4 GiB (TP 8, full recomputation); FSDP2 (no PP) needs more, CPU offload's
+    mode needs 14.4 GiB (TP 8, full recomputation); FSDP2 needs more (16 bytes a parameter
+    over the 8 GPUs: 14 GB of state, at any TP/PP/DP), CPU offload's
     device share fits: it is proposed, and its flags printed."""
     workload = workload_from_flags(LLAMA2_7B, global_batch_size=8)
     cluster = Cluster(num_gpus=8, gpu_memory_gib=12, memory_reserve_gib=0)

@@ -208,7 +208,8 @@ def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
     """Every layout, grouped into families that differ only in the micro batch (ascending):
     memory grows with the micro batch, so a family can stop at its first misfit. CP > 1
     only with ``with_cp`` (see the module's docstring). With ``memory_mode`` only the
-    layouts it composes with (FSDP2: no PP, no CP, DP > 1; ZeRO-2: the distributed optimizer)."""
+    layouts it composes with (FSDP2: DP x CP > 1, no zero-bubble schedule; ZeRO-2: the
+    distributed optimizer)."""
     micro_batches = [1 << k for k in range(max_micro_batch_size.bit_length())
                      if 1 << k <= max_micro_batch_size]
     for t in tensor_parallel_sizes(args, num_gpus, gpus_per_node):
@@ -226,6 +227,8 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
         d = num_gpus // (t * c * p)
         fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
         for v, schedule in _schedules(num_layers, p):
+            if mode in ("fsdp2", "fsdp2-zero2") and schedule is not None:
+                continue  # FSDP2 refuses the zero-bubble schedules (arguments/configs.py)
             batches = [b for b in fitting
                        if _schedule_takes(p, v, schedule, global_batch_size // (b * d))]
             for recompute, sharded, ep in _choices(args, mode, t, p, c, d):
@@ -238,8 +241,6 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
 def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int):
     """(recomputation, distributed optimizer, EP) of a TP/PP/CP/DP layout."""
     shardings = _sharding_choices(mode, p, c, d)
-    if is_moe(args) and mode in ("fsdp2", "fsdp2-zero2"):
-        shardings = ()  # the step time does not count FSDP2's per-microbatch collectives
     for recompute in RECOMPUTE_CHOICES:
         for sharded in shardings:
             for ep in expert_parallel_sizes(args, t * c * d, t):
@@ -270,8 +271,8 @@ def _schedule_takes(p: int, v: Optional[int], schedule: Optional[str], microbatc
 def _sharding_choices(mode: Optional[str], p: int, c: int, d: int):
     """Distributed optimizer or not, for ``mode`` at PP ``p``, CP ``c`` and DP ``d``. The
     distributed optimizer shards over DP x CP."""
-    if mode in ("fsdp2", "fsdp2-zero2"):  # FSDP2 shards itself; no PP, no CP yet
-        return (False,) if p == 1 and c == 1 and d > 1 else ()
+    if mode in ("fsdp2", "fsdp2-zero2"):  # FSDP2 shards itself, over DP x CP
+        return (False,) if d * c > 1 else ()
     if mode == "zero2":
         return (True,) if d * c > 1 else ()
     return (False, True) if d * c > 1 else (False,)

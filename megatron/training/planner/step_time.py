@@ -308,11 +308,19 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
         per_stage = []  # (exposed, total) seconds of each stage's DP collectives
         for stage, (forward_r, backward_r, _, _) in zip(memory.stages, stages):
             grads, params = _collective_bytes(stage, layout, d * c)
-            if layout.fsdp2:  # ZeRO-3 gathers the parameters for forward and for backward
+            if layout.fsdp2:
+                # Every microbatch: ZeRO-3 gathers the parameters for its forward and its
+                # backward (ZeRO-2 for its forward) and reduce-scatters its gradients
+                # (fsdp.py's no_sync holds nothing back), each hidden behind that
+                # microbatch's compute.
                 gathers = 2 if layout.memory_mode == "fsdp2" else 1
                 reduce_s = share * grads / bandwidth
                 gather_s = gathers * share * params / bandwidth
-            elif layout.distributed_optimizer:
+                exposed = m * (max(0.0, reduce_s - backward_r)
+                               + max(0.0, gather_s - forward_r))
+                per_stage.append((exposed, m * (reduce_s + gather_s)))
+                continue
+            if layout.distributed_optimizer:
                 reduce_s, gather_s = share * grads / bandwidth, share * params / bandwidth
             else:
                 reduce_s, gather_s = 2 * share * grads / bandwidth, 0.0
