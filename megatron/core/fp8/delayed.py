@@ -42,9 +42,8 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8.config import fp8_max
+from megatron.core.fp8.quantize import encode_scale
 
-ALGOS = ("most_recent", "max")
 CHECKPOINT_KEY = "fp8_delayed_scaling"  # a checkpoint rank record's key for the histories
 OPERANDS = ("input", "weight", "grad")
 
@@ -53,21 +52,14 @@ def history_encode(history: torch.Tensor, algo: str, dtype: torch.dtype,
                    margin: int) -> torch.Tensor:
     """The encode scale (fp32, shape ()) a history gives: quantize.py's rule on the amax
     ``algo`` picks from it."""
-    amax = history[0] if algo == "most_recent" else history.max()
-    amax = amax.float()
-    encode = fp8_max(dtype) / amax / (2.0 ** margin)
-    return torch.where(amax > 0, encode, 1.0)
+    return encode_scale(history[0] if algo == "most_recent" else history.max(), dtype, margin)
 
 
 class DelayedScaling:
     """One FP8 linear's amax histories (module docstring)."""
 
     def __init__(self, history_len: int, algo: str):
-        if history_len < 1:
-            raise ValueError(f"--fp8-amax-history-len must be >= 1, got {history_len}")
-        if algo not in ALGOS:
-            raise ValueError(f"--fp8-amax-compute-algo {algo!r} is not one of "
-                             f"{', '.join(ALGOS)}")
+        """``history_len`` and ``algo`` as Fp8Config checked them."""
         self.algo = algo
         self.history = torch.zeros(len(OPERANDS), history_len)
         self.pending = torch.zeros(len(OPERANDS))

@@ -53,7 +53,8 @@ class Quantized:
         return self.data.shape
 
 
-def _encode(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+def encode_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """max_fp8 / amax / 2^margin in fp32, 1 where amax is 0 (an all-zero group)."""
     amax = amax.float()
     encode = fp8_max(dtype) / amax / (2.0 ** margin)
     return torch.where(amax > 0, encode, 1.0)
@@ -150,7 +151,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str, margin: int = 0,
         amax = group_amax(x, scaling)
         if reduce_amax is not None and scaling in (TENSORWISE, ROWWISE):
             reduce_amax(amax)
-        encode = _encode(amax, dtype, margin)
+        encode = encode_scale(amax, dtype, margin)
     elif scaling != TENSORWISE:
         raise ValueError(f"a given encode scale is tensorwise, not {scaling}")
     cast = _compiled_cast(x, encode, scaling, dtype, transpose) if compile else _scale_and_cast
