@@ -3,8 +3,9 @@
     model = TorchFSDP2(config, TorchFSDP2Config(reshard_after_forward=True), model_chunk)
 
 Each transformer layer, then the whole chunk (embedding, final norm, output layer), is a
-``fully_shard`` unit over a 1-D mesh of this rank's DP group (routed experts: expert-DP). Under tensor parallelism the
-tensor FSDP shards is this TP rank's local weight, so TP's collectives are untouched. After
+``fully_shard`` unit over a 1-D mesh of this rank's DP group (routed experts: expert-DP).
+Under tensor parallelism the tensor FSDP shards is this TP rank's local weight, so TP's
+collectives are untouched. After
 sharding every parameter is a DTensor split on dim 0 over DP, and backward leaves each rank the
 DP-averaged gradient of its own shard in ``.grad`` (a DTensor): there is no ``main_grad``, so
 gradient-accumulation fusion falls back to ordinary autograd by itself.
