@@ -20,7 +20,7 @@ from megatron.core.group_registry import GROUP_RANKS, GROUPS
 
 _EXPERT_MODEL = "expert_model"
 _EXPERT_TENSOR = "expert_tensor"
-_EXPERT_DATA = "expert_data"
+_EXPERT_DATA = EXPERT_DATA = "expert_data"  # optimizer_instances cuts these
 _EXPERT_TENSOR_AND_MODEL = "expert_tensor_and_model"
 _EXPERT_TENSOR_MODEL_PIPELINE = "expert_tensor_model_pipeline"
 

@@ -15,7 +15,12 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron.core import device, expert_parallel_state, pipeline_placement
+from megatron.core import (
+    device,
+    expert_parallel_state,
+    optimizer_instances,
+    pipeline_placement,
+)
 # The process groups this rank belongs to, and the global ranks of each: shared with
 # expert_parallel_state, so changed in place only, never rebound.
 from megatron.core.group_registry import GROUP_RANKS as _GROUP_RANKS, GROUPS as _GROUPS
@@ -52,10 +57,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               distributed_timeout_minutes: float = 10.0,
                               context_parallel_size: int = 1,
                               expert_model_parallel_size: Optional[int] = None,
-                              expert_tensor_parallel_size: Optional[int] = None) -> None:
+                              expert_tensor_parallel_size: Optional[int] = None,
+                              num_distributed_optimizer_instances: int = 1) -> None:
     """Create all process groups. Every rank must call this with the same arguments.
     ``distributed_timeout_minutes`` bounds how long any collective on them waits. With an
-    expert size given, the expert groups are made too (initialize_expert_parallel)."""
+    expert size given, the expert groups are made too (initialize_expert_parallel). More than
+    one optimizer instance (HSDP) adds the instances' groups (optimizer_instances.py)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel() needs torch.distributed: call "
@@ -70,6 +77,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ValueError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes "
                          f"must be >= 1.")
     check_world_size(world_size, tp, pp, cp)
+    optimizer_instances.check_divides(world_size // (tp * pp),
+                                      num_distributed_optimizer_instances,
+                                      "the data-parallel x context-parallel ranks")
     with_experts = expert_model_parallel_size is not None or \
         expert_tensor_parallel_size is not None
     if with_experts:  # before any group exists, so a bad size costs no communication
@@ -90,6 +100,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     # Ranks on middle pipeline stages belong to no embedding group.
     _GROUPS[_EMBEDDING], _GROUP_RANKS[_EMBEDDING] = None, []
     create_groups(rank_layout(world_size, tp, pp, cp))
+    if num_distributed_optimizer_instances > 1:
+        create_groups(optimizer_instances.instance_layout(
+            _LAYOUT[_DATA_CONTEXT], num_distributed_optimizer_instances,
+            optimizer_instances.DENSE_SHARD, optimizer_instances.DENSE_REPLICA))
+    optimizer_instances.record_count(num_distributed_optimizer_instances)
     # The DP groups' gloo copies (get_data_parallel_group(with_gloo=True)) are made on first use.
 
     global _VIRTUAL_PIPELINE_RANK, _VIRTUAL_PIPELINE_WORLD_SIZE
@@ -116,6 +131,11 @@ def initialize_expert_parallel(expert_model_parallel_size: int = 1,
         dist.get_world_size(), get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size, etp)
     create_groups(layout)
+    instances = optimizer_instances.num_instances()
+    if instances > 1:  # HSDP: the expert-DP groups cut into the same instances
+        create_groups(optimizer_instances.instance_layout(
+            layout[expert_parallel_state.EXPERT_DATA], instances,
+            optimizer_instances.EXPERT_SHARD, optimizer_instances.EXPERT_REPLICA))
 
 
 def create_groups(layout: Dict[str, List[List[int]]]) -> None:

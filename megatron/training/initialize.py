@@ -93,7 +93,8 @@ def initialize_megatron(tensor_model_parallel_size: int = 1,
                         distributed_timeout_minutes: float = 10.0,
                         context_parallel_size: int = 1,
                         expert_model_parallel_size: Optional[int] = None,
-                        expert_tensor_parallel_size: Optional[int] = None) -> None:
+                        expert_tensor_parallel_size: Optional[int] = None,
+                        num_distributed_optimizer_instances: int = 1) -> None:
     """Join the process group, make parallel_state's groups (the expert groups too when an
     expert size is given: an MoE model) and seed."""
     if device_type not in (None, "auto"):
@@ -111,5 +112,6 @@ def initialize_megatron(tensor_model_parallel_size: int = 1,
                                              virtual_pipeline_model_parallel_size,
                                              distributed_timeout_minutes, context_parallel_size,
                                              expert_model_parallel_size,
-                                             expert_tensor_parallel_size)
+                                             expert_tensor_parallel_size,
+                                             num_distributed_optimizer_instances)
     set_random_seeds(seed)

@@ -223,7 +223,8 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
     initialize_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, t.seed, t.device,
                         t.distributed_timeout_minutes, args.context_parallel_size,
-                        *expert_sizes(configs.transformer))
+                        *expert_sizes(configs.transformer),
+                        configs.ddp.num_distributed_optimizer_instances)
     vocab_size = configs.model_kwargs["vocab_size"]
     # Each corpus's tokenizer sidecar against this run's tokenizer, before any model is built.
     sidecar_checked = check_corpus_tokenizers(

@@ -6,6 +6,9 @@ The layouts differ from one process only in the order of the gradient sums (per 
 the reduce-scatter over DP; the norm shard by shard), so the losses agree to 1e-6: the log's
 last printed digit (7 significant digits, values near 4), i.e. at most one unit of rounding.
 """
+import json
+import math
+
 import pytest
 
 from tests.e2e.bad_inputs.harness import run as run_forked
@@ -100,10 +103,13 @@ def _reshard_flags():
     return _flags(dropout="0", loader="single")  # masks and sample order independent of DP
 
 
+HSDP = ["--num-distributed-optimizer-instances", "2"]
 LAYOUTS = {"fsdp2 dp2 zero3": (2, FSDP2), "fsdp2 dp2 zero2": (2, FSDP2 + ZERO2),
            "distributed dp4": (4, DISTRIBUTED), "plain dp1": (1, []),
            "fsdp2 tp2 dp2": (4, FSDP2 + ["--tensor-model-parallel-size", "2"]),
-           "fsdp2 pp2 dp2": (4, FSDP2 + ["--pipeline-model-parallel-size", "2"])}
+           "fsdp2 pp2 dp2": (4, FSDP2 + ["--pipeline-model-parallel-size", "2"]),
+           # HSDP: two instances of two ranks; instance 0 alone writes what both hold
+           "fsdp2 hsdp dp4": (4, FSDP2 + HSDP), "distributed hsdp dp4": (4, DISTRIBUTED + HSDP)}
 
 
 def uninterrupted_runs(root, flags, layouts):
@@ -130,6 +136,8 @@ def straight_runs(tmp_path_factory):
     # FSDP2 x PP2 (tests/e2e/test_fsdp2_pipeline.py): each stage's rows, to and from one stage
     ("fsdp2 pp2 dp2", "plain dp1"), ("fsdp2 pp2 dp2", "distributed dp4"),
     ("plain dp1", "fsdp2 pp2 dp2"), ("distributed dp4", "fsdp2 pp2 dp2"),
+    ("fsdp2 hsdp dp4", "plain dp1"), ("distributed hsdp dp4", "fsdp2 dp2 zero3"),
+    ("fsdp2 dp2 zero3", "fsdp2 hsdp dp4"), ("plain dp1", "distributed hsdp dp4"),
 ])
 def test_fsdp2_checkpoint_loads_into_another_layout(straight_runs, tmp_path, saved, target):
     root, _ = straight_runs[saved]
@@ -138,9 +146,18 @@ def test_fsdp2_checkpoint_loads_into_another_layout(straight_runs, tmp_path, sav
         "--load", root, "--ckpt-step", "2", "--save", tmp_path / "again"], nproc)
     got, want = _iteration_losses(proc), straight_runs[target][1]
     assert "resharded from" in proc.stdout
+    assert _each_element_written_once(root / "iter_0000002")
     assert sorted(got) == ["3", "4"]
     for i in "34":
         assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
+
+
+def _each_element_written_once(iteration_dir) -> bool:
+    """The pieces of every tensor add up to it (HSDP's instances hold the same rows: a second
+    instance writing them would count twice)."""
+    tensors = json.loads((iteration_dir / "metadata.json").read_text())["tensors"]
+    return all(sum(stop - start for *_, start, stop in entry["pieces"])
+               == math.prod(entry["shape"]) for entry in tensors.values())
 
 
 def test_fsdp2_bf16_checkpoint_loads_into_the_bf16_distributed_optimizer(tmp_path):

@@ -7,7 +7,8 @@ Layouts (4 microbatches of 1 per DP rank at DP 2: several in flight on the first
     group (a wrong pairing of rows, or no sum, moves the loss from iteration 2 on);
   * PP2 x VPP2 x DP2, interleaved, tied (ZeRO-2, --no-reshard-after-forward): two FSDP2
     roots per rank, each holding microbatches in flight;
-  * TP2 x PP2 x DP2 (8 ranks), sequence parallelism, untied (the issue's triple).
+  * TP2 x PP2 x DP2 (8 ranks), sequence parallelism, untied (the issue's triple), and the
+    same with HSDP (two instances), tied.
 The global norm is summed over every rank with the last stage's tied copy and TP duplicates
 left out: a double count shows in the printed grad norm (and, with Adam, in the losses).
 Checkpoints saved under FSDP2 x PP2 loading at other layouts, and the reverse: with the other
@@ -46,7 +47,12 @@ def test_fsdp2_with_pipeline_parallelism_equals_one_process(references):
             "pp2 vpp2 dp2 interleaved tied zero2": (4, True, PP2 + [
                 "--num-layers-per-virtual-pipeline-stage", "1", "--no-reshard-after-forward"]),
             "tp2 pp2 dp2 sp untied": (8, False, PP2 + [
-                "--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+                "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            # HSDP: the two DP ranks are two instances of one (FSDP2's (2, 1) mesh): the
+            # reduce-scatter is a copy and the all-reduce across instances does the averaging
+            "tp2 pp2 dp2 hsdp tied": (8, True, PP2 + [
+                "--tensor-model-parallel-size", "2", "--num-distributed-optimizer-instances",
+                "2"])}
     started = {name: (tied, start_script("pretrain_llama.py", BASE + (TIED if tied else LLAMA)
                                          + extra, nproc=nproc))
                for name, (nproc, tied, extra) in runs.items()}

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import optimizer_instances, parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -52,6 +52,16 @@ def bucket_size_for(ddp_config: DistributedDataParallelConfig,
     return ddp_config.bucket_size
 
 
+def check_instances(ddp_config: DistributedDataParallelConfig) -> None:
+    """The config's optimizer instances are the ones parallel_state made groups for."""
+    made = optimizer_instances.num_instances()
+    if ddp_config.num_distributed_optimizer_instances != made:
+        raise ValueError(f"the data-parallel config asks for "
+                         f"{ddp_config.num_distributed_optimizer_instances} optimizer "
+                         f"instances, parallel_state made {made}: pass "
+                         "num_distributed_optimizer_instances to initialize_model_parallel.")
+
+
 class DistributedDataParallel(torch.nn.Module):
     def __init__(self, config, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module):
@@ -59,6 +69,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
+        check_instances(ddp_config)
         # Context-parallel ranks hold the same weights and other tokens of the same
         # sequences: gradients are averaged over DP x CP (the loss is scaled by CP).
         self.data_parallel_group = parallel_state.get_data_parallel_group(
@@ -79,7 +90,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.buffers = [GradBuffer(params[::-1], grad_dtype, bucket_size,
                                    self._reduction_group(expert), 1.0 / dp_size,
                                    shard=ddp_config.use_distributed_optimizer,
-                                   shard_grads=ddp_config.shard_gradients)
+                                   shard_grads=ddp_config.shard_gradients,
+                                   replica_group=self._replica_group(expert))
                         for (expert, _, grad_dtype), params in by_dtype.items()]
         self._bucket_of = {p: bucket for b in self.buffers for p, bucket in b.bucket_of.items()}
         # The sharded buckets in forward order (by their first parameter's registration),
@@ -96,9 +108,18 @@ class DistributedDataParallel(torch.nn.Module):
         self.broadcast_params()
 
     def _reduction_group(self, expert: bool):
+        """Where gradients are summed (sharded: the ranks sharing one optimizer instance)."""
+        if self.ddp_config.use_distributed_optimizer:
+            return optimizer_instances.shard_group(expert)
         if expert:
             return parallel_state.get_expert_data_parallel_group()
         return self.data_parallel_group
+
+    def _replica_group(self, expert: bool):
+        """HSDP: the other instances' ranks holding the same shard (None: one instance)."""
+        if self.ddp_config.use_distributed_optimizer:
+            return optimizer_instances.replica_group(expert)
+        return None
 
     def _buckets(self):
         return [bucket for buffer in self.buffers for bucket in buffer.buckets]

@@ -22,6 +22,10 @@ class DistributedDataParallelConfig:
     # only this rank's shard of each bucket and free the full bucket until the next
     # iteration's zero_grad_buffer() (ZeRO-2, --shard-gradients; see param_and_grad_buffer).
     shard_gradients: bool = False
+    # HSDP (--num-distributed-optimizer-instances): the sharded optimizer (or FSDP2) is cut
+    # into this many instances, each sharding over DP x CP / N ranks, all-reduced across
+    # them. The groups are parallel_state's (optimizer_instances.py); this must match them.
+    num_distributed_optimizer_instances: int = 1
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -29,6 +33,11 @@ class DistributedDataParallelConfig:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlapping the parameter all-gather needs the distributed "
                              "optimizer (--use-distributed-optimizer).")
+        if self.num_distributed_optimizer_instances > 1 and not (
+                self.use_distributed_optimizer or getattr(self, "use_torch_fsdp2", False)):
+            raise ValueError("--num-distributed-optimizer-instances shards within each "
+                             "instance: it needs --use-distributed-optimizer or "
+                             "--use-torch-fsdp2.")
         if self.shard_gradients and not self.use_distributed_optimizer:
             raise ValueError("--shard-gradients needs --use-distributed-optimizer or "
                              "--overlapped-distributed-optimizer (only the distributed "
@@ -39,7 +48,8 @@ def ddp_config_for_optimizer(optimizer_config, grad_reduce_in_fp32: bool = False
                              overlap_grad_reduce: bool = False,
                              bucket_size: Optional[int] = None,
                              reduce_bucket_size: int = 500_000_000,
-                             shard_gradients: bool = False
+                             shard_gradients: bool = False,
+                             num_distributed_optimizer_instances: int = 1
                              ) -> DistributedDataParallelConfig:
     """The DDP settings an optimizer config implies. ``--overlapped-distributed-optimizer``
     (Megatron-LLaMA's) is the distributed optimizer with the gradient reduce-scatter and the
@@ -49,9 +59,11 @@ def ddp_config_for_optimizer(optimizer_config, grad_reduce_in_fp32: bool = False
         return DistributedDataParallelConfig(
             grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=True,
             bucket_size=reduce_bucket_size, use_distributed_optimizer=True,
-            overlap_param_gather=True, shard_gradients=shard_gradients)
+            overlap_param_gather=True, shard_gradients=shard_gradients,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
         use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
-        shard_gradients=shard_gradients)
+        shard_gradients=shard_gradients,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances)

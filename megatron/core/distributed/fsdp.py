@@ -53,7 +53,8 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, expert_parallel_state, parallel_state
+from megatron.core import device, expert_parallel_state, optimizer_instances, parallel_state
+from megatron.core.distributed.distributed_data_parallel import check_instances
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -116,13 +117,25 @@ def _routed_experts(layer: torch.nn.Module) -> List[torch.nn.Module]:
             and all(getattr(p, "expert_parallel", False) for p in m.parameters(recurse=False))]
 
 
-def _expert_mesh(device_mesh_class):
-    """A 1-D mesh over the expert-DP group (None without MoE)."""
-    if not expert_parallel_state.expert_parallel_is_initialized():
-        return None
-    group = expert_parallel_state.get_expert_data_parallel_group()
-    return device_mesh_class.from_group(group, device.device_type(),
-                                        mesh_dim_names=(f"edp_{group.group_name}",))
+def _mesh(device_mesh_class, expert: bool):
+    """The mesh a unit is sharded over: 1-D over the DP x CP group (experts: expert-DP), or
+    under HSDP 2-D, (instances, ranks of an instance): fully_shard then reduce-scatters and
+    all-gathers within an instance and all-reduces the shards across instances. Named after
+    the shard group: meshes over the same ranks compare equal otherwise, and DTensor's caches
+    would hand back one holding a destroyed group (parallel_state initialised again in the
+    same process)."""
+    shard = optimizer_instances.shard_group(expert)
+    name = f"{'edp' if expert else 'dp'}_{shard.group_name}"
+    replica = optimizer_instances.replica_group(expert)
+    if replica is None:
+        return device_mesh_class.from_group(shard, device.device_type(),
+                                            mesh_dim_names=(name,))
+    # Instance i is ranks [i x size, (i + 1) x size) of the data group (optimizer_instances).
+    whole = (expert_parallel_state.get_expert_data_parallel_ranks() if expert
+             else parallel_state.get_data_parallel_ranks(with_context_parallel=True))
+    layout = torch.tensor(whole).view(optimizer_instances.num_instances(), -1)
+    return device_mesh_class.from_group([replica, shard], device.device_type(), mesh=layout,
+                                        mesh_dim_names=(f"{name}_replica", name))
 
 
 class TorchFSDP2(torch.nn.Module):
@@ -139,14 +152,12 @@ class TorchFSDP2(torch.nn.Module):
         super().__init__()
         self.config = config
         self.ddp_config = fsdp_config
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        self._broadcast_params(module, group)
-        expert_mesh = _expert_mesh(DeviceMesh)
-        # Named after the group: meshes over the same ranks compare equal otherwise, and
-        # DTensor's caches would hand back one holding a destroyed group (parallel_state
-        # initialised again in the same process).
-        mesh = DeviceMesh.from_group(group, device.device_type(),
-                                     mesh_dim_names=(f"dp_{group.group_name}",))
+        check_instances(fsdp_config)
+        self._broadcast_params(module,
+                               parallel_state.get_data_parallel_group(with_context_parallel=True))
+        mesh = _mesh(DeviceMesh, expert=False)
+        expert_mesh = (_mesh(DeviceMesh, expert=True)
+                       if expert_parallel_state.expert_parallel_is_initialized() else None)
         compute_dtype = config.params_dtype
         if compute_dtype == torch.float16:
             raise ValueError("--use-torch-fsdp2 with --fp16 (loss scaling) is not supported "
@@ -169,9 +180,9 @@ class TorchFSDP2(torch.nn.Module):
                                 reshard_after_forward=fsdp_config.reshard_after_forward)
                     experts.set_gradient_divide_factor(float(dp_size))
                     # Sum, then divide: the fused pre-multiplied sum (NCCL) is not in gloo.
-                    # Not on a mesh of one rank: torch then divides the copied gradient by the
-                    # factor itself, and a forced sum would divide it a second time.
-                    if expert_mesh.size() > 1:
+                    # Not where the shard dimension has one rank: torch then divides the copied
+                    # gradient by the factor itself, and a forced sum would divide it again.
+                    if expert_mesh.size(expert_mesh.ndim - 1) > 1:
                         experts.set_force_sum_reduction_for_comms(True)
                 fully_shard(layer, mesh=mesh, mp_policy=policy,
                             reshard_after_forward=fsdp_config.reshard_after_forward)
@@ -256,6 +267,11 @@ class FSDP2Optimizer(FP32Optimizer):
     def _reduction_group(self):
         return dist.group.WORLD
 
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        if optimizer_instances.instance_rank() > 0:
+            return []  # HSDP: every instance holds the same shards; instance 0's are counted
+        return super()._grads_for_norm()
+
     def _main_ranges(self):
         # This rank's rows of each parameter (QK-clip scales them; the next forward's
         # all-gather spreads them).
@@ -281,11 +297,13 @@ class FSDP2Optimizer(FP32Optimizer):
         parts, step = [], None
         for main in self._main_params():
             begin, local = local_rows(main)
-            values = {"param": local.detach().reshape(-1)} if self._saves_main_copy() else {}
             state = self.optimizer.state.get(main, {})
-            values.update({k: _local(state[k]).detach().reshape(-1) for k in keys if k in state})
             if "step" in state:  # every rank steps every parameter: the same value everywhere
                 step = float(state["step"])
+            if optimizer_instances.instance_rank() > 0:
+                continue  # HSDP: instance 0's ranks write the rows every instance holds
+            values = {"param": local.detach().reshape(-1)} if self._saves_main_copy() else {}
+            values.update({k: _local(state[k]).detach().reshape(-1) for k in keys if k in state})
             parts.append((self._names[main], begin, begin + local.numel(), values))
         return parts, wrap_state(self.optimizer, {}, step, keys, self.num_skipped_steps, None)
 

@@ -54,7 +54,7 @@ class Bucket:
     def __init__(self, params: List[torch.nn.Parameter], grad_data: Optional[torch.Tensor],
                  param_data: Optional[torch.Tensor], param_ranges: Dict, group,
                  scaling: float, numel: int, grad_dtype: torch.dtype,
-                 shard_grads: bool = False):
+                 shard_grads: bool = False, replica_group=None):
         self.params = params
         self.grad_data = grad_data  # ZeRO-2: None while the full storage is freed
         self.numel = numel
@@ -62,6 +62,10 @@ class Bucket:
         self.param_data = param_data  # None unless sharded
         self.param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]] = param_ranges
         self.group = group
+        # HSDP (optimizer_instances.py): ``group`` is this rank's instance, and the reduced
+        # shard is then all-reduced with the same shard of the other instances.
+        self.replica_group = replica_group
+        self.replica_pending = False
         self.scaling = scaling
         self.sharded = param_data is not None
         self.shard_grads = shard_grads
@@ -104,6 +108,7 @@ class Bucket:
             output = self.grad_shard if self.shard_grads else self.grad_data[begin:end]
             self.handle = reduce_scatter_tensor(output, self.grad_data, group=self.group,
                                                 async_op=async_op)
+            self.replica_pending = self.replica_group is not None
         else:
             self.handle = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
         if not async_op:
@@ -121,6 +126,11 @@ class Bucket:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+        if self.replica_pending:  # HSDP: the instances' sums of this shard, added up
+            self.replica_pending = False
+            begin, end = self.shard_range()
+            shard = self.grad_shard if self.shard_grads else self.grad_data[begin:end]
+            dist.all_reduce(shard, group=self.replica_group)
 
     def finish(self) -> None:
         """Wait for the reduction; ZeRO-2 then frees the full storage."""
@@ -180,7 +190,7 @@ class GradBuffer:
 
     def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype,
                  bucket_size: Optional[int], data_parallel_group, scaling: float,
-                 shard: bool = False, shard_grads: bool = False):
+                 shard: bool = False, shard_grads: bool = False, replica_group=None):
         if shard_grads and not shard:
             raise ValueError("sharded gradients need sharded buckets (the distributed "
                              "optimizer).")
@@ -228,7 +238,8 @@ class GradBuffer:
                 offset = end
             bucket = Bucket(group, grads,
                             self.param_data[start:start + size] if shard else None, ranges,
-                            data_parallel_group, scaling, size, grad_dtype, shard_grads)
+                            data_parallel_group, scaling, size, grad_dtype, shard_grads,
+                            replica_group)
             self.buckets.append(bucket)
             self.bucket_of.update({p: bucket for p in group})
             start += size

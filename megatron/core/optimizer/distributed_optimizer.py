@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, parallel_state
+from megatron.core import device, optimizer_instances, parallel_state
 from megatron.core.optimizer.named_state import (
     check_covers,
     check_numel,
@@ -93,7 +93,12 @@ class DistributedOptimizer(MegatronOptimizer):
         return None  # shards differ over DP too: reduce over every rank
 
     def _replica_ranks(self):
-        return None  # ... and no shard is held twice
+        return None  # ... and no shard is held twice, except by other instances (HSDP):
+
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        if optimizer_instances.instance_rank() > 0:
+            return []  # every instance holds the same shards; instance 0's are counted
+        return super()._grads_for_norm()
 
     def _model_param(self, main_param):
         return self._model_of[main_param]
@@ -170,6 +175,8 @@ class DistributedOptimizer(MegatronOptimizer):
         to host before the next, into one device buffer: the whole bucket on that rank, one
         shard elsewhere. That is the extra device memory of a save (every key of the whole
         model at once would not fit next to it)."""
+        if optimizer_instances.instance_rank() > 0:
+            return None  # HSDP: instance 0 holds the same state (each gather is per instance)
         roots = [dist.get_rank(s.bucket.group) == 0 for s in self.shards]
         dp_root = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
         params: Optional[Dict[str, Dict[str, torch.Tensor]]] = \
@@ -228,7 +235,8 @@ class DistributedOptimizer(MegatronOptimizer):
         keys = state_keys(self.optimizer, lambda p, v: v.dim() == 1)
         step = self._agreed_step()
         parts = []
-        for shard in self.shards:
+        # HSDP: every instance holds the same rows; instance 0's ranks write them.
+        for shard in self.shards if optimizer_instances.instance_rank() == 0 else []:
             for piece, param, begin, end, _ in shard.pieces:
                 values = {} if shard.in_place else {"param": piece.detach()}
                 state = self.optimizer.state.get(piece, {})

@@ -73,8 +73,28 @@ def _check_world(args, world_size: int) -> int:
               f"--num-query-groups {args.num_query_groups} is not divisible by "
               f"--tensor-model-parallel-size {tp}.")
     args.data_parallel_size = dp
+    _check_instances(args, dp * cp)
     _check_expert_world(args, world_size)
     return dp
+
+
+def instances_of(args) -> int:
+    return getattr(args, "num_distributed_optimizer_instances", 1)  # saved args may lack it
+
+
+def _check_instances(args, data_and_context: int) -> None:
+    """HSDP: the instances cut the DP x CP ranks evenly, and something shards inside them."""
+    instances = instances_of(args)
+    if instances == 1:
+        return
+    flag = f"--num-distributed-optimizer-instances {instances}"
+    _need(args.use_distributed_optimizer or args.overlapped_distributed_optimizer
+          or getattr(args, "use_torch_fsdp2", False),
+          f"{flag} replicates a sharded optimizer: add --use-distributed-optimizer or "
+          "--use-torch-fsdp2 (each instance shards over its ranks).")
+    _need(data_and_context % instances == 0,
+          f"{flag} does not divide the {data_and_context} data-parallel x context-parallel "
+          "ranks; choose a divisor of it.")
 
 
 def _check_expert_world(args, world_size: int) -> None:
@@ -89,6 +109,11 @@ def _check_expert_world(args, world_size: int) -> None:
           f"{ep * etp} does not divide the {stage} ranks of a pipeline stage (world size "
           f"{world_size} / --pipeline-model-parallel-size {args.pipeline_model_parallel_size});"
           f" choose expert sizes whose product divides it.")
+    edp, instances = stage // (ep * etp), instances_of(args)
+    _need(edp % instances == 0,
+          f"--num-distributed-optimizer-instances {instances} does not divide the {edp} "
+          f"expert-data-parallel ranks (pipeline stage {stage} / (EP {ep} x expert TP "
+          f"{etp})); choose a divisor of both it and DP x CP.")
     _need(args.num_experts % ep == 0,
           f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
           f"{ep}; every EP rank holds the same number of experts.")
@@ -155,7 +180,8 @@ def _fsdp2_config(args, ddp):
           "torch_dist (the default), not --ckpt-format torch.")
     return _built("data-parallel flags", lambda: TorchFSDP2Config(
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
-        reshard_after_forward=args.reshard_after_forward))
+        reshard_after_forward=args.reshard_after_forward,
+        num_distributed_optimizer_instances=instances_of(args)))
 
 
 _TOKENIZER_FILES = {
@@ -404,7 +430,10 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         optimizer, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
         reduce_bucket_size=args.reduce_bucket_size,
-        shard_gradients=getattr(args, "shard_gradients", False)))  # saved args may lack it
+        shard_gradients=getattr(args, "shard_gradients", False),  # saved args may lack it
+        # FSDP2 takes the instances below (this config is replaced by its own).
+        num_distributed_optimizer_instances=1 if getattr(args, "use_torch_fsdp2", False)
+        else instances_of(args)))
     if args.overlap_param_gather and not ddp.overlap_param_gather:
         ddp = _built("data-parallel flags", lambda: dataclasses.replace(
             ddp, overlap_param_gather=True))

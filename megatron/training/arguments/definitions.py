@@ -237,14 +237,20 @@ def _add_parallel_args(parser):
                         "gradients and frees the full gradient buffer until the next "
                         "iteration (still reduced once per iteration; the forward/backward "
                         "peak is unchanged).")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="HSDP: cut the DP x CP ranks into this many instances (consecutive "
+                        "ranks: a node's), each sharding the distributed optimizer or FSDP2 "
+                        "over its ranks, with the reduced gradient shards all-reduced across "
+                        "instances (N copies of the optimizer state; 1/(DP x CP / N) of the "
+                        "gradients crosses nodes).")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=_int_from_float, default=None)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="Shard parameters, gradients and optimizer state over DP with torch's "
-                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, CP and PP "
-                        "(1F1B, interleaved), not with the zero-bubble schedules, MoE, "
+                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, CP, PP "
+                        "(1F1B, interleaved), EP and HSDP, not with the zero-bubble schedules, "
                         "--fp16, --ckpt-format torch or --optimizer-cpu-offload "
                         "(checkpoints: the sharded format).")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",

@@ -56,6 +56,7 @@ FLAG_RANGES = {
     "tensor_model_parallel_size": (_AT_LEAST_1, "1 = no tensor parallelism"),
     "pipeline_model_parallel_size": (_AT_LEAST_1, "1 = no pipeline parallelism"),
     "context_parallel_size": (_AT_LEAST_1, "1 = no context parallelism"),
+    "num_distributed_optimizer_instances": (_AT_LEAST_1, "1 = one sharded optimizer, no HSDP"),
     "num_experts": (_AT_LEAST_1, "routed experts per MoE layer"),
     "moe_ffn_hidden_size": (_AT_LEAST_1, ""),
     "moe_router_topk": (_AT_LEAST_1, "experts per token"),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron.core import device, parallel_state
 from megatron.core.distributed.fsdp import is_fsdp2
-from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
+from megatron.core.distributed.fsdp_checkpoint import first_replica, is_sharded, local_rows
 from megatron.core.fp8.delayed import CHECKPOINT_KEY, capture_histories
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing import checksums
@@ -115,6 +115,8 @@ def _add_weights(shard: _Shard, model_chunks, layout, dp_rank: int, dp_size: int
             if is_embedding_copy(local, layout["tied_output"], module.pre_process):
                 continue  # the first stage saves the embedding it copies
             if is_sharded(tensor):  # FSDP2: each DP (expert-DP) rank writes the rows it holds
+                if not first_replica(tensor):
+                    continue  # HSDP: instance 0 writes the rows every instance holds
                 begin, rows = local_rows(tensor)
                 flat = rows.detach().reshape(-1)
                 # Stacked experts are one part per global expert: this shard's share of each.

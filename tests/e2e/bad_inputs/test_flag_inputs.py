@@ -164,6 +164,17 @@ CASES = [
      ["--rotary-base has no effect without --position-embedding-type rope"]),
     ("recompute-method-without-full", "pretrain_llama.py", ["--recompute-method=uniform"], None,
      ["--recompute-method has no effect without --recompute-granularity full"]),
+    ("hsdp-zero-instances", "pretrain_llama.py",
+     ["--num-distributed-optimizer-instances", "0"], None,
+     ["--num-distributed-optimizer-instances must be >= 1, got 0"]),
+    ("hsdp-without-a-sharded-optimizer", "pretrain_llama.py",
+     ["--num-distributed-optimizer-instances", "2"], None,
+     ["--num-distributed-optimizer-instances 2 replicates a sharded optimizer: add "
+      "--use-distributed-optimizer or --use-torch-fsdp2"]),
+    ("hsdp-instances-not-dividing-dp", "pretrain_llama.py",
+     ["--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"], None,
+     ["--num-distributed-optimizer-instances 2 does not divide the 1 data-parallel x "
+      "context-parallel ranks; choose a divisor of it."]),
     ("moe-bad-layer-freq", "pretrain_llama.py",
      ["--num-experts", "4", "--moe-layer-freq", "[1,0]"], None,
      ["moe_layer_freq lists 2 layers, the model has 4"]),
