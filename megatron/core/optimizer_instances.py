@@ -73,6 +73,11 @@ def shard_ranks(expert: bool = False) -> List[int]:
     return list(GROUP_RANKS[EXPERT_SHARD if expert else DENSE_SHARD])
 
 
+def shard_rank(expert: bool = False) -> int:
+    """This rank's place among its instance's ranks (its shard)."""
+    return shard_ranks(expert).index(dist.get_rank())
+
+
 def replica_group(expert: bool = False) -> Optional[dist.ProcessGroup]:
     """The ranks holding the same shard in the other instances (None with one instance)."""
     if num_instances() == 1:

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+from megatron.core import optimizer_instances
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -81,13 +82,17 @@ def _setup(model, optimizer):
 
 # --- FSDP2 ---------------------------------------------------------------------------------
 
-def _fsdp2_step(reshard, dtype):
+def _fsdp2_step(reshard, dtype, instances=1):
+    if instances > 1:  # HSDP: parallel_state's instance groups (run_distributed makes none)
+        ps.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=instances)
     config = _config(params_dtype=dtype,
                      pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                      context_parallel_size=ps.get_context_parallel_world_size())
     model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
                         TorchFSDP2Config(reshard_after_forward=reshard,
-                                         grad_reduce_in_fp32=True), seed=42)
+                                         grad_reduce_in_fp32=True,
+                                         num_distributed_optimizer_instances=instances),
+                        seed=42)
     optimizer = get_megatron_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16, **ADAM),
                                        model)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -97,12 +102,14 @@ def _fsdp2_step(reshard, dtype):
                           MBS)[1]
     params = list(model[0].module.parameters())
     measured = _measured(params, [p.grad for p in params], optimizer)
-    # FSDP2 shards over DP x CP: the setup's size and this rank's place in that group.
+    # FSDP2 shards over DP x CP (HSDP: an instance's ranks): the setup's size and this
+    # rank's place in that group.
     setup = optimizer_setup_from(model[0].ddp_config, optimizer.config, dp,
                                  ps.get_context_parallel_world_size())
     assert setup.fsdp2 and setup.reshard_after_forward == reshard
+    assert setup.data_parallel_size == dp * ps.get_context_parallel_world_size() // instances
     estimate = rank_state_bytes(config, VOCAB, setup, ps.get_pipeline_model_parallel_rank(),
-                                dtype.itemsize, ps.get_data_parallel_rank(True),
+                                dtype.itemsize, optimizer_instances.shard_rank(),
                                 share_embeddings_and_output_weights=False)
     return dataclasses.asdict(measured), dataclasses.asdict(estimate)
 
@@ -137,6 +144,16 @@ def test_fsdp2_state_estimate_equals_the_tensors_with_pp_and_cp(pp, cp):
         assert min(measured["params"], measured["grads"], measured["optimizer_states"]) > 0
     if pp > 1:  # the two stages hold different parameters (the embedding, the output layer)
         assert four[0][0]["params"] != four[2][0]["params"]
+
+
+def test_hsdp_fsdp2_state_estimate_equals_the_tensors():
+    """HSDP at DP 4 (two instances of two): each rank holds what FSDP2 over two ranks holds,
+    to the byte, and the same on both instances."""
+    four = run_distributed(_fsdp2_step, world_size=4, reshard=True, dtype=torch.float32,
+                           instances=2)
+    two = run_distributed(_fsdp2_step, world_size=2, tp=1, reshard=True, dtype=torch.float32)
+    for rank, (measured, estimate) in enumerate(four):
+        assert measured == estimate == two[rank % 2][0], rank
 
 
 # --- ZeRO-2 for the distributed optimizer --------------------------------------------------

@@ -144,13 +144,17 @@ def format_report(estimate: MemoryEstimate) -> str:
 def optimizer_setup_from(ddp_config, optimizer_config, data_parallel_size: int,
                          context_parallel_size: int = 1) -> OptimizerSetup:
     """What the DDP and optimizer configs of a run give the estimate. Gradients are reduced,
-    and the distributed optimizer sharded, over DP x CP: that is the size the setup holds."""
+    and the distributed optimizer (FSDP2) sharded, over DP x CP; under HSDP over one
+    instance's DP x CP / N ranks, each instance holding what a flat run over that many ranks
+    holds: that is the size the setup holds (the bucket size stays DDP's, from DP x CP)."""
     data_parallel_size *= context_parallel_size
+    bucket_size = bucket_size_for(ddp_config, data_parallel_size)
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     return OptimizerSetup(
-        data_parallel_size=data_parallel_size,
+        data_parallel_size=data_parallel_size // instances,
         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
         grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
-        bucket_size=bucket_size_for(ddp_config, data_parallel_size),
+        bucket_size=bucket_size,
         optimizer=optimizer_config.optimizer, sgd_momentum=optimizer_config.sgd_momentum,
         shard_gradients=ddp_config.shard_gradients,
         fsdp2=getattr(ddp_config, "use_torch_fsdp2", False),

@@ -56,6 +56,9 @@ class Layout:
     memory_mode: Optional[str] = None  # one of MEMORY_MODES
     schedule: Optional[str] = None  # None: 1F1B/interleaved by virtual_pipeline; zb-h1; zbv
     expert_parallel: int = 1  # EP: ranks the routed experts are split over (MoE models)
+    # HSDP (--num-distributed-optimizer-instances): the sharded optimizer (or FSDP2) once
+    # per node, all-reduced across nodes (instance_choices)
+    instances: int = 1
 
     @property
     def chunks_per_rank(self) -> int:
@@ -98,6 +101,8 @@ class Layout:
         if self.distributed_optimizer:
             flags.append("--overlap-param-gather")
         flags += MODE_FLAGS.get(self.memory_mode, [])
+        if self.instances > 1:
+            flags += ["--num-distributed-optimizer-instances", str(self.instances)]
         flags.append("--bf16")  # gradients in fp32 by default, as in Megatron-LM
         if not self.grad_reduce_in_fp32:
             flags.append("--grad-reduce-in-bf16")
@@ -133,6 +138,7 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new.use_torch_fsdp2 = layout.fsdp2
     new.reshard_after_forward = layout.memory_mode != "fsdp2-zero2"
     new.optimizer_cpu_offload = layout.memory_mode == "cpu-offload"
+    new.num_distributed_optimizer_instances = layout.instances
     new.bf16, new.fp16 = True, False
     new.grad_reduce_in_bf16 = not layout.grad_reduce_in_fp32
     new.accumulate_allreduce_grads_in_fp32 = layout.grad_reduce_in_fp32
@@ -151,13 +157,15 @@ def optimizer_setup(args: argparse.Namespace, layout: Layout,
         optimizer_cpu_offload=layout.memory_mode == "cpu-offload")
     if layout.fsdp2:
         ddp = TorchFSDP2Config(grad_reduce_in_fp32=layout.grad_reduce_in_fp32,
-                               reshard_after_forward=layout.memory_mode == "fsdp2")
+                               reshard_after_forward=layout.memory_mode == "fsdp2",
+                               num_distributed_optimizer_instances=layout.instances)
     else:
         ddp = ddp_config_for_optimizer(
             optimizer, grad_reduce_in_fp32=layout.grad_reduce_in_fp32,
             overlap_grad_reduce=True, bucket_size=args.ddp_bucket_size,
             reduce_bucket_size=args.reduce_bucket_size,
-            shard_gradients=layout.memory_mode == "zero2")
+            shard_gradients=layout.memory_mode == "zero2",
+            num_distributed_optimizer_instances=layout.instances)
     return optimizer_setup_from(ddp, optimizer, layout.data_parallel, layout.context_parallel)
 
 
@@ -215,12 +223,13 @@ def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
     for t in tensor_parallel_sizes(args, num_gpus, gpus_per_node):
         for c in context_parallel_sizes(args, num_gpus, t, with_cp):
             yield from _families(args, num_gpus, t, c, global_batch_size, micro_batches,
-                                 grad_reduce_in_fp32, memory_mode)
+                                 grad_reduce_in_fp32, memory_mode, gpus_per_node)
 
 
 def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_batch_size: int,
               micro_batches: List[int], grad_reduce_in_fp32: bool,
-              mode: Optional[str] = None) -> Iterator[List[Layout]]:
+              mode: Optional[str] = None, gpus_per_node: Optional[int] = None
+              ) -> Iterator[List[Layout]]:
     """The families of TP ``t`` and CP ``c``: every PP, VPP, recomputation and sharding."""
     num_layers = args.num_layers
     for p in [p for p in _divisors(num_layers) if num_gpus % (t * c * p) == 0]:
@@ -231,20 +240,42 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
                 continue  # FSDP2 refuses the zero-bubble schedules (arguments/configs.py)
             batches = [b for b in fitting
                        if _schedule_takes(p, v, schedule, global_batch_size // (b * d))]
-            for recompute, sharded, ep in _choices(args, mode, t, p, c, d):
+            for recompute, sharded, ep, n in _choices(args, mode, t, p, c, d, gpus_per_node):
                 family = [Layout(t, p, v, d, b, global_batch_size, recompute, sharded,
-                                 grad_reduce_in_fp32, c, mode, schedule, ep) for b in batches]
+                                 grad_reduce_in_fp32, c, mode, schedule, ep, n)
+                          for b in batches]
                 if family:
                     yield family
 
 
-def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int):
-    """(recomputation, distributed optimizer, EP) of a TP/PP/CP/DP layout."""
+def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int,
+             gpus_per_node: Optional[int]):
+    """(recomputation, distributed optimizer, EP, optimizer instances) of a TP/PP/CP/DP
+    layout."""
     shardings = _sharding_choices(mode, p, c, d)
     for recompute in RECOMPUTE_CHOICES:
         for sharded in shardings:
             for ep in expert_parallel_sizes(args, t * c * d, t):
-                yield recompute, sharded, ep
+                etp = (args.expert_tensor_parallel_size or t) if is_moe(args) else 1
+                shards = sharded or mode in ("fsdp2", "fsdp2-zero2")
+                for n in instance_choices(shards, t, c, d, ep * etp, gpus_per_node):
+                    yield recompute, sharded, ep, n
+
+
+def instance_choices(sharded: bool, t: int, c: int, d: int, expert_ranks: int,
+                     gpus_per_node: Optional[int]) -> List[int]:
+    """1, and for a sharded optimizer whose DP x CP ranks span several whole nodes, HSDP
+    with one instance per node: each node shards the optimizer over its own ranks (its
+    reduce-scatter and all-gather on the node's links) and only 1 / (its DP x CP ranks) of the
+    gradients crosses nodes, for one copy of the optimizer state per node. Routed experts
+    (``expert_ranks`` = EP x expert TP) need their expert-DP ranks cut the same way."""
+    stage = t * c * d
+    if not sharded or gpus_per_node is None or stage <= gpus_per_node or \
+            stage % gpus_per_node:
+        return [1]
+    n = stage // gpus_per_node
+    edp = stage // expert_ranks
+    return [1, n] if (d * c) % n == 0 and edp % n == 0 else [1]
 
 
 def _schedules(num_layers: int, p: int):

@@ -26,6 +26,8 @@ def _cells(rank: int, row: PlanRow) -> List[str]:
     sharded = ("yes*" if _same_memory(row) else "yes") if lay.distributed_optimizer else "no"
     if lay.memory_mode:  # e.g. yes+zero2, no+fsdp2, no+cpu-offload
         sharded += "+" + lay.memory_mode
+    if lay.instances > 1:  # HSDP: one optimizer instance per node, e.g. yes+hsdp2
+        sharded += f"+hsdp{lay.instances}"
     return [str(rank), str(lay.tensor_parallel), str(lay.context_parallel),
             str(lay.pipeline_parallel),
             str(lay.schedule or lay.virtual_pipeline or "-"), str(lay.data_parallel),
@@ -107,6 +109,11 @@ def format_table(result: Plan, cluster: Cluster, workload: Workload) -> str:
         lines.append(f"no layout fits without a memory mode: every row uses "
                      f"{shlex.join(MODE_FLAGS[result.memory_mode])} (the cheapest mode that "
                      f"fits; dist-opt column: +{result.memory_mode}).")
+    hsdp = sorted({row.layout.instances for row in result.rows} - {1})
+    if hsdp:
+        lines.append(f"+hsdpN (dist-opt column): --num-distributed-optimizer-instances N, "
+                     f"one optimizer instance per node ({', '.join(map(str, hsdp))} nodes): "
+                     "sharded over a node's ranks, all-reduced across nodes.")
     starred = [row for row in result.rows if _same_memory(row)]
     if starred:
         lines.append("yes*: Megatron-LLaMA's " + shlex.join(starred[0].overlapped_optimizer_flags)
@@ -141,6 +148,7 @@ def row_dict(row: PlanRow, workload: Workload) -> Dict:
         "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches,
         "recompute": lay.recompute, "distributed_optimizer": lay.distributed_optimizer,
         "memory_mode": lay.memory_mode,
+        "distributed_optimizer_instances": lay.instances,
         "sequence_parallel": lay.tensor_parallel > 1,
         "grad_reduce_in_fp32": lay.grad_reduce_in_fp32,
         "padded_vocab_size": row.padded_vocab_size,

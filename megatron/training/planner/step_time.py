@@ -254,6 +254,22 @@ def _collective_bytes(stage, layout: Layout, group: int):
     return state.grads, state.params
 
 
+def sharded_collective_seconds(layout: Layout, cluster: Cluster, grads: float, params: float):
+    """(reduce-scatter, all-gather) seconds of a sharded optimizer's ``grads`` and ``params``
+    bytes over DP x CP: a ring over all of them, or under HSDP a ring inside each instance
+    (one node's consecutive ranks) plus the all-reduce of 1 / (instance size) of the
+    gradients across the instances."""
+    t, ranks, n = layout.tensor_parallel, layout.data_parallel * layout.context_parallel, \
+        layout.instances
+    size = ranks // n
+    inside = cluster.group_bandwidth(t * size)
+    reduce_s = (size - 1) / size * grads / inside
+    gather_s = (size - 1) / size * params / inside
+    if n > 1:  # the replicas of each shard: one rank per instance, across nodes
+        reduce_s += 2 * (n - 1) / n * grads / size / cluster.group_bandwidth(t * ranks)
+    return reduce_s, gather_s
+
+
 def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryEstimate,
                        seq_length: int, padded_vocab_size: int) -> StepTime:
     """The step time of ``layout`` (``config`` is its TransformerConfig, ``memory`` its
@@ -304,26 +320,27 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
 
     dp_s = dp_exposed_s = 0.0
     if d * c > 1:  # gradients are reduced (and the optimizer sharded) over DP x CP
-        bandwidth, share = cluster.group_bandwidth(t * c * d), (d * c - 1) / (d * c)
         per_stage = []  # (exposed, total) seconds of each stage's DP collectives
         for stage, (forward_r, backward_r, _, _) in zip(memory.stages, stages):
-            grads, params = _collective_bytes(stage, layout, d * c)
+            grads, params = _collective_bytes(stage, layout, d * c // layout.instances)
             if layout.fsdp2:
                 # Every microbatch: ZeRO-3 gathers the parameters for its forward and its
                 # backward (ZeRO-2 for its forward) and reduce-scatters its gradients
                 # (fsdp.py's no_sync holds nothing back), each hidden behind that
                 # microbatch's compute.
                 gathers = 2 if layout.memory_mode == "fsdp2" else 1
-                reduce_s = share * grads / bandwidth
-                gather_s = gathers * share * params / bandwidth
+                reduce_s, gather_s = sharded_collective_seconds(layout, cluster, grads, params)
+                gather_s *= gathers
                 exposed = m * (max(0.0, reduce_s - backward_r)
                                + max(0.0, gather_s - forward_r))
                 per_stage.append((exposed, m * (reduce_s + gather_s)))
                 continue
             if layout.distributed_optimizer:
-                reduce_s, gather_s = share * grads / bandwidth, share * params / bandwidth
+                reduce_s, gather_s = sharded_collective_seconds(layout, cluster, grads, params)
             else:
-                reduce_s, gather_s = 2 * share * grads / bandwidth, 0.0
+                ranks = d * c
+                reduce_s = 2 * (ranks - 1) / ranks * grads / cluster.group_bandwidth(t * ranks)
+                gather_s = 0.0
             exposed = max(0.0, reduce_s - backward_r) + max(0.0, gather_s - forward_r)
             per_stage.append((exposed, reduce_s + gather_s))
         dp_exposed_s, dp_s = max(per_stage)
