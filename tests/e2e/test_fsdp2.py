@@ -8,6 +8,7 @@ last printed digit (7 significant digits, values near 4), i.e. at most one unit 
 """
 import json
 import math
+import re
 
 import pytest
 
@@ -24,6 +25,9 @@ from tests.e2e.test_checkpoint_resume import (
 TOL = 1e-6 + 1e-12  # one unit in the printed 7th digit, and the float error of the subtraction
 FLAGS = TINY + LLAMA + ["--train-iters", "10"]
 ZERO2 = ["--no-reshard-after-forward"]
+# fp16: the loss scale halves after the first steps overflow (DP2 skips iterations 1 and 2);
+# a resume that lost the scaler's state would start from 2^20 again and skip iteration 3.
+FP16 = ["--fp16", "--initial-loss-scale", "1048576"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +81,33 @@ def test_fsdp2_bf16_equals_ddp_bf16_at_dp2():
         assert abs(a - b) <= TOL, (want, got)
 
 
+# fp16 compute: the sums' other order reaches the weights, which are rounded to fp16's 11-bit
+# significand at each forward's cast, so the losses differ in the 5th decimal (2e-5 seen).
+FP16_TOL = 1e-4
+
+
+def _loss_scales_and_skips(proc):
+    return (re.findall(r"loss scale: ([0-9.E+-]+)", proc.stdout),
+            re.findall(r"number of skipped iterations: +(\d+)", proc.stdout))
+
+
+def test_fsdp2_fp16_equals_ddp_fp16_at_dp2():
+    """fp16 with dynamic loss scaling: FSDP2's fp32 shards unscaled and checked for inf on
+    every rank (one overflow anywhere skips the step everywhere) as DDP's fp32 main grads are.
+    From 2^20 the first two steps overflow and the scale halves: the same steps are skipped,
+    with the same scales, and the losses agree within FP16_TOL."""
+    fp16 = FLAGS + FP16
+    ddp = finish(start_script("pretrain_llama.py", fp16, nproc=2))
+    fsdp = finish(start_script("pretrain_llama.py", fp16 + ["--use-torch-fsdp2"], nproc=2))
+    scales, skips = _loss_scales_and_skips(ddp)
+    assert skips[:3] == ["1", "1", "0"] and len(set(scales)) == 2
+    assert _loss_scales_and_skips(fsdp) == (scales, skips)
+    want, got = parse_losses(ddp), parse_losses(fsdp)
+    assert len(want[0]) == 8  # two iterations skipped: no loss printed
+    for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
+        assert abs(a - b) <= FP16_TOL, (want, got)
+
+
 # --- checkpoints (the sharded format) --------------------------------------------------------
 # Bitwise: a resumed FSDP2 run repeats the uninterrupted run's arithmetic (same layout, data
 # order and saved RNG streams): losses and every saved tensor are equal, not close. Across
@@ -88,12 +119,14 @@ FSDP2 = ["--use-torch-fsdp2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 
 
-@pytest.mark.parametrize("mode", [[], ZERO2, ["--bf16"]], ids=["zero3", "zero2", "zero3_bf16"])
+@pytest.mark.parametrize("mode", [[], ZERO2, ["--bf16"], FP16],
+                         ids=["zero3", "zero2", "zero3_bf16", "zero3_fp16"])
 def test_fsdp2_resume_at_dp2_is_bitwise(tmp_path, mode):
     first, second, straight, resumed = _straight_then_resume(
         tmp_path, _flags(*FSDP2, *mode), nproc=2)
     want, got = _iteration_losses(first), _iteration_losses(second)
-    assert sorted(want) == ["1", "2", "3", "4"] and sorted(got) == ["3", "4"]
+    stepped = ["3", "4"] if mode == FP16 else ["1", "2", "3", "4"]  # skipped: no loss line
+    assert sorted(want) == stepped and sorted(got) == ["3", "4"]
     assert [got[i] for i in "34"] == [want[i] for i in "34"]
     _assert_bitwise(straight, resumed, 4)  # weights, Adam state, scheduler, RNG
     assert _is_sharded(straight / "iter_0000004", 2)

@@ -136,7 +136,6 @@ def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
      "the deferred weight gradients (W)"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--num-layers", "4"],
      "--pipeline-schedule zbv is not supported"),
-    (["--fp16"], "--fp16"),
     (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "drop --overlap-grad-reduce"),
     (["--load", "ckpt", "--ckpt-format", "torch"], "sharded checkpoint format only"),

@@ -82,7 +82,7 @@ def _setup(model, optimizer):
 
 # --- FSDP2 ---------------------------------------------------------------------------------
 
-def _fsdp2_step(reshard, dtype, instances=1):
+def _fsdp2_step(reshard, dtype, instances=1, offload=False):
     if instances > 1:  # HSDP: parallel_state's instance groups (run_distributed makes none)
         ps.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=instances)
     config = _config(params_dtype=dtype,
@@ -91,9 +91,11 @@ def _fsdp2_step(reshard, dtype, instances=1):
     model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
                         TorchFSDP2Config(reshard_after_forward=reshard,
                                          grad_reduce_in_fp32=True,
-                                         num_distributed_optimizer_instances=instances),
+                                         num_distributed_optimizer_instances=instances,
+                                         cpu_offload=offload),
                         seed=42)
-    optimizer = get_megatron_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16, **ADAM),
+    optimizer = get_megatron_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16,
+                                                       optimizer_cpu_offload=offload, **ADAM),
                                        model)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     local = 4 // dp
@@ -111,6 +113,14 @@ def _fsdp2_step(reshard, dtype, instances=1):
     estimate = rank_state_bytes(config, VOCAB, setup, ps.get_pipeline_model_parallel_rank(),
                                 dtype.itemsize, optimizer_instances.shard_rank(),
                                 share_embeddings_and_output_weights=False)
+    if offload:  # everything on the host (here the CPU holds both): the estimate's host part
+        memory = rank_memory(config, VOCAB, setup, ps.get_pipeline_model_parallel_rank(),
+                             dtype.itemsize, optimizer_instances.shard_rank(),
+                             share_embeddings_and_output_weights=False)
+        assert memory.device.total == estimate.total == 0 and setup.cpu_offload
+        group = model[0].module._get_fsdp_state()._fsdp_param_group  # torch's own record
+        assert group.fsdp_params and all(p.offload_to_cpu for p in group.fsdp_params)
+        estimate = memory.host
     return dataclasses.asdict(measured), dataclasses.asdict(estimate)
 
 
@@ -154,6 +164,17 @@ def test_hsdp_fsdp2_state_estimate_equals_the_tensors():
     two = run_distributed(_fsdp2_step, world_size=2, tp=1, reshard=True, dtype=torch.float32)
     for rank, (measured, estimate) in enumerate(four):
         assert measured == estimate == two[rank % 2][0], rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fsdp2_cpu_offload_host_estimate_equals_the_tensors(dtype):
+    """FSDP2 with torch's CPUOffloadPolicy at DP 2: the fp32 shards, their gradients (each
+    rank's unpadded shard, copied to the host in fp32) and Adam's state are the estimate's
+    host bytes; nothing of the state stays on the device."""
+    for rank, (measured, estimate) in enumerate(run_distributed(
+            _fsdp2_step, world_size=2, tp=1, reshard=True, dtype=dtype, offload=True)):
+        assert measured == estimate, rank
+        assert min(measured["params"], measured["grads"], measured["optimizer_states"]) > 0
 
 
 # --- ZeRO-2 for the distributed optimizer --------------------------------------------------

@@ -359,7 +359,8 @@ def test_hf_context_past_the_cap_is_planned_at_the_cap_with_a_warning(tmp_path, 
 
 @pytest.mark.parametrize("mode,sharded", [("zero2", True), ("fsdp2", False),
                                           ("fsdp2-zero2", False), ("cpu-offload", True),
-                                          ("cpu-offload", False)])
+                                          ("cpu-offload", False),
+                                          ("fsdp2-cpu-offload", False)])
 def test_memory_mode_flags_parse_back_to_the_planned_estimate(mode, sharded):
     """A mode's row flags build the configs (and estimate) the planner costed."""
     workload = workload_from_flags(TINY_LLAMA + shlex.split(
@@ -376,6 +377,8 @@ def test_memory_mode_flags_parse_back_to_the_planned_estimate(mode, sharded):
     stage = memory.stages[0]
     if mode == "cpu-offload":  # the optimizer's state is on the host, none on the device
         assert stage.host.total > 0 and stage.state.optimizer_states == 0
+    elif mode == "fsdp2-cpu-offload":  # all of FSDP2's state on the host; gathered layers
+        assert stage.host.total > 0 and stage.state.total == 0 and stage.transient_bytes > 0
     else:  # ZeRO-2: the full buckets of backward; FSDP2: the gathered layers and gradients
         assert stage.transient_bytes > 0 and stage.host.total == 0
 
@@ -398,8 +401,12 @@ def test_a_memory_mode_is_proposed_when_nothing_fits_otherwise():
     assert "every row uses --optimizer-cpu-offload" in text
     assert "--optimizer-cpu-offload" in text.split("flags (in place")[1]
     assert json.loads(plan_parallelism.run(["--json"] + argv))["memory_mode"] == "cpu-offload"
+    # 4 GiB: only FSDP2 with its shards, gradients and optimizer on the host fits (the device
+    # holds the gathered layers, their gradients and the activations); 1 GiB: nothing
+    tiny = plan(workload, Cluster(num_gpus=8, gpu_memory_gib=4, memory_reserve_gib=0), top=1)
+    assert tiny.memory_mode == "fsdp2-cpu-offload" and tiny.rows[0].memory.max_total <= 4 * GIB
     with pytest.raises(Exception, match="none fits with --use-torch-fsdp2"):
-        plan(workload, Cluster(num_gpus=8, gpu_memory_gib=4, memory_reserve_gib=0))
+        plan(workload, Cluster(num_gpus=8, gpu_memory_gib=1, memory_reserve_gib=0))
 
 
 @pytest.mark.parametrize("extra,efficiency", [([], 0.51), (["--torch-compile"], 0.51),

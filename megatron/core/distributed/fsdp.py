@@ -14,9 +14,22 @@ gradient-accumulation fusion falls back to ordinary autograd by itself.
 ``zero_grad_buffer``, ``finish_grad_sync``); ``FSDP2Optimizer`` is the fp32 optimizer over the
 sharded parameters, with the gradient norm summed over shards (DP) and TP/PP as today.
 
-Mixed precision: the sharded parameters are fp32 (they are the main params); bf16 copies are
-all-gathered for compute and gradients are reduced in fp32 unless ``grad_reduce_in_fp32`` is
-off (--grad-reduce-in-bf16).
+Mixed precision: the sharded parameters are fp32 (they are the main params); bf16 (fp16)
+copies are all-gathered for compute and gradients are reduced in fp32 unless
+``grad_reduce_in_fp32`` is off (--grad-reduce-in-bf16). fp16 scales the loss as Megatron does:
+the optimizer unscales the fp32 gradient shards, and an inf or NaN on any rank skips the step
+on every rank (the check is summed over the world).
+
+HSDP (``num_distributed_optimizer_instances`` N > 1, optimizer_instances.py): the mesh is
+2-D, (N instances, DP x CP / N ranks of one): each unit is sharded within an instance and
+replicated across them, so its all-gather and reduce-scatter stay inside an instance (a node)
+and only the reduced shard is all-reduced across instances. Instance 0 alone counts the shards
+in the gradient norm and writes them to checkpoints.
+
+CPU offload (``cpu_offload``, --optimizer-cpu-offload): torch's CPUOffloadPolicy keeps the fp32
+shards, their gradients and so the optimizer state and step on the host; each unit's shards
+are copied to the device for its all-gather and its reduced gradients copied back (pinned on
+CUDA). The device then holds only what is gathered for compute (FSDP2HostOptimizer).
 
 Checkpoints: the sharded format only (fsdp_checkpoint.py): each rank writes its own rows of
 every weight and optimizer state, readable by any layout (DDP, the distributed optimizer, FSDP2
@@ -43,8 +56,8 @@ with fewer local experts than expert-DP ranks the last ranks hold none.
 
 Not composed (refused by the flags): the zero-bubble schedules (FSDP2 reduce-scatters a
 layer's gradients once its input gradient, B, is done; the deferred weight gradients, W, come
-after it, so the last microbatch's would never be reduced), fp16 with loss scaling, the
-distributed optimizer, CPU offload, Muon and the torch checkpoint format.
+after it, so the last microbatch's would never be reduced), the distributed optimizer (FSDP2
+is the sharded optimizer), Muon and the torch checkpoint format.
 """
 import contextlib
 from dataclasses import dataclass
@@ -59,6 +72,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
+from megatron.core.optimizer.cpu_offload import HostStep
 from megatron.core.optimizer.named_state import (
     check_covers,
     check_numel,
@@ -83,6 +97,10 @@ class TorchFSDP2Config(DistributedDataParallelConfig):
     (ZeRO-2: sharded gradients and optimizer state, more memory, one all-gather less)."""
     use_torch_fsdp2: bool = True
     reshard_after_forward: bool = True
+    # --optimizer-cpu-offload: torch's CPUOffloadPolicy (the fp32 shards, their gradients and
+    # so the optimizer state and step on the host; each unit's shards copied to the device
+    # for its all-gather, its reduced gradients back).
+    cpu_offload: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -147,7 +165,12 @@ class TorchFSDP2(torch.nn.Module):
                              "interleaved.")
         # Imported here: torch's FSDP and DTensor cost about 1 s of every process start.
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         super().__init__()
         self.config = config
@@ -158,10 +181,7 @@ class TorchFSDP2(torch.nn.Module):
         mesh = _mesh(DeviceMesh, expert=False)
         expert_mesh = (_mesh(DeviceMesh, expert=True)
                        if expert_parallel_state.expert_parallel_is_initialized() else None)
-        compute_dtype = config.params_dtype
-        if compute_dtype == torch.float16:
-            raise ValueError("--use-torch-fsdp2 with --fp16 (loss scaling) is not supported "
-                             "yet; use --bf16 or fp32.")
+        compute_dtype = config.params_dtype  # fp16: the optimizer's loss scale (below)
         # fp32 shards are the main params (as Float16Optimizer's fp32 copies of bf16 weights).
         attrs = _parallel_attrs(module)
         module.float()
@@ -169,6 +189,9 @@ class TorchFSDP2(torch.nn.Module):
         # Inputs as the unsharded model gets them (rotary cos/sin stay fp32, as under DDP).
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                       cast_forward_inputs=False)
+        # Pinned host memory only where there is a device to copy to asynchronously.
+        offload = (CPUOffloadPolicy(pin_memory=device.device_type() == "cuda")
+                   if fsdp_config.cpu_offload else OffloadPolicy())
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         for layer in module.modules():
             if isinstance(layer, TransformerLayer):
@@ -177,7 +200,8 @@ class TorchFSDP2(torch.nn.Module):
                 # as DDP's: the all-to-all's backward already summed the EP ranks' tokens.
                 for experts in _routed_experts(layer):
                     fully_shard(experts, mesh=expert_mesh, mp_policy=policy,
-                                reshard_after_forward=fsdp_config.reshard_after_forward)
+                                reshard_after_forward=fsdp_config.reshard_after_forward,
+                                offload_policy=offload)
                     experts.set_gradient_divide_factor(float(dp_size))
                     # Sum, then divide: the fused pre-multiplied sum (NCCL) is not in gloo.
                     # Not where the shard dimension has one rank: torch then divides the copied
@@ -185,14 +209,16 @@ class TorchFSDP2(torch.nn.Module):
                     if expert_mesh.size(expert_mesh.ndim - 1) > 1:
                         experts.set_force_sum_reduction_for_comms(True)
                 fully_shard(layer, mesh=mesh, mp_policy=policy,
-                            reshard_after_forward=fsdp_config.reshard_after_forward)
+                            reshard_after_forward=fsdp_config.reshard_after_forward,
+                            offload_policy=offload)
         # The root unit (embedding, final norm, output layer) stays gathered after forward:
         # backward starts with the output layer, so resharding would gather it again at
         # once. torch does this itself only when reshard_after_forward is left to None.
         # Under PP every chunk is such a root (a middle stage's holds no parameters); its
         # backward reshards it, so with microbatches in flight it is gathered again at the
         # next forward, as the layers are.
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
+                    offload_policy=offload)
         _restore_parallel_attrs(module, attrs)
         self.module = module
 
@@ -305,7 +331,8 @@ class FSDP2Optimizer(FP32Optimizer):
             values = {"param": local.detach().reshape(-1)} if self._saves_main_copy() else {}
             values.update({k: _local(state[k]).detach().reshape(-1) for k in keys if k in state})
             parts.append((self._names[main], begin, begin + local.numel(), values))
-        return parts, wrap_state(self.optimizer, {}, step, keys, self.num_skipped_steps, None)
+        return parts, wrap_state(self.optimizer, {}, step, keys, self.num_skipped_steps,
+                                 self.grad_scaler)
 
     def load_state_dict(self, state):
         """Named state of any optimizer at any layout (tensors or SavedTensors): this rank
@@ -335,3 +362,8 @@ class FSDP2Optimizer(FP32Optimizer):
                             per_param[main][key] = value
         load_torch_state(self.optimizer, per_param, state["param_groups"])
         load_scaler_and_counters(self, state)
+
+
+class FSDP2HostOptimizer(HostStep, FSDP2Optimizer):
+    """FSDP2 with its shards offloaded (``TorchFSDP2Config.cpu_offload``): the same step on the
+    host tensors FSDP2 leaves there, with the inf check on the host (HostStep)."""

@@ -96,8 +96,13 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         if layouts is not None:  # (the overlapped optimizer and offload: OptimizerConfig)
             raise ValueError("--optimizer muon with --use-torch-fsdp2 is not built (Muon "
                              "orthogonalizes whole matrices, FSDP2 holds DP shards of them).")
-        optimizer = fsdp.FSDP2Optimizer(_torch_optimizer(groups, config, dtensors=True),
-                                        config, None)
+        if any(chunk.ddp_config.cpu_offload != config.optimizer_cpu_offload
+               for chunk in model_chunks):
+            raise ValueError("optimizer_cpu_offload and the FSDP2 config's cpu_offload must "
+                             "agree (the shards are where FSDP2 keeps them).")
+        kind = fsdp.FSDP2HostOptimizer if config.optimizer_cpu_offload else fsdp.FSDP2Optimizer
+        optimizer = kind(_torch_optimizer(groups, config, dtensors=True), config,
+                         _grad_scaler(config))
         optimizer.set_param_names(model_chunks)
         return optimizer
     if config.optimizer_cpu_offload:  # main params and state on the host

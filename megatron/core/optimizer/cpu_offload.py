@@ -51,7 +51,7 @@ def host_main_param_groups(param_groups: List[Dict]):
     return main_groups, model_of
 
 
-class _HostStep:
+class HostStep:
     """The step's pieces that must know the main grads are on the host."""
 
     def _unscale_and_check_for_inf(self) -> bool:
@@ -69,7 +69,7 @@ class _HostStep:
         return {name for param, name in self._names.items() if param.dtype == torch.float32}
 
 
-class CpuOffloadOptimizer(_HostStep, Float16OptimizerWithFloat16Params):
+class CpuOffloadOptimizer(HostStep, Float16OptimizerWithFloat16Params):
     """The plain (replicated) optimizer with every main param an fp32 host copy."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config, grad_scaler,
@@ -99,7 +99,7 @@ class CpuOffloadOptimizer(_HostStep, Float16OptimizerWithFloat16Params):
         return state
 
 
-class CpuOffloadDistributedOptimizer(_HostStep, DistributedOptimizer):
+class CpuOffloadDistributedOptimizer(HostStep, DistributedOptimizer):
     """The distributed optimizer with this rank's shard of every bucket (main params, state,
     gradients) in host memory."""
 

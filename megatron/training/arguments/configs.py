@@ -160,15 +160,11 @@ def _fsdp2_config(args, ddp):
           f"{flag} with --pipeline-schedule {schedule} is not supported: FSDP2 reduce-scatters "
           "a layer's gradients when its input gradient (B) is done, before the deferred weight "
           "gradients (W) exist; use 1f1b or interleaved.")
-    _need(not args.fp16, f"{flag} with --fp16 (loss scaling) is not supported yet; use "
-          "--bf16 or fp32.")
     _need(not (args.use_distributed_optimizer or args.overlapped_distributed_optimizer
                or getattr(args, "shard_gradients", False)),
           f"{flag} shards the optimizer state and gradients itself; drop "
           "--use-distributed-optimizer / --overlapped-distributed-optimizer / "
           "--shard-gradients.")
-    _need(not getattr(args, "optimizer_cpu_offload", False),
-          f"{flag} with --optimizer-cpu-offload is not supported yet.")
     _need(args.optimizer != "muon", f"{flag} with --optimizer muon is not built yet (Muon "
           "orthogonalizes whole matrices, FSDP2 holds each one's DP shards); drop one.")
     _need(not (args.overlap_grad_reduce or args.overlap_param_gather
@@ -181,6 +177,7 @@ def _fsdp2_config(args, ddp):
     return _built("data-parallel flags", lambda: TorchFSDP2Config(
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
         reshard_after_forward=args.reshard_after_forward,
+        cpu_offload=getattr(args, "optimizer_cpu_offload", False),  # saved args may lack it
         num_distributed_optimizer_instances=instances_of(args)))
 
 

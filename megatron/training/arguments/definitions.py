@@ -250,8 +250,8 @@ def _add_parallel_args(parser):
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="Shard parameters, gradients and optimizer state over DP with torch's "
                         "FSDP2 (fully_shard per transformer layer); composes with TP/SP, CP, PP "
-                        "(1F1B, interleaved), EP and HSDP, not with the zero-bubble schedules, "
-                        "--fp16, --ckpt-format torch or --optimizer-cpu-offload "
+                        "(1F1B, interleaved), EP, HSDP, --fp16 and --optimizer-cpu-offload, "
+                        "not with the zero-bubble schedules or --ckpt-format torch "
                         "(checkpoints: the sharded format).")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                    action="store_false",
@@ -321,8 +321,9 @@ def _add_optimizer_args(parser):
     _add_qk_clip_args(g)
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="fp32 main params and optimizer state (the distributed optimizer's "
-                        "shard of them) in host memory, the step on the host (torch's fused "
-                        "CPU AdamW): gradients go to the host and params back every step.")
+                        "or FSDP2's shard of them) in host memory, the step on the host "
+                        "(torch's fused CPU AdamW): gradients go to the host and params back "
+                        "every step (FSDP2: torch's CPUOffloadPolicy, per layer).")
 
 
 def _add_muon_args(g):

@@ -32,6 +32,7 @@ gradients, Adam; padding and step counters aside): after the step, at the backwa
     distributed optimizer, ZeRO-2         2 + 16/d     6 + 16/d (accumulating)  -
     FSDP2 ZeRO-3                          16/d         16/d + gathered, grads   -
     FSDP2 ZeRO-2                          16/d         16/d + 2 + grads         -
+    FSDP2 ZeRO-3, CPU offload             0            gathered, grads          16/d
     CPU offload, plain optimizer          6            6                        16
     CPU offload, distributed optimizer    6            6                        16/d
     CPU offload, distributed, ZeRO-2      2 + 4/d      6 + 4/d                  16/d
@@ -64,8 +65,9 @@ class RankMemory:
 
 def mode_name(setup: OptimizerSetup) -> str:
     if setup.fsdp2:
-        return "FSDP2 " + ("ZeRO-3" if setup.reshard_after_forward else "ZeRO-2")
-    name = "distributed optimizer" if setup.use_distributed_optimizer else "DDP"
+        name = "FSDP2 " + ("ZeRO-3" if setup.reshard_after_forward else "ZeRO-2")
+    else:
+        name = "distributed optimizer" if setup.use_distributed_optimizer else "DDP"
     if setup.shard_gradients:
         name += " ZeRO-2"
     return name + (" + CPU offload" if setup.cpu_offload else "")
@@ -105,7 +107,9 @@ def fsdp2_chunk_state(shapes: List[ParamShape], setup: OptimizerSetup, param_byt
     reduce_bytes = FP32 if setup.grad_reduce_in_fp32 else param_bytes
     state = ModelStateBytes()
     state.params = sum(_padded_shard(s, dp) for s in shapes) * FP32
-    if reduce_bytes == FP32:
+    if setup.cpu_offload:  # each reduced local shard copied to the host in fp32
+        state.grads = sum(_local_shard(s, dp, rank) for s in shapes) * FP32
+    elif reduce_bytes == FP32:
         state.grads = state.params
     else:  # the reduce-scatter output, then an fp32 copy of each local shard
         state.grads = sum(_padded_shard(s, dp) for s in shapes) * reduce_bytes
@@ -191,6 +195,9 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
         for shapes, _ in rank_chunks(config, padded_vocab_size, pipeline_rank, share):
             step = fsdp2_rank_chunk_state(config, shapes, setup, param_bytes,
                                           data_parallel_rank)
+            if setup.cpu_offload:  # torch's CPUOffloadPolicy: all of it on the host
+                add_states(memory.host, step)
+                step = ModelStateBytes()
             step.fp8_weights = fp8_weight_cache_bytes(config, shapes)
             add_states(memory.device, step)
             memory.transient_bytes += fsdp2_transient_bytes(shapes, setup, param_bytes)
@@ -213,6 +220,8 @@ def rank_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup,
                      pipeline_rank: int, param_bytes: int, data_parallel_rank: int = 0,
                      share_embeddings_and_output_weights: bool = True) -> ModelStateBytes:
     """Every chunk of one pipeline rank, on the device, after the optimizer step."""
+    if setup.fsdp2 and setup.cpu_offload:
+        return ModelStateBytes()  # the shards, gradients and state live on the host
     if setup.fsdp2:
         return fsdp2_state_bytes(config, padded_vocab_size, setup, data_parallel_rank,
                                  share_embeddings_and_output_weights, pipeline_rank)

@@ -35,10 +35,15 @@ CP_COMM_TYPE = "p2p"  # the ring: only one K/V block in flight, where all_gather
 # ZeRO-2 (--shard-gradients, "zero2") is not among them: with gradient accumulation its device
 # peak is the distributed optimizer's plus the gradient shards (the full buckets live from the
 # first backward to the reduction), so it fits nowhere the distributed optimizer does not.
-MEMORY_MODES = ("fsdp2-zero2", "fsdp2", "cpu-offload")
+MEMORY_MODES = ("fsdp2-zero2", "fsdp2", "cpu-offload", "fsdp2-cpu-offload")
 MODE_FLAGS = {"zero2": ["--shard-gradients"], "fsdp2": ["--use-torch-fsdp2"],
               "fsdp2-zero2": ["--use-torch-fsdp2", "--no-reshard-after-forward"],
-              "cpu-offload": ["--optimizer-cpu-offload"]}
+              "cpu-offload": ["--optimizer-cpu-offload"],
+              # FSDP2 ZeRO-3 with its shards, gradients and optimizer on the host: the least
+              # device memory of all, the last resort
+              "fsdp2-cpu-offload": ["--use-torch-fsdp2", "--optimizer-cpu-offload"]}
+FSDP2_MODES = ("fsdp2", "fsdp2-zero2", "fsdp2-cpu-offload")
+OFFLOAD_MODES = ("cpu-offload", "fsdp2-cpu-offload")
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class Layout:
 
     @property
     def fsdp2(self) -> bool:
-        return self.memory_mode in ("fsdp2", "fsdp2-zero2")
+        return self.memory_mode in FSDP2_MODES
 
     @property
     def num_microbatches(self) -> int:
@@ -137,7 +142,7 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new.shard_gradients = layout.memory_mode == "zero2"
     new.use_torch_fsdp2 = layout.fsdp2
     new.reshard_after_forward = layout.memory_mode != "fsdp2-zero2"
-    new.optimizer_cpu_offload = layout.memory_mode == "cpu-offload"
+    new.optimizer_cpu_offload = layout.memory_mode in OFFLOAD_MODES
     new.num_distributed_optimizer_instances = layout.instances
     new.bf16, new.fp16 = True, False
     new.grad_reduce_in_bf16 = not layout.grad_reduce_in_fp32
@@ -154,10 +159,11 @@ def optimizer_setup(args: argparse.Namespace, layout: Layout,
         optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=sharded and not overlapped_optimizer,
         overlapped_distributed_optimizer=sharded and overlapped_optimizer,
-        optimizer_cpu_offload=layout.memory_mode == "cpu-offload")
+        optimizer_cpu_offload=layout.memory_mode in OFFLOAD_MODES)
     if layout.fsdp2:
         ddp = TorchFSDP2Config(grad_reduce_in_fp32=layout.grad_reduce_in_fp32,
-                               reshard_after_forward=layout.memory_mode == "fsdp2",
+                               reshard_after_forward=layout.memory_mode != "fsdp2-zero2",
+                               cpu_offload=layout.memory_mode in OFFLOAD_MODES,
                                num_distributed_optimizer_instances=layout.instances)
     else:
         ddp = ddp_config_for_optimizer(
@@ -236,7 +242,7 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
         d = num_gpus // (t * c * p)
         fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
         for v, schedule in _schedules(num_layers, p):
-            if mode in ("fsdp2", "fsdp2-zero2") and schedule is not None:
+            if mode in FSDP2_MODES and schedule is not None:
                 continue  # FSDP2 refuses the zero-bubble schedules (arguments/configs.py)
             batches = [b for b in fitting
                        if _schedule_takes(p, v, schedule, global_batch_size // (b * d))]
@@ -257,7 +263,7 @@ def _choices(args, mode: Optional[str], t: int, p: int, c: int, d: int,
         for sharded in shardings:
             for ep in expert_parallel_sizes(args, t * c * d, t):
                 etp = (args.expert_tensor_parallel_size or t) if is_moe(args) else 1
-                shards = sharded or mode in ("fsdp2", "fsdp2-zero2")
+                shards = sharded or mode in FSDP2_MODES
                 for n in instance_choices(shards, t, c, d, ep * etp, gpus_per_node):
                     yield recompute, sharded, ep, n
 
@@ -302,7 +308,7 @@ def _schedule_takes(p: int, v: Optional[int], schedule: Optional[str], microbatc
 def _sharding_choices(mode: Optional[str], p: int, c: int, d: int):
     """Distributed optimizer or not, for ``mode`` at PP ``p``, CP ``c`` and DP ``d``. The
     distributed optimizer shards over DP x CP."""
-    if mode in ("fsdp2", "fsdp2-zero2"):  # FSDP2 shards itself, over DP x CP
+    if mode in FSDP2_MODES:  # FSDP2 shards itself, over DP x CP
         return (False,) if d * c > 1 else ()
     if mode == "zero2":
         return (True,) if d * c > 1 else ()

@@ -248,8 +248,8 @@ def _collective_bytes(stage, layout: Layout, group: int):
     state = stage.state
     if layout.memory_mode == "zero2":
         return stage.transient_bytes, state.params  # the full buckets of backward
-    if layout.fsdp2:
-        full = state.params // 4 * group
+    if layout.fsdp2:  # (offloaded: the shards are on the host, copied in for the gather)
+        full = (state.params or stage.host.params) // 4 * group
         return full * (4 if layout.grad_reduce_in_fp32 else 2), full * 2
     return state.grads, state.params
 
@@ -328,7 +328,7 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
                 # backward (ZeRO-2 for its forward) and reduce-scatters its gradients
                 # (fsdp.py's no_sync holds nothing back), each hidden behind that
                 # microbatch's compute.
-                gathers = 2 if layout.memory_mode == "fsdp2" else 1
+                gathers = 1 if layout.memory_mode == "fsdp2-zero2" else 2
                 reduce_s, gather_s = sharded_collective_seconds(layout, cluster, grads, params)
                 gather_s *= gathers
                 exposed = m * (max(0.0, reduce_s - backward_r)

@@ -1,0 +1,128 @@
+"""The composition matrix (tools/composition_matrix.py): every pair of features the code
+accepts at start runs pretrain_llama.py for 3 iterations and gives, per iteration, the losses
+and grad norms of one process on the same global batch (one reference per model: dense, dense
+with packed documents, MoE, MoE with packed documents). The pairs it refuses are the table's
+footnotes (tests/unit/test_composition_table.py keeps README.md and docs/architecture.md equal
+to the code).
+
+Losses within 1e-5 absolute of the printed values (the issue's bound; they print 7 digits of
+values near 4): the layouts sum in other orders (TP/CP/DP reductions, reduce-scatters, the
+log-sum-exp merge of CP's attention blocks), which moves fp32 results by ~1e-7. Grad norms
+print 3 decimals: equal up to that rounding. With Adam's eps near the gradients' size (the
+tool's flags) a mis-scaled gradient changes the losses too, not only the norm. Measured: every
+pair prints the one-process digits (the load-balancing loss within 1e-8).
+
+All failing pairs are reported at once. A pair known to fail goes in KNOWN_BROKEN with the
+reason; one that starts passing fails the test, so the list cannot go stale.
+About 80 runs one after another in the warm rank pool (about 55 s on 2 cores): the full suite,
+not the quick tier (which has one run per dimension).
+"""
+import importlib.util
+import os
+import re
+
+import pytest
+
+from tests.e2e.runner import ROOT, finish, parse_losses, start_script
+
+TOL = 1e-5
+NORM_TOL = 1e-3 + 1e-9
+ITERATIONS = 3
+KNOWN_BROKEN = {}  # case name ("A x B", or "A" alone) -> why it differs from one process
+
+
+def _tool():
+    path = os.path.join(ROOT, "tools", "composition_matrix.py")
+    spec = importlib.util.spec_from_file_location("composition_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+matrix = _tool()
+
+
+def _measured(proc):
+    """(per-iteration lm losses, grad norms, MoE load-balancing losses) of a clean run."""
+    losses, _ = parse_losses(proc)
+    norms = [float(x) for x in re.findall(r"\| grad norm: ([0-9.E+-]+) \|", proc.stdout)]
+    balance = [float(x) for x in re.findall(r"load balancing loss: ([0-9.E+-]+)", proc.stdout)]
+    return losses, norms, balance
+
+
+def _absolute(tol):
+    return lambda got, want: abs(got - want) <= tol
+
+
+def _relative(tol):  # the load-balancing loss (~1e-2) prints 7 digits too
+    return lambda got, want: abs(got - want) <= tol * abs(want)
+
+
+def _differences(got, want):
+    """What differs between two runs' measurements, in words (empty: equal)."""
+    out = []
+    for what, within, a, b in zip(("lm loss", "grad norm", "load balancing loss"),
+                                  (_absolute(TOL), _absolute(NORM_TOL), _relative(TOL)),
+                                  got, want):
+        if len(a) != len(b) or not all(within(x, y) for x, y in zip(a, b)):
+            out.append(f"{what} {a} != one process {b}")
+    return out
+
+
+def _unique_runs():
+    """name -> (Case, the names of the other pairs that are the same run), one per distinct
+    run (distributed optimizer x ZeRO-2 is ZeRO-2's); a reference's own run drops out."""
+    runs, first = {}, {}
+    for case in matrix.accepted_cases():
+        key = case.run_key()
+        if (case.world, case.argv()) == (1, matrix.Case((), (), 1, case.model).argv()):
+            continue  # packed documents alone: the packed reference itself
+        if key in first:
+            runs[first[key]][1].append(case.name)
+        else:
+            first[key] = case.name
+            runs[case.name] = (case, [])
+    return runs
+
+
+def _described(name, case, same_runs):
+    also = f", also {' and '.join(same_runs)}" if same_runs else ""
+    ranks = f"{case.world} rank{'s' if case.world > 1 else ''}"
+    return f"{name} ({ranks}, {case.model} model{also})"
+
+
+@pytest.fixture(scope="module")
+def references():
+    started = {model: start_script("pretrain_llama.py", matrix.Case((), (), 1, model).argv())
+               for model in ("dense", "dense+packed", "moe", "moe+packed")}
+    refs = {model: _measured(finish(popen)) for model, popen in started.items()}
+    for model, (losses, norms, balance) in refs.items():
+        assert len(losses) == len(norms) == ITERATIONS, model
+        assert len(balance) == (ITERATIONS if "moe" in model else 0), model
+    # Packed documents change what attends to what: a reference equal to the unpacked one
+    # would mean the mock data held no document boundary.
+    assert refs["dense+packed"][0] != refs["dense"][0]
+    return refs
+
+
+def test_every_accepted_pair_equals_one_process(references):
+    runs = _unique_runs()
+    assert set(KNOWN_BROKEN) <= set(runs), "KNOWN_BROKEN names a pair that is not run"
+    started = {name: start_script("pretrain_llama.py", case.argv(), nproc=case.world)
+               for name, (case, _) in runs.items()}
+    failures = {}
+    for name, popen in started.items():
+        try:
+            got = _measured(finish(popen, timeout=300))
+        except AssertionError as error:  # not clean: the run's own last lines say why
+            failures[name] = [str(error)[-800:]]
+            continue
+        problems = _differences(got, references[runs[name][0].model])
+        if problems:
+            failures[name] = problems
+    report = [_described(name, *runs[name]) + ": " + "; ".join(problems)
+              for name, problems in failures.items() if name not in KNOWN_BROKEN]
+    fixed = sorted(set(KNOWN_BROKEN) - set(failures))
+    if fixed:
+        report.append(f"KNOWN_BROKEN pairs that now equal one process (drop them): {fixed}")
+    assert not report, "the composition matrix:\n" + "\n".join(report)
