@@ -8,7 +8,10 @@ Layouts (4 microbatches of 1 per DP rank at DP 2: several in flight on the first
   * PP2 x VPP2 x DP2, interleaved, tied (ZeRO-2, --no-reshard-after-forward): two FSDP2
     roots per rank, each holding microbatches in flight;
   * TP2 x PP2 x DP2 (8 ranks), sequence parallelism, untied (the issue's triple), and the
-    same with HSDP (two instances), tied.
+    same with HSDP (two instances), tied;
+  * PP2 x DP2 under the zero-bubble schedules, ZB-H1 (tied, ZeRO-3) and ZB-V (untied,
+    ZeRO-2): the deferred weight gradients reach the reduce-scatter held to the iteration's
+    end.
 The global norm is summed over every rank with the last stage's tied copy and TP duplicates
 left out: a double count shows in the printed grad norm (and, with Adam, in the losses).
 Checkpoints saved under FSDP2 x PP2 loading at other layouts, and the reverse: with the other
@@ -48,6 +51,11 @@ def test_fsdp2_with_pipeline_parallelism_equals_one_process(references):
                 "--num-layers-per-virtual-pipeline-stage", "1", "--no-reshard-after-forward"]),
             "tp2 pp2 dp2 sp untied": (8, False, PP2 + [
                 "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            # zero-bubble: every unit's gradients held unsharded until the last W, then
+            # reduce-scattered once (fsdp.py); a W reduced without them moves the losses
+            "pp2 dp2 zb-h1 tied zero3": (4, True, PP2 + ["--pipeline-schedule", "zb-h1"]),
+            "pp2 dp2 zbv untied zero2": (4, False, PP2 + [
+                "--pipeline-schedule", "zbv", "--no-reshard-after-forward"]),
             # HSDP: the two DP ranks are two instances of one (FSDP2's (2, 1) mesh): the
             # reduce-scatter is a copy and the all-reduce across instances does the averaging
             "tp2 pp2 dp2 hsdp tied": (8, True, PP2 + [

@@ -7,13 +7,12 @@ the sums (microbatch gradients summed per rank, then over ranks) and, with clipp
 global norm summed shard by shard: parameters agree to 1e-6 after Adam (REASSOCIATION_TOL,
 the DDP tests' bound).
 """
-import types
 
 import pytest
 import torch
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed.fsdp import TorchFSDP2, TorchFSDP2Config
+from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.models import LlamaModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.training.arguments import ConfigError, build_configs, parse_args
@@ -104,15 +103,6 @@ def test_fsdp2_config_refuses_ddp_only_settings():
         TorchFSDP2Config(overlap_grad_reduce=True)
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
-def test_fsdp2_refuses_the_zero_bubble_schedules_before_any_collective(schedule):
-    """The library's own check (the flags refuse first): a deferred W would miss FSDP2's
-    reduce-scatter. Raised before the broadcast, so no process group is needed."""
-    config = types.SimpleNamespace(pipeline_schedule=schedule)
-    with pytest.raises(ValueError, match=f"--pipeline-schedule {schedule} is not supported"):
-        TorchFSDP2(config, TorchFSDP2Config(), torch.nn.Linear(2, 2))
-
-
 SMALL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--max-position-embeddings 16 --micro-batch-size 1 --train-iters 2 --lr 1e-3 "
          "--mock-data --tokenizer-type NullTokenizer --vocab-size 64 --use-torch-fsdp2").split()
@@ -132,10 +122,6 @@ def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
-     "the deferred weight gradients (W)"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--num-layers", "4"],
-     "--pipeline-schedule zbv is not supported"),
     (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "drop --overlap-grad-reduce"),
     (["--load", "ckpt", "--ckpt-format", "torch"], "sharded checkpoint format only"),

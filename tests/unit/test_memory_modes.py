@@ -166,6 +166,56 @@ def test_hsdp_fsdp2_state_estimate_equals_the_tensors():
         assert measured == estimate == two[rank % 2][0], rank
 
 
+def _held_unsharded_gradient_bytes(chunk) -> int:
+    """What FSDP2 holds between backwards when it does not reduce: each parameter's
+    accumulated gradient (reduce dtype) or its unsharded ``.grad``."""
+    from torch.distributed.fsdp import fully_shard
+
+    held = 0
+    for state in fully_shard.state(chunk.module)._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                grad = param.unsharded_accumulated_grad
+                grad = param.unsharded_param.grad if grad is None else grad
+                held += 0 if grad is None else grad.nbytes
+    return held
+
+
+def _fsdp2_zero_bubble_step():
+    config = _config(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1")
+    model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
+                        TorchFSDP2Config(grad_reduce_in_fp32=True), seed=42)
+    optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM), model)
+    held, reduce = [], model[0].finish_grad_sync
+
+    def measure_then_reduce():
+        held.append(_held_unsharded_gradient_bytes(model[0]))
+        reduce()
+    model[0].finish_grad_sync = measure_then_reduce
+    rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    batch = _global_batches(4, steps=1)[0][rank * 2:(rank + 1) * 2]
+    assert not train_step(_forward_step, iter(batch), model, optimizer, None, 2, SEQ, MBS)[1]
+    setup = optimizer_setup_from(model[0].ddp_config, optimizer.config, dp)
+    stage = ps.get_pipeline_model_parallel_rank()
+    transients = [rank_memory(dataclasses.replace(config, pipeline_schedule=schedule), VOCAB,
+                              setup, stage, 4, rank, share_embeddings_and_output_weights=False
+                              ).transient_bytes for schedule in ("zb-h1", "1f1b")]
+    after = _held_unsharded_gradient_bytes(model[0])
+    return held, after, transients, sum(p.numel() for p in model[0].module.parameters()) * 4
+
+
+def test_fsdp2_zero_bubble_holds_the_estimated_unsharded_gradients():
+    """Under ZB-H1 (PP2 x DP2, fp32, ZeRO-3) FSDP2 reduces once, after the last W: just
+    before it every parameter of the stage holds its whole unsharded gradient, none after.
+    The estimate's transient is 1F1B's with the two layers' gradients in flight replaced by
+    all of them: half of 1F1B's (its gathered layers, fp32 like their gradients) plus what
+    was measured held."""
+    for held, after, (zero_bubble, one_f_one_b), stage_bytes in run_distributed(
+            _fsdp2_zero_bubble_step, world_size=4, tp=1, pp=2):
+        assert held == [stage_bytes] and after == 0
+        assert zero_bubble == one_f_one_b // 2 + stage_bytes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fsdp2_cpu_offload_host_estimate_equals_the_tensors(dtype):
     """FSDP2 with torch's CPUOffloadPolicy at DP 2: the fp32 shards, their gradients (each

@@ -1,9 +1,12 @@
-"""The planner with FSDP2 where it composes now: pipeline parallelism (1F1B and interleaved,
-not the zero-bubble schedules FSDP2 refuses), context parallelism and MoE; its step time counts
-FSDP2's collectives once per microbatch (fsdp.py reduce-scatters every microbatch's gradients
-and gathers the parameters again for each), and a planned FSDP2 x PP row's flags parse back to
-the estimate the planner costed."""
+"""The planner with FSDP2 where it composes now: pipeline parallelism (1F1B, interleaved and
+the zero-bubble schedules), context parallelism and MoE; its step time counts FSDP2's
+collectives once per microbatch (fsdp.py reduce-scatters every microbatch's gradients and
+gathers the parameters again for each; under a zero-bubble schedule it reduces once, after
+the last W), and a planned FSDP2 x PP row's flags parse back to the estimate the planner
+costed."""
 import shlex
+
+import pytest
 
 from megatron.training.memory.estimate import estimate_from_configs
 from megatron.training.planner import Cluster, Layout, estimate_step_time, workload_from_flags
@@ -12,14 +15,14 @@ from megatron.training.planner.plan import layout_config, layout_memory
 from tests.unit.test_plan_parallelism import LLAMA2_7B, TINY_LLAMA, configs_of
 
 
-def test_fsdp2_layouts_include_pipelines_but_no_zero_bubble_schedule():
+def test_fsdp2_layouts_include_every_pipeline_schedule():
     workload = workload_from_flags(TINY_LLAMA, global_batch_size=16)
     layouts = [lay for family in layout_families(workload.args, 8, 8, 16, 2, with_cp=True,
                                                  memory_mode="fsdp2") for lay in family]
     assert {lay.pipeline_parallel for lay in layouts} >= {1, 2, 4}
     assert any(lay.virtual_pipeline for lay in layouts)  # interleaved
     assert any(lay.context_parallel > 1 for lay in layouts)
-    assert all(lay.schedule is None for lay in layouts)
+    assert {lay.schedule for lay in layouts} == {None, "zb-h1", "zbv"}
     assert all(lay.data_parallel * lay.context_parallel > 1 for lay in layouts)
 
 
@@ -39,6 +42,15 @@ def test_fsdp2_collectives_are_counted_once_per_microbatch():
         seconds = [_data_parallel_seconds(workload, Layout(
             1, 2, None, 4, 1, batch, None, sharded, memory_mode=mode)) for batch in (8, 16)]
         assert seconds[0] > 0 and seconds[1] == ratio * seconds[0], mode
+    # ZB-H1: the gathers per microbatch, the reduce-scatter once (the same bytes as above)
+    (flat_8, flat_16), (zb_8, zb_16) = ([_data_parallel_seconds(workload, Layout(
+        1, 2, None, 4, 1, batch, None, False, memory_mode="fsdp2", schedule=schedule))
+        for batch in (8, 16)] for schedule in (None, "zb-h1"))
+    per_microbatch = flat_8 / 2  # a reduce-scatter and the gathers (2 microbatches at 8)
+    gathers = (zb_16 - zb_8) / 2  # 2 more microbatches at 16: only their gathers
+    reduce_once = per_microbatch - gathers
+    assert 0 < gathers and 0 < reduce_once and flat_16 == pytest.approx(2 * flat_8)
+    assert zb_8 == pytest.approx(reduce_once + 2 * gathers)
 
 
 def test_fsdp2_pipeline_row_flags_parse_back_to_the_planned_estimate():

@@ -35,7 +35,7 @@ Checkpoints: the sharded format only (fsdp_checkpoint.py): each rank writes its 
 every weight and optimizer state, readable by any layout (DDP, the distributed optimizer, FSDP2
 at any DP), and reads its own rows of any layout's checkpoint.
 
-Pipeline parallelism (1F1B and interleaved): each model chunk of this rank is its own
+Pipeline parallelism (1F1B, interleaved, zero-bubble): each model chunk of this rank is its own
 ``TorchFSDP2`` (its own FSDP root) over this stage's DP (x CP) group; nothing is sharded across
 stages. Across microbatches the policy is the flag's: ZeRO-3 (default) gathers each layer for
 its forward and again for its backward, every microbatch (two all-gathers per layer per
@@ -48,16 +48,24 @@ the compute dtype). The gradients are reduce-scattered every microbatch, as with
 sharded alike over DP groups of one size, so their local rows are summed over the embedding
 group (tied_embeddings.py); the norm sums over every rank (FSDP2Optimizer).
 
+The zero-bubble schedules (ZB-H1, ZB-V) split each backward into B (input gradients) and a
+deferred W (weight gradients, weight_grad_store.py). FSDP2 would reduce-scatter a layer when
+its B is done, before its W exists, so under them every reduction is held: each backward
+leaves the units' gradients unsharded (accumulated over the microbatches, in the reduce
+dtype), and ``finish_grad_sync``, after the last W, reduce-scatters each unit once, as torch's
+own pipelining does. The price is DDP's: the stage's unsharded gradients live from the first
+backward to the end of the iteration (the memory estimate counts them); the gathers are as
+above.
+
 Mixture of experts: each MoE layer's routed-expert module is sharded first, over a mesh of
 the expert-DP group (the ranks holding the same experts), so the layer's unit leaves it out;
 its reduce-scatter divides by DP x CP (DDP's factor: the all-to-all's backward already summed
 the EP ranks' tokens), not by the expert-DP size. Stacked [E/EP, ...] weights are cut on dim 0;
 with fewer local experts than expert-DP ranks the last ranks hold none.
 
-Not composed (refused by the flags): the zero-bubble schedules (FSDP2 reduce-scatters a
-layer's gradients once its input gradient, B, is done; the deferred weight gradients, W, come
-after it, so the last microbatch's would never be reduced), the distributed optimizer (FSDP2
-is the sharded optimizer), Muon and the torch checkpoint format.
+Not composed (refused by the flags): the distributed optimizer (FSDP2 is the sharded
+optimizer), Muon (it orthogonalizes whole matrices; FSDP2 holds row shards of them) and the
+torch checkpoint format (there is no whole state dict to gather).
 """
 import contextlib
 from dataclasses import dataclass
@@ -158,11 +166,6 @@ def _mesh(device_mesh_class, expert: bool):
 
 class TorchFSDP2(torch.nn.Module):
     def __init__(self, config, fsdp_config: TorchFSDP2Config, module: torch.nn.Module):
-        if getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE:
-            raise ValueError(f"--use-torch-fsdp2 with --pipeline-schedule "
-                             f"{config.pipeline_schedule} is not supported: its deferred "
-                             "weight gradients miss FSDP2's reduce-scatter; use 1f1b or "
-                             "interleaved.")
         # Imported here: torch's FSDP and DTensor cost about 1 s of every process start.
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import (
@@ -221,6 +224,16 @@ class TorchFSDP2(torch.nn.Module):
                     offload_policy=offload)
         _restore_parallel_attrs(module, attrs)
         self.module = module
+        # Zero-bubble schedules: a layer's deferred weight gradients (W) arrive after its
+        # input gradient (B), where FSDP2 would reduce-scatter the layer. Every backward then
+        # accumulates unsharded gradients and the reduction waits for finish_grad_sync,
+        # after the last W (torch's own pipelining does the same).
+        self.reduce_at_end = getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE
+        self._hold_reductions(self.reduce_at_end)
+
+    def _hold_reductions(self, hold: bool) -> None:
+        self.module.set_requires_gradient_sync(not hold)
+        self.module.set_is_last_backward(not hold)
 
     @staticmethod
     def _broadcast_params(module: torch.nn.Module, group) -> None:
@@ -250,7 +263,8 @@ class TorchFSDP2(torch.nn.Module):
         keep the stage's unsharded gradients from the first backward to the last, while the
         per-microbatch reduce-scatter of a layer overlaps (on CUDA) the backward of the layer
         below it; it costs (microbatches - 1) more reduce-scatters of the stage's gradients
-        per iteration, the price FSDP already pays for its all-gathers."""
+        per iteration, the price FSDP already pays for its all-gathers. (The zero-bubble
+        schedules hold every reduction to ``finish_grad_sync`` regardless: module docstring.)"""
         yield
 
     def zero_grad_buffer(self) -> None:
@@ -259,7 +273,19 @@ class TorchFSDP2(torch.nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Nothing to wait for: FSDP's end-of-backward callback has waited for the last
-        reduce-scatter before backward returned."""
+        reduce-scatter before backward returned. Under a zero-bubble schedule (every W done
+        now) each unit's accumulated unsharded gradients are reduce-scattered here, once."""
+        if not self.reduce_at_end:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        self._hold_reductions(False)
+        root = fully_shard.state(self.module)
+        for state in root._state_ctx.all_states:
+            for group in reversed(state._fsdp_param_groups):  # backward's order
+                group.post_backward()
+        root._root_post_backward_final_callback()  # waits for the reductions, resets state
+        self._hold_reductions(True)
 
     def finish_param_sync(self) -> None:
         """Before a save: every parameter back to its shard (a forward without backward, as

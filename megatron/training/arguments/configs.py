@@ -18,7 +18,7 @@ from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.fp8.checks import fp8_unsupported_reason
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel.schedule_order import ZERO_BUBBLE, check_schedule_settings
+from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.context_parallel import reference_kernel_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -155,11 +155,6 @@ def _muon_settings(args) -> dict:
 def _fsdp2_config(args, ddp):
     """--use-torch-fsdp2: refuse what does not compose with it yet, one message each."""
     flag = "--use-torch-fsdp2"
-    schedule = getattr(args, "pipeline_schedule", None)  # PP itself composes (1F1B, interleaved)
-    _need(schedule not in ZERO_BUBBLE,
-          f"{flag} with --pipeline-schedule {schedule} is not supported: FSDP2 reduce-scatters "
-          "a layer's gradients when its input gradient (B) is done, before the deferred weight "
-          "gradients (W) exist; use 1f1b or interleaved.")
     _need(not (args.use_distributed_optimizer or args.overlapped_distributed_optimizer
                or getattr(args, "shard_gradients", False)),
           f"{flag} shards the optimizer state and gradients itself; drop "

@@ -52,6 +52,7 @@ from megatron.training.memory.params import (
     chunk_state_bytes,
     rank_chunks,
 )
+from megatron.training.memory.schedules import is_zero_bubble
 
 FSDP_PREFETCHED_LAYERS = 2  # the layer running and the next one, gathered ahead
 
@@ -148,14 +149,20 @@ def fsdp2_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup, ran
 
 
 def fsdp2_transient_bytes(shapes: List[ParamShape], setup: OptimizerSetup,
-                          param_bytes: int) -> int:
-    """Gathered compute-dtype parameters and unsharded gradients (module docstring)."""
+                          param_bytes: int, hold_gradients: bool = False) -> int:
+    """Gathered compute-dtype parameters and unsharded gradients (module docstring). With
+    ``hold_gradients`` (the zero-bubble schedules: fsdp.py reduces once, after the last W)
+    every unit's unsharded gradients are held in the reduce dtype, plus the units' fresh
+    compute-dtype gradients in flight where the two dtypes differ."""
     dp = setup.data_parallel_size
     units = [sum(_padded_shard(s, dp) * dp for s in unit) for unit in _fsdp_units(shapes)]
     layers, root = sorted(units[:-1], reverse=True), units[-1]
     in_flight = root + sum(layers[:FSDP_PREFETCHED_LAYERS])
     gathered = in_flight if setup.reshard_after_forward else sum(units)
     reduce_bytes = FP32 if setup.grad_reduce_in_fp32 else param_bytes
+    if hold_gradients:
+        fresh = in_flight * param_bytes if reduce_bytes != param_bytes else 0
+        return gathered * param_bytes + sum(units) * reduce_bytes + fresh
     return gathered * param_bytes + in_flight * reduce_bytes  # grads reduced per microbatch
 
 
@@ -200,7 +207,8 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
                 step = ModelStateBytes()
             step.fp8_weights = fp8_weight_cache_bytes(config, shapes)
             add_states(memory.device, step)
-            memory.transient_bytes += fsdp2_transient_bytes(shapes, setup, param_bytes)
+            memory.transient_bytes += fsdp2_transient_bytes(shapes, setup, param_bytes,
+                                                            is_zero_bubble(config))
         return memory
     full_grads = dataclasses.replace(setup, shard_gradients=False)
     for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank, share):

@@ -222,8 +222,7 @@ def layout_families(args: argparse.Namespace, num_gpus: int, gpus_per_node: int,
     """Every layout, grouped into families that differ only in the micro batch (ascending):
     memory grows with the micro batch, so a family can stop at its first misfit. CP > 1
     only with ``with_cp`` (see the module's docstring). With ``memory_mode`` only the
-    layouts it composes with (FSDP2: DP x CP > 1, no zero-bubble schedule; ZeRO-2: the
-    distributed optimizer)."""
+    layouts it composes with (FSDP2: DP x CP > 1; ZeRO-2: the distributed optimizer)."""
     micro_batches = [1 << k for k in range(max_micro_batch_size.bit_length())
                      if 1 << k <= max_micro_batch_size]
     for t in tensor_parallel_sizes(args, num_gpus, gpus_per_node):
@@ -242,8 +241,6 @@ def _families(args: argparse.Namespace, num_gpus: int, t: int, c: int, global_ba
         d = num_gpus // (t * c * p)
         fitting = [b for b in micro_batches if global_batch_size % (b * d) == 0]
         for v, schedule in _schedules(num_layers, p):
-            if mode in FSDP2_MODES and schedule is not None:
-                continue  # FSDP2 refuses the zero-bubble schedules (arguments/configs.py)
             batches = [b for b in fitting
                        if _schedule_takes(p, v, schedule, global_batch_size // (b * d))]
             for recompute, sharded, ep, n in _choices(args, mode, t, p, c, d, gpus_per_node):

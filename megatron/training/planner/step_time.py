@@ -327,10 +327,15 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
                 # Every microbatch: ZeRO-3 gathers the parameters for its forward and its
                 # backward (ZeRO-2 for its forward) and reduce-scatters its gradients
                 # (fsdp.py's no_sync holds nothing back), each hidden behind that
-                # microbatch's compute.
+                # microbatch's compute. Zero-bubble schedules reduce once, after the last
+                # W, with nothing left to hide it (as DDP's last bucket, exposed whole).
                 gathers = 1 if layout.memory_mode == "fsdp2-zero2" else 2
                 reduce_s, gather_s = sharded_collective_seconds(layout, cluster, grads, params)
                 gather_s *= gathers
+                if layout.schedule is not None:
+                    exposed = reduce_s + m * max(0.0, gather_s - forward_r)
+                    per_stage.append((exposed, reduce_s + m * gather_s))
+                    continue
                 exposed = m * (max(0.0, reduce_s - backward_r)
                                + max(0.0, gather_s - forward_r))
                 per_stage.append((exposed, m * (reduce_s + gather_s)))
