@@ -1,6 +1,7 @@
 """DP=2: step time and per-rank memory of DDP, the distributed optimizer (ZeRO-1), ZeRO-2
-(--shard-gradients), FSDP2 (ZeRO-3, and ZeRO-2 without reshard-after-forward) and the
-distributed optimizer with --optimizer-cpu-offload, on the same LLaMA and the same data.
+(--shard-gradients), FSDP2 (ZeRO-3, ZeRO-2 without reshard-after-forward, and ZeRO-3 reducing
+each unit once per step instead of once per microbatch) and the distributed optimizer with
+--optimizer-cpu-offload, on the same LLaMA and the same data.
 
     python3 bench/memory_modes.py [--layers 4 --hidden 512 --seq 256 --micro-batch-size 1
                                   --microbatches 2 --steps 5 --warmup 2 --repeats 3]
@@ -49,13 +50,17 @@ from megatron.training.training import train_step  # noqa: E402
 
 DP = 2
 BASELINE = "distributed optimizer"
-# mode -> (optimizer flags, shard_gradients, FSDP2 reshard_after_forward or None for our DDP)
+# mode -> (optimizer flags, shard_gradients, TorchFSDP2Config's settings or None for our DDP)
 MODES = {
     "DDP": (dict(), False, None),
     BASELINE: (dict(use_distributed_optimizer=True), False, None),
     "ZeRO-2 (--shard-gradients)": (dict(use_distributed_optimizer=True), True, None),
-    "FSDP2 ZeRO-3": (dict(), False, True),
-    "FSDP2 ZeRO-2": (dict(), False, False),
+    "FSDP2 ZeRO-3": (dict(), False, dict(reshard_after_forward=True)),
+    "FSDP2 ZeRO-2": (dict(), False, dict(reshard_after_forward=False)),
+    # each unit reduce-scattered once per step (gradients held unsharded until then), not
+    # once per microbatch: the measured choice of fsdp.py's no_sync
+    "FSDP2 ZeRO-3, reduce once": (dict(), False, dict(reshard_after_forward=True,
+                                                      reduce_gradients_once=True)),
     "dist. opt. + CPU offload": (dict(use_distributed_optimizer=True,
                                       optimizer_cpu_offload=True), False, None),
 }
@@ -82,7 +87,7 @@ def parse_args(argv=None):
 
 def build_mode(args, name):
     """(model chunks, optimizer) of one mode, from the same seed."""
-    flags, shard_gradients, reshard = MODES[name]
+    flags, shard_gradients, fsdp2 = MODES[name]
     config = llama_config(num_layers=args.layers, hidden_size=args.hidden,
                           num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
                           max_position_embeddings=args.seq)
@@ -90,12 +95,12 @@ def build_mode(args, name):
     opt_config = OptimizerConfig(**ADAM, **flags)
     torch.manual_seed(1234)
     module = LlamaModel(config, args.vocab)
-    if reshard is None:
+    if fsdp2 is None:
         model = DistributedDataParallel(
             config, ddp_config_for_optimizer(opt_config, shard_gradients=shard_gradients),
             module)
     else:
-        model = TorchFSDP2(config, TorchFSDP2Config(reshard_after_forward=reshard), module)
+        model = TorchFSDP2(config, TorchFSDP2Config(**fsdp2), module)
     return [model], get_megatron_optimizer(opt_config, [model])
 
 
@@ -105,9 +110,27 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _fsdp2_unsharded_grads(chunk):
+    """The unsharded gradients FSDP2 holds between backwards when it does not reduce."""
+    if not isinstance(chunk, TorchFSDP2):
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    for state in fully_shard.state(chunk.module)._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                for grad in (param.unsharded_accumulated_grad,
+                             getattr(param, "_unsharded_param", None) is not None
+                             and param.unsharded_param.grad):
+                    if torch.is_tensor(grad):
+                        yield grad
+
+
 def _model_tensors(chunks):
-    """Parameters as the model holds them now, their gradients, DDP's gradient buckets."""
+    """Parameters as the model holds them now, their gradients (FSDP2: also the unsharded
+    ones it holds), DDP's gradient buckets."""
     for chunk in chunks:
+        yield from _fsdp2_unsharded_grads(chunk)
         for p in chunk.module.parameters():
             yield _local(p)
             for grad in (p.grad, getattr(p, "main_grad", None)):

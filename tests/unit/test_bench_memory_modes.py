@@ -29,9 +29,9 @@ def _expected(name, chunks, optimizer):
     """(device, host) bytes of params + grads + optimizer state after the step, from the
     tensors' sizes: FSDP2 shards every parameter's dim 0 (padded up to a multiple of DP),
     the distributed optimizer shards buckets padded to a multiple of DP."""
-    flags, shard_gradients, reshard = bench.MODES[name]
+    flags, shard_gradients, fsdp2 = bench.MODES[name]
     state = _state_bytes(optimizer)
-    if reshard is not None:
+    if fsdp2 is not None:
         shard = sum(math.ceil(p.shape[0] / bench.DP) * math.prod(p.shape[1:])
                     for p in chunks[0].module.parameters())
         return F32 * shard * 2 + state, 0  # sharded params and their gradients
@@ -48,8 +48,10 @@ def _expected(name, chunks, optimizer):
 
 def _run_tiny():
     result = bench.run_modes(bench.parse_args(TINY))
+    built = result.pop("built")
     expected = {name: _expected(name, chunks, optimizer)
-                for name, (chunks, optimizer) in result.pop("built").items()}
+                for name, (chunks, optimizer) in built.items()}
+    result["parameters"] = sum(p.numel() for p in built["DDP"][0][0].module.parameters())
     return result, expected
 
 
@@ -73,6 +75,12 @@ def test_printed_memory_is_the_tensors_bytes_and_the_losses_agree(capsys):
         assert offload["peak"] == offload["device"] + offload["host"]
         zero3, zero2 = memory["FSDP2 ZeRO-3"], memory["FSDP2 ZeRO-2"]
         assert zero3["device"] < zero3["peak"] <= zero2["peak"] < memory["DDP"]["device"]
+        # Reducing once: the whole model's unsharded fp32 gradients held from the first
+        # microbatch's backward to the reduction, on top of ZeRO-3's state
+        once = memory["FSDP2 ZeRO-3, reduce once"]
+        params = result["parameters"]
+        assert once["device"] == zero3["device"]
+        assert once["peak"] >= zero3["device"] + F32 * params and once["peak"] > zero3["peak"]
         steps = len(result["losses"][base])
         assert steps == 3  # first, instrumented, one timed
         for name, losses in result["losses"].items():

@@ -58,6 +58,8 @@ EXAMPLES = {
         small("--reduce-bucket-size=2e8"), ["--overlapped-distributed-optimizer"]),
     ("--no-reshard-after-forward", "--use-torch-fsdp2"): (
         small("--no-reshard-after-forward"), ["--use-torch-fsdp2"]),
+    ("--fsdp2-reduce-gradients-once", "--use-torch-fsdp2"): (
+        small("--fsdp2-reduce-gradients-once"), ["--use-torch-fsdp2"]),
     **{(flag, "--recompute-granularity full"): (
         small(flag, *value), ["--recompute-granularity", "full"]) for flag, value in {
         "--recompute-method": ["uniform"], "--recompute-num-layers": ["1"],

@@ -35,10 +35,11 @@ from tests.unit.test_data_parallel import (
 STEPS = 3
 
 
-def _fsdp_train(num_microbatches, reshard, clip_grad=0.0, sgd=False):
+def _fsdp_train(num_microbatches, reshard, clip_grad=0.0, sgd=False, reduce_once=False):
     config = _config()
     model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
-                        TorchFSDP2Config(reshard_after_forward=reshard), seed=42)
+                        TorchFSDP2Config(reshard_after_forward=reshard,
+                                         reduce_gradients_once=reduce_once), seed=42)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(clip_grad=clip_grad, **(SGD if sgd else ADAM)), model)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -67,11 +68,14 @@ def _check_against_reference(ranks, reference, dp):
             assert local[1:] == full[1:] and local[0] <= -(-full[0] // dp), name
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
-def test_fsdp2_dp2_steps_equal_single_process(reshard):
+@pytest.mark.parametrize("reshard,reduce_once", [(True, False), (False, False), (True, True)],
+                         ids=["zero3", "zero2", "zero3-reduce-once"])
+def test_fsdp2_dp2_steps_equal_single_process(reshard, reduce_once):
+    """reduce_once: two microbatches per rank accumulated unsharded, reduce-scattered once
+    after the last backward (finish_grad_sync)."""
     reference = run_distributed(_reference, world_size=1, tp=1, num_microbatches=4)[0]
     ranks = run_distributed(_fsdp_train, world_size=2, tp=1, num_microbatches=4,
-                            reshard=reshard)
+                            reshard=reshard, reduce_once=reduce_once)
     _check_against_reference(ranks, reference, dp=2)
 
 
@@ -119,6 +123,13 @@ def test_fsdp2_flags_map_to_the_config(extra, reshard, reduce_fp32):
     ddp = build_configs(parse_args(SMALL + extra), world_size=2).ddp
     assert isinstance(ddp, TorchFSDP2Config)
     assert (ddp.reshard_after_forward, ddp.grad_reduce_in_fp32) == (reshard, reduce_fp32)
+    assert not ddp.reduce_gradients_once and not ddp.cpu_offload
+
+
+def test_fsdp2_reduce_once_and_offload_flags_map_to_the_config():
+    ddp = build_configs(parse_args(SMALL + ["--fsdp2-reduce-gradients-once",
+                                            "--optimizer-cpu-offload"]), world_size=2).ddp
+    assert ddp.reduce_gradients_once and ddp.cpu_offload
 
 
 @pytest.mark.parametrize("extra,words", [

@@ -181,10 +181,14 @@ def _held_unsharded_gradient_bytes(chunk) -> int:
     return held
 
 
-def _fsdp2_zero_bubble_step():
-    config = _config(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1")
+def _fsdp2_held_gradients_step():
+    """PP2 under ZB-H1, or PP1 with reduce_gradients_once: both hold every reduction."""
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = _config(pipeline_model_parallel_size=pp,
+                     pipeline_schedule="zb-h1" if pp > 1 else None)
     model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config,
-                        TorchFSDP2Config(grad_reduce_in_fp32=True), seed=42)
+                        TorchFSDP2Config(grad_reduce_in_fp32=True,
+                                         reduce_gradients_once=pp == 1), seed=42)
     optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM), model)
     held, reduce = [], model[0].finish_grad_sync
 
@@ -196,24 +200,30 @@ def _fsdp2_zero_bubble_step():
     batch = _global_batches(4, steps=1)[0][rank * 2:(rank + 1) * 2]
     assert not train_step(_forward_step, iter(batch), model, optimizer, None, 2, SEQ, MBS)[1]
     setup = optimizer_setup_from(model[0].ddp_config, optimizer.config, dp)
+    assert setup.fsdp2_reduce_once == (pp == 1)
     stage = ps.get_pipeline_model_parallel_rank()
-    transients = [rank_memory(dataclasses.replace(config, pipeline_schedule=schedule), VOCAB,
-                              setup, stage, 4, rank, share_embeddings_and_output_weights=False
-                              ).transient_bytes for schedule in ("zb-h1", "1f1b")]
+    held_and_not = [(config, setup), (dataclasses.replace(config, pipeline_schedule="1f1b"),
+                                      dataclasses.replace(setup, fsdp2_reduce_once=False))]
+    transients = [rank_memory(c, VOCAB, s, stage, 4, rank,
+                              share_embeddings_and_output_weights=False).transient_bytes
+                  for c, s in (held_and_not if pp > 1 else
+                               [(config, setup), (config, held_and_not[1][1])])]
     after = _held_unsharded_gradient_bytes(model[0])
     return held, after, transients, sum(p.numel() for p in model[0].module.parameters()) * 4
 
 
-def test_fsdp2_zero_bubble_holds_the_estimated_unsharded_gradients():
-    """Under ZB-H1 (PP2 x DP2, fp32, ZeRO-3) FSDP2 reduces once, after the last W: just
-    before it every parameter of the stage holds its whole unsharded gradient, none after.
-    The estimate's transient is 1F1B's with the two layers' gradients in flight replaced by
-    all of them: half of 1F1B's (its gathered layers, fp32 like their gradients) plus what
-    was measured held."""
-    for held, after, (zero_bubble, one_f_one_b), stage_bytes in run_distributed(
-            _fsdp2_zero_bubble_step, world_size=4, tp=1, pp=2):
+@pytest.mark.parametrize("pp", [2, 1], ids=["pp2-zb-h1", "pp1-reduce-once"])
+def test_fsdp2_held_reductions_hold_the_estimated_unsharded_gradients(pp):
+    """Under ZB-H1 (PP2 x DP2), or with reduce_gradients_once (DP2, two microbatches), fp32,
+    ZeRO-3, FSDP2 reduces once, after the last backward: just before it every parameter of the
+    stage holds its whole unsharded gradient, none after. The estimate's transient is the
+    per-microbatch one with the two layers' gradients in flight replaced by all of them: half
+    of it (its gathered layers, fp32 like their gradients) plus what was measured held."""
+    world = 2 * pp
+    for held, after, (once, per_microbatch), stage_bytes in run_distributed(
+            _fsdp2_held_gradients_step, world_size=world, tp=1, pp=pp):
         assert held == [stage_bytes] and after == 0
-        assert zero_bubble == one_f_one_b // 2 + stage_bytes
+        assert once == per_microbatch // 2 + stage_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

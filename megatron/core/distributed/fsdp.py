@@ -109,6 +109,11 @@ class TorchFSDP2Config(DistributedDataParallelConfig):
     # so the optimizer state and step on the host; each unit's shards copied to the device
     # for its all-gather, its reduced gradients back).
     cpu_offload: bool = False
+    # Reduce-scatter each unit once per iteration, after the last backward, instead of once
+    # per microbatch: the units' unsharded gradients are held (accumulated) in between. The
+    # zero-bubble schedules need it (module docstring); elsewhere it trades that memory for
+    # (microbatches - 1) fewer reduce-scatters (BENCHMARKS.md measures both).
+    reduce_gradients_once: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -228,7 +233,8 @@ class TorchFSDP2(torch.nn.Module):
         # input gradient (B), where FSDP2 would reduce-scatter the layer. Every backward then
         # accumulates unsharded gradients and the reduction waits for finish_grad_sync,
         # after the last W (torch's own pipelining does the same).
-        self.reduce_at_end = getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE
+        self.reduce_at_end = fsdp_config.reduce_gradients_once or \
+            getattr(config, "pipeline_schedule", None) in ZERO_BUBBLE
         self._hold_reductions(self.reduce_at_end)
 
     def _hold_reductions(self, hold: bool) -> None:
@@ -254,17 +260,18 @@ class TorchFSDP2(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Nothing held back: every microbatch's gradients are reduce-scattered and summed into
-        the sharded ``.grad`` (as torchtitan does). Holding the reduction to the last
-        microbatch, as DDP does, would keep every unit's unsharded gradient alive across the
-        microbatches (4 bytes per parameter in fp32), ZeRO's saving lost, for one
-        reduce-scatter per unit per iteration instead of per microbatch. Under PP the same
-        choice, kept without a measurement (reasoned, not timed): the schedule's hold would
-        keep the stage's unsharded gradients from the first backward to the last, while the
-        per-microbatch reduce-scatter of a layer overlaps (on CUDA) the backward of the layer
-        below it; it costs (microbatches - 1) more reduce-scatters of the stage's gradients
-        per iteration, the price FSDP already pays for its all-gathers. (The zero-bubble
-        schedules hold every reduction to ``finish_grad_sync`` regardless: module docstring.)"""
+        """Nothing held back by default: every microbatch's gradients are reduce-scattered
+        and summed into the sharded ``.grad`` (as torchtitan does). Holding the reduction to
+        the last microbatch (``reduce_gradients_once``, --fsdp2-reduce-gradients-once) keeps
+        every unit's unsharded gradient alive across the microbatches (4 bytes per parameter
+        in fp32, the stage's under PP), ZeRO's gradient saving lost, for one reduce-scatter
+        per unit per step instead of per microbatch. Measured on CPU (gloo, DP 2,
+        bench/memory_modes.py, BENCHMARKS.md): holding is 12% faster at 2 microbatches and
+        15% at 8, its peak 7% higher; there the reduce-scatters hide behind nothing, while on
+        CUDA a layer's reduce-scatter overlaps the backward of the layer below. The default
+        stays per microbatch (memory is why one picks FSDP2); the flag is for runs with
+        memory to spare. The zero-bubble schedules hold every reduction regardless (module
+        docstring)."""
         yield
 
     def zero_grad_buffer(self) -> None:

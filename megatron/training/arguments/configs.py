@@ -173,6 +173,7 @@ def _fsdp2_config(args, ddp):
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
         reshard_after_forward=args.reshard_after_forward,
         cpu_offload=getattr(args, "optimizer_cpu_offload", False),  # saved args may lack it
+        reduce_gradients_once=getattr(args, "fsdp2_reduce_gradients_once", False),
         num_distributed_optimizer_instances=instances_of(args)))
 
 

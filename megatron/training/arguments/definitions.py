@@ -257,6 +257,11 @@ def _add_parallel_args(parser):
                    action="store_false",
                    help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
                         "forward to backward (ZeRO-2; default: free them, ZeRO-3).")
+    g.add_argument("--fsdp2-reduce-gradients-once", action="store_true",
+                   help="With --use-torch-fsdp2: reduce-scatter each layer's gradients once "
+                        "per step, after the last microbatch, holding them unsharded in "
+                        "between (+4 bytes per parameter in fp32; 12-15%% faster steps on "
+                        "CPU, BENCHMARKS.md); default: once per microbatch, the least memory.")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Old spelling of --recompute-granularity selective.")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],

@@ -96,6 +96,8 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
     Dependency("--reduce-bucket-size", lambda a: a.overlapped_distributed_optimizer,
                "--overlapped-distributed-optimizer"),
     Dependency("--no-reshard-after-forward", lambda a: a.use_torch_fsdp2, "--use-torch-fsdp2"),
+    Dependency("--fsdp2-reduce-gradients-once", lambda a: a.use_torch_fsdp2,
+               "--use-torch-fsdp2"),
     *(Dependency(flag, lambda a: a.recompute_granularity == "full",
                  "--recompute-granularity full")
       for flag in ("--recompute-method", "--recompute-num-layers",

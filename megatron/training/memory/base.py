@@ -34,6 +34,7 @@ class OptimizerSetup:
     fsdp2: bool = False
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    fsdp2_reduce_once: bool = False  # TorchFSDP2Config.reduce_gradients_once
 
     def states_per_element(self) -> int:
         if self.optimizer in ("adam", "muon"):  # Muon's: at most Adam's (see states_of)

@@ -159,6 +159,7 @@ def optimizer_setup_from(ddp_config, optimizer_config, data_parallel_size: int,
         shard_gradients=ddp_config.shard_gradients,
         fsdp2=getattr(ddp_config, "use_torch_fsdp2", False),
         reshard_after_forward=getattr(ddp_config, "reshard_after_forward", True),
+        fsdp2_reduce_once=getattr(ddp_config, "reduce_gradients_once", False),
         cpu_offload=optimizer_config.optimizer_cpu_offload)
 
 

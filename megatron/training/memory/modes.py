@@ -151,7 +151,8 @@ def fsdp2_state_bytes(config, padded_vocab_size: int, setup: OptimizerSetup, ran
 def fsdp2_transient_bytes(shapes: List[ParamShape], setup: OptimizerSetup,
                           param_bytes: int, hold_gradients: bool = False) -> int:
     """Gathered compute-dtype parameters and unsharded gradients (module docstring). With
-    ``hold_gradients`` (the zero-bubble schedules: fsdp.py reduces once, after the last W)
+    ``hold_gradients`` (fsdp.py's reduce_gradients_once, and the zero-bubble schedules:
+    each unit reduced once, after the last backward / W)
     every unit's unsharded gradients are held in the reduce dtype, plus the units' fresh
     compute-dtype gradients in flight where the two dtypes differ."""
     dp = setup.data_parallel_size
@@ -207,8 +208,8 @@ def rank_memory(config, padded_vocab_size: int, setup: OptimizerSetup, pipeline_
                 step = ModelStateBytes()
             step.fp8_weights = fp8_weight_cache_bytes(config, shapes)
             add_states(memory.device, step)
-            memory.transient_bytes += fsdp2_transient_bytes(shapes, setup, param_bytes,
-                                                            is_zero_bubble(config))
+            memory.transient_bytes += fsdp2_transient_bytes(
+                shapes, setup, param_bytes, setup.fsdp2_reduce_once or is_zero_bubble(config))
         return memory
     full_grads = dataclasses.replace(setup, shard_gradients=False)
     for shapes, alone in rank_chunks(config, padded_vocab_size, pipeline_rank, share):

@@ -160,6 +160,8 @@ CASES = [
      ["--loss-scale has no effect without --fp16: add --fp16 or drop --loss-scale."]),
     ("fsdp2-flag-without-fsdp2", "pretrain_llama.py", ["--no-reshard-after-forward"], None,
      ["--no-reshard-after-forward has no effect without --use-torch-fsdp2"]),
+    ("fsdp2-reduce-once-without-fsdp2", "pretrain_llama.py", ["--fsdp2-reduce-gradients-once"],
+     None, ["--fsdp2-reduce-gradients-once has no effect without --use-torch-fsdp2"]),
     ("rotary-base-with-learned-positions", "pretrain_gpt.py", ["--rotary-base", "500000"], None,
      ["--rotary-base has no effect without --position-embedding-type rope"]),
     ("recompute-method-without-full", "pretrain_llama.py", ["--recompute-method=uniform"], None,
