@@ -53,6 +53,13 @@ def test_planner_proposes_hsdp_on_two_nodes_and_never_on_one():
     assert one.rows and all(row.layout.instances == 1 for row in one.rows)
 
 
+def test_a_command_lines_own_hsdp_flags_give_way_to_the_planned_layout():
+    workload = workload_from_flags(TINY_LLAMA + [
+        "--num-distributed-optimizer-instances", "4", "--use-torch-fsdp2",
+        "--fsdp2-reduce-gradients-once"], global_batch_size=16)
+    assert workload.flags == workload_from_flags(TINY_LLAMA, global_batch_size=16).flags
+
+
 def test_hsdp_row_flags_parse_back_to_the_planned_estimate():
     workload = workload_from_flags(TINY_LLAMA + shlex.split(
         "--lr 1e-4 --train-iters 1 --mock-data --tokenizer-type NullTokenizer"),

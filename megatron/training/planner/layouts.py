@@ -144,6 +144,7 @@ def apply_layout(args: argparse.Namespace, layout: Layout) -> argparse.Namespace
     new.reshard_after_forward = layout.memory_mode != "fsdp2-zero2"
     new.optimizer_cpu_offload = layout.memory_mode in OFFLOAD_MODES
     new.num_distributed_optimizer_instances = layout.instances
+    new.fsdp2_reduce_gradients_once = False  # per microbatch: the planner's FSDP2 (fsdp.py)
     new.bf16, new.fp16 = True, False
     new.grad_reduce_in_bf16 = not layout.grad_reduce_in_fp32
     new.accumulate_allreduce_grads_in_fp32 = layout.grad_reduce_in_fp32

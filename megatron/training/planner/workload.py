@@ -22,7 +22,8 @@ LAYOUT_DESTS = frozenset({
     "recompute_granularity", "recompute_method", "recompute_num_layers",
     "distribute_saved_activations", "micro_batch_size", "global_batch_size", "fp16", "bf16",
     "grad_reduce_in_bf16", "shard_gradients", "use_torch_fsdp2", "reshard_after_forward",
-    "optimizer_cpu_offload", "expert_model_parallel_size"})
+    "optimizer_cpu_offload", "expert_model_parallel_size",
+    "num_distributed_optimizer_instances", "fsdp2_reduce_gradients_once"})
 
 
 def without_layout_flags(flags: Sequence[str]) -> List[str]:
