@@ -1,6 +1,5 @@
 """Real data for end-to-end runs, made once per session the way a user makes it: the quickstart
 corpus generator and its tokenizer, then tools/preprocess_data.py."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,15 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.core.datasets.tokenizer_sidecar import SIDECAR_SUFFIX
-from tests.e2e.runner import ROOT
-
-
-def load_tool(name):
-    """A module of tools/ (a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.e2e.runner import ROOT, load_tool
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Running the entry points as a user would (python or torchrun, CPU, one thread per process)
 and reading Megatron's console lines back."""
+import importlib.util
 import os
 import re
 import signal
@@ -41,6 +42,14 @@ def _warm_eligible(script, torchrun_args, warm) -> bool:
     script = os.path.relpath(script, ROOT)  # a path under the checkout names the same script
     return bool(warm and not torchrun_args and script in WARM_SCRIPTS
                 and not os.environ.get(COLD_ENV))
+
+
+def load_tool(name):
+    """A module of tools/ (a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def start_script(script, flags, nproc=1, torchrun_args=None, warm=True):

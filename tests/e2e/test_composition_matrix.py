@@ -17,13 +17,11 @@ reason; one that starts passing fails the test, so the list cannot go stale.
 About 80 runs one after another in the warm rank pool (about 55 s on 2 cores): the full suite,
 not the quick tier (which has one run per dimension).
 """
-import importlib.util
-import os
 import re
 
 import pytest
 
-from tests.e2e.runner import ROOT, finish, parse_losses, start_script
+from tests.e2e.runner import finish, load_tool, parse_losses, start_script
 
 TOL = 1e-5
 NORM_TOL = 1e-3 + 1e-9
@@ -31,15 +29,7 @@ ITERATIONS = 3
 KNOWN_BROKEN = {}  # case name ("A x B", or "A" alone) -> why it differs from one process
 
 
-def _tool():
-    path = os.path.join(ROOT, "tools", "composition_matrix.py")
-    spec = importlib.util.spec_from_file_location("composition_matrix", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-matrix = _tool()
+matrix = load_tool("composition_matrix")
 
 
 def _measured(proc):

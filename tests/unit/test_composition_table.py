@@ -2,21 +2,18 @@
 tools/composition_matrix.py generates from the code now (the flag parser and build_configs
 decide each pair), so they cannot drift; each feature alone is accepted (a refused diagonal
 would mean the feature's own flags are wrong, not that a pair does not compose)."""
-import importlib.util
 import os
 
 import pytest
+
+from tests.e2e.runner import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def tool():
-    path = os.path.join(ROOT, "tools", "composition_matrix.py")
-    spec = importlib.util.spec_from_file_location("composition_matrix", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("composition_matrix")
 
 
 @pytest.fixture(scope="module")
