@@ -16,7 +16,7 @@ from megatron.training.logging.pipeline_timeline import (
     planned_timeline,
     timeline_from_traces,
 )
-from tests.e2e.conftest import load_tool
+from tests.e2e.runner import load_tool
 
 
 

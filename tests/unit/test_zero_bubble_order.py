@@ -30,7 +30,7 @@ from megatron.core.pipeline_parallel.simulate import (
     theoretical_bubble_zero,
     zero_bubble_idle,
 )
-from tests.e2e.conftest import load_tool
+from tests.e2e.runner import load_tool
 
 SIZES = (2, 3, 4, 6)
 
