@@ -5,6 +5,7 @@ Entry points and tools call ``report_error`` / ``exit_with_error``; the caller d
 code (2: the input was wrong before any work, as argparse does; 1: a failure during the run).
 """
 import datetime
+import gc
 import os
 import sys
 import traceback
@@ -61,7 +62,15 @@ def shutdown_distributed() -> None:
     active exception", pytorch/pytorch#190489). Collective: every rank calls it at the same
     point (the end of training, or an error all ranks agreed on)."""
     if dist.is_available() and dist.is_initialized():
+        from megatron.core import parallel_state
+
+        # Our own references to the groups go first, then the groups; the last holders (a
+        # model's buckets, FSDP2's meshes) may sit in reference cycles: collected now, so
+        # every gloo group is torn down while the interpreter is whole, not during its
+        # finalization (where a worker thread's last tensor crashes it: the abort above).
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def exit_with_error(error: Union[str, BaseException], code: int,
