@@ -55,17 +55,17 @@ def test_fsdp2_dp2_and_dp4_equal_one_process(single_process):
 
 
 def test_fsdp2_tp2_dp2_sequence_parallel_equals_one_process(single_process):
+    """ZeRO-2 (ZeRO-3 at TP2 x DP2: tests/e2e/test_composition_matrix.py's TP+SP x FSDP2)."""
     tp_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    _check_runs(single_process, {"tp2 dp2 sp zero3": (4, tp_sp),
-                                 "tp2 dp2 sp zero2": (4, tp_sp + ZERO2)})
+    _check_runs(single_process, {"tp2 dp2 sp zero2": (4, tp_sp + ZERO2)})
 
 
 def test_fsdp2_with_context_parallelism_equals_one_process(single_process):
-    """FSDP2 shards over DP x CP (the ranks that reduce the same gradients): CP2 x DP2, and
-    TP2 (SP) x CP2 with ZeRO-2, each sharded 2 ways over CP alone or 4 over DP x CP."""
+    """FSDP2 shards over DP x CP (the ranks that reduce the same gradients): TP2 (SP) x CP2
+    with ZeRO-2, sharded 2 ways over CP alone (CP2 x DP2, 4 ways over DP x CP: the
+    composition matrix's CP x FSDP2)."""
     cp = ["--context-parallel-size", "2"]
     _check_runs(single_process, {
-        "cp2 dp2 zero3": (4, cp),
         "tp2 sp cp2 zero2": (4, cp + ["--tensor-model-parallel-size", "2",
                                       "--sequence-parallel"] + ZERO2)})
 
