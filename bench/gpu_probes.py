@@ -222,6 +222,16 @@ def fp8_blockwise_native_or_sliced():
     return f"native: {native}; why: {why}; relative errors {errors}"
 
 
+@probe
+def fp8_grouped_experts():
+    """The rowwise experts: whether torch's grouped FP8 GEMM agrees with the per-expert GEMMs
+    (and so is used), or why not."""
+    from megatron.core.fp8.grouped import GROUPED_WHY, grouped_kernel
+
+    used = grouped_kernel(device.device_type())
+    return f"grouped kernel used: {used}; {GROUPED_WHY.get(device.device_type(), '?')}"
+
+
 def main() -> int:
     versions()
     for fn in PROBES:

@@ -97,3 +97,13 @@ def test_native_blockwise_agrees_on_hopper():
         pytest.skip("torch's DeepSeek-style block scaling is sm90 only")
     for pair in (("1x128", "128x128"), ("1x128", "1x128")):
         assert native_blockwise("cuda", *pair), NATIVE_BLOCKWISE_WHY[("cuda", *pair)]
+
+
+def test_grouped_expert_gemm_agrees_on_hopper():
+    """torch's grouped FP8 GEMM (the rowwise experts' forward and dgrad) against the same
+    GEMMs expert by expert (fp8/grouped.py's probe: an idle expert, unaligned counts)."""
+    from megatron.core.fp8.grouped import GROUPED_WHY, grouped_kernel
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("torch's grouped FP8 GEMM is sm90 only")
+    assert grouped_kernel("cuda"), GROUPED_WHY["cuda"]

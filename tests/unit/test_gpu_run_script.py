@@ -23,7 +23,7 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
     for name in ("machine", "bench_fp8", "tests", "bench_eager", "pretrain"):
         assert re.search(rf"^{name}: rc=0 in \d+s", summary, re.M), (name, summary)
     assert "bench_compile: skipped in a dry run" in summary
-    assert "probes: 7 OK, 0 failed" in summary
+    assert "probes: 8 OK, 0 failed" in summary
     # bench/fp8_step.py: every recipe through pretrain's model and train_step, from the same
     # weights (the first loss within FP8's rounding of fp32's, not equal to it); tokens/s =
     # micro batch 2 x sequence 32 x 4 micro batches / the median step.
