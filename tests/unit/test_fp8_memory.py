@@ -8,21 +8,27 @@ from megatron.core.fp8 import Fp8Config
 from tests.distributed import run_distributed
 
 
-def _config(recipe, tp):
+def _config(recipe, tp, moe=False):
     from megatron.core.models import llama_config
+    from megatron.core.transformer.moe.moe_config import MoEConfig
 
+    experts = MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=128, moe_router_topk=2) \
+        if moe else None
     return llama_config(num_layers=4, hidden_size=256, num_attention_heads=4,
                         num_query_groups=2, ffn_hidden_size=384, tensor_model_parallel_size=tp,
+                        moe=experts, sequence_parallel=moe and tp > 1,
                         fp8=Fp8Config(recipe=recipe, layers_at_start_in_high_precision=1))
 
 
-def _cached_and_estimated(recipe):
+def _cached_and_estimated(recipe, moe=False):
     from megatron.core import parallel_state as ps
     from megatron.core.models import LlamaModel
     from megatron.training.memory.fp8 import fp8_weight_cache_bytes
     from megatron.training.memory.params import chunk_param_shapes
 
-    config = _config(recipe, ps.get_tensor_model_parallel_world_size())
+    if moe:  # EP 1, expert TP = TP
+        ps.initialize_expert_parallel(1)
+    config = _config(recipe, ps.get_tensor_model_parallel_world_size(), moe)
     model = LlamaModel(config, 256)
     tokens = torch.randint(0, 256, (2, 32))
     model(tokens, labels=tokens).mean().backward()
@@ -39,6 +45,15 @@ def _cached_and_estimated(recipe):
 def test_estimate_counts_the_cached_fp8_weights_to_the_byte(recipe, tp):
     for cached, estimated in run_distributed(_cached_and_estimated, world_size=tp, tp=tp,
                                              recipe=recipe):
+        assert cached == estimated and cached > 0
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_estimate_counts_the_experts_cached_weights_to_the_byte(recipe):
+    """An MoE model at TP 2 (expert TP 2): rowwise experts keep their stacked quantized
+    weights between steps (the grouped path), the other recipes quantize them per call."""
+    for cached, estimated in run_distributed(_cached_and_estimated, world_size=2, tp=2,
+                                             recipe=recipe, moe=True):
         assert cached == estimated and cached > 0
 
 
