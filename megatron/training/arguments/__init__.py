@@ -2,6 +2,7 @@
 
     definitions.py  the argparse parser, group by group (``get_parser``), and ``NOOP_FLAGS``
     moe.py          the mixture-of-experts flags and their mapping onto MoEConfig
+    data_parallel.py the data-parallel flags: the distributed optimizer, ZeRO-2, HSDP, FSDP2
     ranges.py       every numeric flag's valid range
     dependencies.py the flags that mean something only with another (``DEPENDENCIES``, one
                     table), refused when typed without it

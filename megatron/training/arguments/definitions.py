@@ -9,6 +9,7 @@ from megatron.core.optimizer.optimizer_param_scheduler import (
     WD_INCR_STYLES,
     WSD_DECAY_STYLES,
 )
+from megatron.training.arguments.data_parallel import add_data_parallel_args
 from megatron.training.arguments.fp8 import add_fp8_args
 from megatron.training.arguments.moe import add_moe_args
 from megatron.training.tokenizer.build import add_tokenizer_args
@@ -41,14 +42,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ConfigError(message)
-
-
-def _int_from_float(text: str) -> int:
-    """Integers also written like '2e8' (Megatron-LLaMA's --reduce-bucket-size=2e8)."""
-    value = float(text)
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(value)
 
 
 def _window_size(text: str):
@@ -225,43 +218,6 @@ def _add_parallel_args(parser):
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlapped-distributed-optimizer", action="store_true",
-                   help="Megatron-LLaMA's: distributed optimizer, reduce-scatter and all-gather "
-                        "overlapped in buckets of --reduce-bucket-size elements.")
-    g.add_argument("--reduce-bucket-size", type=_int_from_float, default=500_000_000)
-    g.add_argument("--shard-gradients", action="store_true",
-                   help="ZeRO-2 for the distributed optimizer (needs "
-                        "--use-distributed-optimizer or --overlapped-distributed-optimizer): "
-                        "the optimizer step keeps only this rank's 1/DP of the reduced fp32 "
-                        "gradients and frees the full gradient buffer until the next "
-                        "iteration (still reduced once per iteration; the forward/backward "
-                        "peak is unchanged).")
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
-                   help="HSDP: cut the DP x CP ranks into this many instances (consecutive "
-                        "ranks: a node's), each sharding the distributed optimizer or FSDP2 "
-                        "over its ranks, with the reduced gradient shards all-reduced across "
-                        "instances (N copies of the optimizer state; 1/(DP x CP / N) of the "
-                        "gradients crosses nodes).")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=_int_from_float, default=None)
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="Shard parameters, gradients and optimizer state over DP with torch's "
-                        "FSDP2 (fully_shard per transformer layer); composes with TP/SP, CP, PP "
-                        "(1F1B, interleaved), EP, HSDP, --fp16 and --optimizer-cpu-offload, "
-                        "not with the zero-bubble schedules or --ckpt-format torch "
-                        "(checkpoints: the sharded format).")
-    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
-                   action="store_false",
-                   help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
-                        "forward to backward (ZeRO-2; default: free them, ZeRO-3).")
-    g.add_argument("--fsdp2-reduce-gradients-once", action="store_true",
-                   help="With --use-torch-fsdp2: reduce-scatter each layer's gradients once "
-                        "per step, after the last microbatch, holding them unsharded in "
-                        "between (+4 bytes per parameter in fp32; 12-15%% faster steps on "
-                        "CPU, BENCHMARKS.md); default: once per microbatch, the least memory.")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Old spelling of --recompute-granularity selective.")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
@@ -502,6 +458,7 @@ def get_parser() -> argparse.ArgumentParser:
                 _add_optimizer_args, _add_training_args, _add_checkpoint_args,
                 _add_logging_args, _add_data_args):
         add(parser)
+    add_data_parallel_args(parser)
     add_moe_args(parser)
     add_fp8_args(parser)
     add_tokenizer_args(parser)
