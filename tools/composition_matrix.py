@@ -257,9 +257,10 @@ def main(argv=None) -> int:
         new = updated(text, render(detail, matrix), path)
         if new != text:
             stale.append(path)
-            if opts.write:
-                with open(full, "w", encoding="utf-8") as f:
+            if opts.write:  # atomically: a reader never sees half a file
+                with open(full + ".tmp", "w", encoding="utf-8") as f:
                     f.write(new)
+                os.replace(full + ".tmp", full)
     if opts.check and stale:
         print(f"stale composition table in {', '.join(stale)}: run python "
               f"tools/composition_matrix.py --write", file=sys.stderr)
