@@ -185,6 +185,21 @@ def test_fsdp2_checkpoint_loads_into_another_layout(straight_runs, tmp_path, sav
         assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
 
 
+def test_hsdp_torch_format_checkpoint_loads_at_one_process(tmp_path):
+    """The torch format under HSDP's distributed optimizer: each instance gathers its own
+    shards, and instance 0's gather (DP rank 0) is the one written; loaded by one process it
+    continues as one process's uninterrupted run does."""
+    flags = _reshard_flags() + ["--ckpt-format", "torch"]
+    runs = uninterrupted_runs(tmp_path, flags, {"hsdp": (4, DISTRIBUTED + HSDP),
+                                                "plain": (1, [])})
+    proc = run_script("pretrain_llama.py", flags + [
+        "--load", runs["hsdp"][0], "--ckpt-step", "2", "--save", tmp_path / "again"], 1)
+    got, want = _iteration_losses(proc), runs["plain"][1]
+    assert sorted(got) == ["3", "4"]
+    for i in "34":
+        assert abs(float(got[i]) - float(want[i])) <= RESHARD_TOL, (got, want)
+
+
 def _each_element_written_once(iteration_dir) -> bool:
     """The pieces of every tensor add up to it (HSDP's instances hold the same rows: a second
     instance writing them would count twice)."""
