@@ -326,11 +326,6 @@ class FSDP2Optimizer(FP32Optimizer):
     def _reduction_group(self):
         return dist.group.WORLD
 
-    def _grads_for_norm(self) -> List[torch.Tensor]:
-        if optimizer_instances.instance_rank() > 0:
-            return []  # HSDP: every instance holds the same shards; instance 0's are counted
-        return super()._grads_for_norm()
-
     def _main_ranges(self):
         # This rank's rows of each parameter (QK-clip scales them; the next forward's
         # all-gather spreads them).

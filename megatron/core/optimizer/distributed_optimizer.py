@@ -93,12 +93,7 @@ class DistributedOptimizer(MegatronOptimizer):
         return None  # shards differ over DP too: reduce over every rank
 
     def _replica_ranks(self):
-        return None  # ... and no shard is held twice, except by other instances (HSDP):
-
-    def _grads_for_norm(self) -> List[torch.Tensor]:
-        if optimizer_instances.instance_rank() > 0:
-            return []  # every instance holds the same shards; instance 0's are counted
-        return super()._grads_for_norm()
+        return None  # ... and no shard is held twice (HSDP's instances: _grads_for_norm)
 
     def _model_param(self, main_param):
         return self._model_of[main_param]

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, parallel_state
+from megatron.core import device, optimizer_instances, parallel_state
 from megatron.core.fp8.linear import weights_changed
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -78,6 +78,10 @@ class MegatronOptimizer:
                 for p in group["params"] if p.grad is not None]
 
     def _grads_for_norm(self) -> List[torch.Tensor]:
+        if optimizer_instances.instance_rank() > 0:
+            # HSDP (a sharded optimizer's, the only kind with instances): every instance
+            # holds the same shards, instance 0's are counted
+            return []
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         replicas = self._replica_ranks()
         return [grad for param, grad in self._main_params_and_grads()
