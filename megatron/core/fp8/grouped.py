@@ -17,10 +17,12 @@ bitwise the per-expert path (tests/unit/test_fp8_grouped.py), whose arguments th
 pass through the kernel's meta checks.
 """
 import functools
+import itertools
 from typing import List
 
 import torch
 
+from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.quantize import ROWWISE, Quantized
 
 GROUPED_WHY: dict = {}  # device type -> the probe's finding
@@ -34,26 +36,20 @@ def stacked_rows(q: Quantized, experts: int) -> tuple:
 
 def offsets(counts: List[int], device) -> torch.Tensor:
     """The kernel's ``offs``: each expert's end row, int32."""
-    ends, total = [], 0
-    for n in counts:
-        total += n
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
 
 
 def grouped_by_loop(a: Quantized, b_data: torch.Tensor, b_scale: torch.Tensor,
                     counts: List[int], out_dtype: torch.dtype) -> torch.Tensor:
-    """``a`` [M, K] rows by expert times ``b`` [E, N, K]: one ``_scaled_mm`` per expert
-    (experts.py's arithmetic: CUDA's rowwise kernel writes bf16 only)."""
+    """``a`` [M, K] rows by expert times ``b`` [E, N, K]: gemm.py's rowwise GEMM per expert,
+    experts.py's per-expert arithmetic."""
     out = torch.zeros(a.data.shape[0], b_data.shape[1], dtype=out_dtype, device=a.data.device)
-    kernel_dtype = torch.bfloat16 if a.data.is_cuda else out_dtype
     start = 0
     for e, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            out[rows] = torch._scaled_mm(a.data[rows], b_data[e].t(), a.scale[rows],
-                                         b_scale[e].reshape(1, -1),
-                                         out_dtype=kernel_dtype).to(out_dtype)
+            out[rows] = fp8_gemm(Quantized(a.data[rows], a.scale[rows], ROWWISE),
+                                 Quantized(b_data[e], b_scale[e], ROWWISE), out_dtype)
         start += n
     return out
 
