@@ -110,27 +110,12 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _fsdp2_unsharded_grads(chunk):
-    """The unsharded gradients FSDP2 holds between backwards when it does not reduce."""
-    if not isinstance(chunk, TorchFSDP2):
-        return
-    from torch.distributed.fsdp import fully_shard
-
-    for state in fully_shard.state(chunk.module)._state_ctx.all_states:
-        for group in state._fsdp_param_groups:
-            for param in group.fsdp_params:
-                for grad in (param.unsharded_accumulated_grad,
-                             getattr(param, "_unsharded_param", None) is not None
-                             and param.unsharded_param.grad):
-                    if torch.is_tensor(grad):
-                        yield grad
-
-
 def _model_tensors(chunks):
     """Parameters as the model holds them now, their gradients (FSDP2: also the unsharded
     ones it holds), DDP's gradient buckets."""
     for chunk in chunks:
-        yield from _fsdp2_unsharded_grads(chunk)
+        if isinstance(chunk, TorchFSDP2):
+            yield from chunk.held_gradients()
         for p in chunk.module.parameters():
             yield _local(p)
             for grad in (p.grad, getattr(p, "main_grad", None)):

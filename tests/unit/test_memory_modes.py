@@ -167,18 +167,7 @@ def test_hsdp_fsdp2_state_estimate_equals_the_tensors():
 
 
 def _held_unsharded_gradient_bytes(chunk) -> int:
-    """What FSDP2 holds between backwards when it does not reduce: each parameter's
-    accumulated gradient (reduce dtype) or its unsharded ``.grad``."""
-    from torch.distributed.fsdp import fully_shard
-
-    held = 0
-    for state in fully_shard.state(chunk.module)._state_ctx.all_states:
-        for group in state._fsdp_param_groups:
-            for param in group.fsdp_params:
-                grad = param.unsharded_accumulated_grad
-                grad = param.unsharded_param.grad if grad is None else grad
-                held += 0 if grad is None else grad.nbytes
-    return held
+    return sum(grad.nbytes for grad in chunk.held_gradients())
 
 
 def _fsdp2_held_gradients_step():
@@ -202,12 +191,12 @@ def _fsdp2_held_gradients_step():
     setup = optimizer_setup_from(model[0].ddp_config, optimizer.config, dp)
     assert setup.fsdp2_reduce_once == (pp == 1)
     stage = ps.get_pipeline_model_parallel_rank()
-    held_and_not = [(config, setup), (dataclasses.replace(config, pipeline_schedule="1f1b"),
-                                      dataclasses.replace(setup, fsdp2_reduce_once=False))]
+    # the same run reducing per microbatch: 1F1B's schedule, no reduce-once
+    per_microbatch = (dataclasses.replace(config, pipeline_schedule="1f1b" if pp > 1 else None),
+                      dataclasses.replace(setup, fsdp2_reduce_once=False))
     transients = [rank_memory(c, VOCAB, s, stage, 4, rank,
                               share_embeddings_and_output_weights=False).transient_bytes
-                  for c, s in (held_and_not if pp > 1 else
-                               [(config, setup), (config, held_and_not[1][1])])]
+                  for c, s in ((config, setup), per_microbatch)]
     after = _held_unsharded_gradient_bytes(model[0])
     return held, after, transients, sum(p.numel() for p in model[0].module.parameters()) * 4
 

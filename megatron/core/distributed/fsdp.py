@@ -284,15 +284,35 @@ class TorchFSDP2(torch.nn.Module):
         now) each unit's accumulated unsharded gradients are reduce-scattered here, once."""
         if not self.reduce_at_end:
             return
-        from torch.distributed.fsdp import fully_shard
-
         self._hold_reductions(False)
-        root = fully_shard.state(self.module)
-        for state in root._state_ctx.all_states:
-            for group in reversed(state._fsdp_param_groups):  # backward's order
-                group.post_backward()
+        root, groups = self._param_groups()
+        for group in groups:
+            group.post_backward()
         root._root_post_backward_final_callback()  # waits for the reductions, resets state
         self._hold_reductions(True)
+
+    def _param_groups(self):
+        """(the root's FSDP state, every unit's parameter group in backward's order within
+        each state): torch's private state, reached as torch's own pipelining reaches it."""
+        from torch.distributed.fsdp import fully_shard
+
+        root = fully_shard.state(self.module)
+        return root, [group for state in root._state_ctx.all_states
+                      for group in reversed(state._fsdp_param_groups)]
+
+    def held_gradients(self) -> List[torch.Tensor]:
+        """The unsharded gradients FSDP2 holds now (between backwards: only while reductions
+        wait, ``reduce_at_end``): each parameter's accumulated one (in the reduce dtype) or
+        its unsharded ``.grad``."""
+        held = []
+        for group in self._param_groups()[1]:
+            for param in group.fsdp_params:
+                grad = param.unsharded_accumulated_grad
+                if grad is None and hasattr(param, "_unsharded_param"):
+                    grad = param.unsharded_param.grad
+                if grad is not None:
+                    held.append(grad)
+        return held
 
     def finish_param_sync(self) -> None:
         """Before a save: every parameter back to its shard (a forward without backward, as
