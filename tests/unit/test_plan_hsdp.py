@@ -33,7 +33,8 @@ def test_hsdp_trades_optimizer_memory_for_cross_node_traffic():
     (flat_memory, flat_time), (hsdp_memory, hsdp_time) = (_cost(workload, lay, TWO_NODES)
                                                           for lay in (flat, hsdp))
     gradient_bytes = flat_memory.stages[0].state.grads
-    intra, inter = 300e9, 25e9
+    intra, inter = (TWO_NODES.intra_node_bandwidth_gbs * 1e9,
+                    TWO_NODES.inter_node_bandwidth_gbs * 1e9)  # bytes/s
     assert flat_time.data_parallel_s == pytest.approx(
         15 / 16 * gradient_bytes / inter + 15 / 16 * flat_memory.stages[0].state.params / inter)
     assert hsdp_time.data_parallel_s == pytest.approx(
