@@ -25,6 +25,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
+from megatron.core.fp8.param_gather import gathers_in_fp8
 from megatron.core.utils import weak_hook
 
 
@@ -62,6 +63,16 @@ def check_instances(ddp_config: DistributedDataParallelConfig) -> None:
                          "num_distributed_optimizer_instances to initialize_model_parallel.")
 
 
+def params_current_everywhere(model_chunks) -> None:
+    """Before something reads whole parameters (a checkpoint save): the step's overlapped
+    all-gathers finished, and --fp8-param-gather's high-precision weights gathered."""
+    for chunk in model_chunks:
+        sync = getattr(chunk, "gather_high_precision_params", None) or \
+            getattr(chunk, "finish_param_sync", None)
+        if sync is not None:
+            sync()
+
+
 class DistributedDataParallel(torch.nn.Module):
     def __init__(self, config, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module):
@@ -82,7 +93,9 @@ class DistributedDataParallel(torch.nn.Module):
         for param in module.parameters():
             if param.requires_grad:
                 grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-                key = (is_expert(param), param.dtype, grad_dtype)
+                # --fp8-param-gather: the FP8 linears' weights in buffers of their own
+                fp8 = ddp_config.fp8_param_gather and gathers_in_fp8(param)
+                key = (is_expert(param), param.dtype, grad_dtype, fp8)
                 by_dtype.setdefault(key, []).append(param)
         # Reverse registration order ~ the order backward produces gradients. Routed experts'
         # gradients are reduced over the ranks holding the same experts (expert-DP); they
@@ -91,8 +104,9 @@ class DistributedDataParallel(torch.nn.Module):
                                    self._reduction_group(expert), 1.0 / dp_size,
                                    shard=ddp_config.use_distributed_optimizer,
                                    shard_grads=ddp_config.shard_gradients,
-                                   replica_group=self._replica_group(expert))
-                        for (expert, _, grad_dtype), params in by_dtype.items()]
+                                   replica_group=self._replica_group(expert),
+                                   fp8_gather=fp8)
+                        for (expert, _, grad_dtype, fp8), params in by_dtype.items()]
         self._bucket_of = {p: bucket for b in self.buffers for p, bucket in b.bucket_of.items()}
         # The sharded buckets in forward order (by their first parameter's registration),
         # the order the next forward needs their all-gathers; [:_gathers_launched] are issued.
@@ -165,6 +179,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._launch_param_gathers(len(self._gather_order) - 1)
         for bucket in self._gather_order:
             bucket.wait_param_gather()
+
+    def gather_high_precision_params(self) -> None:
+        """--fp8-param-gather: bring the FP8 weights' high-precision copies up to date (the
+        step gathered only their FP8 bytes); what reads whole weights (a checkpoint save)
+        calls this first."""
+        self.finish_param_sync()
+        for bucket in self._gather_order:
+            if bucket.high_precision_stale:
+                bucket.start_param_gather(async_op=False, high_precision=True)
 
     def forward(self, *args, **kwargs):
         if self.ddp_config.shard_gradients and torch.is_grad_enabled() and \

@@ -26,6 +26,10 @@ class DistributedDataParallelConfig:
     # into this many instances, each sharding over DP x CP / N ranks, all-reduced across
     # them. The groups are parallel_state's (optimizer_instances.py); this must match them.
     num_distributed_optimizer_instances: int = 1
+    # With the distributed optimizer: the FP8 linears' weights (tensorwise recipe) are
+    # all-gathered as FP8 bytes after the step, half bf16's (--fp8-param-gather;
+    # fp8/param_gather.py).
+    fp8_param_gather: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -38,6 +42,9 @@ class DistributedDataParallelConfig:
             raise ValueError("--num-distributed-optimizer-instances shards within each "
                              "instance: it needs --use-distributed-optimizer or "
                              "--use-torch-fsdp2.")
+        if self.fp8_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--fp8-param-gather all-gathers the distributed optimizer's "
+                             "updated shards: it needs --use-distributed-optimizer.")
         if self.shard_gradients and not self.use_distributed_optimizer:
             raise ValueError("--shard-gradients needs --use-distributed-optimizer or "
                              "--overlapped-distributed-optimizer (only the distributed "
@@ -49,7 +56,8 @@ def ddp_config_for_optimizer(optimizer_config, grad_reduce_in_fp32: bool = False
                              bucket_size: Optional[int] = None,
                              reduce_bucket_size: int = 500_000_000,
                              shard_gradients: bool = False,
-                             num_distributed_optimizer_instances: int = 1
+                             num_distributed_optimizer_instances: int = 1,
+                             fp8_param_gather: bool = False
                              ) -> DistributedDataParallelConfig:
     """The DDP settings an optimizer config implies. ``--overlapped-distributed-optimizer``
     (Megatron-LLaMA's) is the distributed optimizer with the gradient reduce-scatter and the
@@ -60,10 +68,12 @@ def ddp_config_for_optimizer(optimizer_config, grad_reduce_in_fp32: bool = False
             grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=True,
             bucket_size=reduce_bucket_size, use_distributed_optimizer=True,
             overlap_param_gather=True, shard_gradients=shard_gradients,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances)
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            fp8_param_gather=fp8_param_gather)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
         use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
         shard_gradients=shard_gradients,
-        num_distributed_optimizer_instances=num_distributed_optimizer_instances)
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        fp8_param_gather=fp8_param_gather)

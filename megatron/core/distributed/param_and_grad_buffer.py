@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from megatron.core import device
 from megatron.core.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from megatron.core.fp8.param_gather import Fp8ShardGather
 
 
 class Bucket:
@@ -54,7 +55,7 @@ class Bucket:
     def __init__(self, params: List[torch.nn.Parameter], grad_data: Optional[torch.Tensor],
                  param_data: Optional[torch.Tensor], param_ranges: Dict, group,
                  scaling: float, numel: int, grad_dtype: torch.dtype,
-                 shard_grads: bool = False, replica_group=None):
+                 shard_grads: bool = False, replica_group=None, fp8_gather: bool = False):
         self.params = params
         self.grad_data = grad_data  # ZeRO-2: None while the full storage is freed
         self.numel = numel
@@ -73,6 +74,11 @@ class Bucket:
         # would start accumulating on top of a finished iteration.
         self.awaiting_zero = False
         self.param_gather_handle = None
+        # --fp8-param-gather: the FP8 weights' copy that is gathered in their place; the
+        # high-precision weights are then current only in this rank's shard until a
+        # high-precision gather (fp8/param_gather.py)
+        self.fp8_gather = Fp8ShardGather(param_ranges, numel, group) if fp8_gather else None
+        self.high_precision_stale = False
         self.grad_shard: Optional[torch.Tensor] = None
         if shard_grads:
             begin, end = self.shard_range()
@@ -171,15 +177,24 @@ class Bucket:
             raise RuntimeError("the bucket's gradients were not reduced (finish_grad_sync).")
         return self.grad_shard
 
-    def start_param_gather(self, async_op: bool) -> None:
-        """Every rank's updated shard of the parameters, into every rank's buffer."""
+    def start_param_gather(self, async_op: bool, high_precision: bool = False) -> None:
+        """Every rank's updated shard of the parameters, into every rank's buffer; the FP8
+        weights' bucket (--fp8-param-gather) gathers their FP8 copy instead, unless
+        ``high_precision``."""
         begin, end = self.shard_range()
+        if self.fp8_gather is not None and not high_precision:
+            self.fp8_gather.start(self.param_data, begin, end, async_op)
+            self.high_precision_stale = True
+            return
         self.param_gather_handle = all_gather_into_tensor(
             self.param_data, self.param_data[begin:end], group=self.group, async_op=async_op)
         if not async_op:
             self.param_gather_handle = None
+        self.high_precision_stale = False
 
     def wait_param_gather(self) -> None:
+        if self.fp8_gather is not None:
+            self.fp8_gather.wait()
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
@@ -190,9 +205,13 @@ class GradBuffer:
 
     def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype,
                  bucket_size: Optional[int], data_parallel_group, scaling: float,
-                 shard: bool = False, shard_grads: bool = False, replica_group=None):
+                 shard: bool = False, shard_grads: bool = False, replica_group=None,
+                 fp8_gather: bool = False):
         if shard_grads and not shard:
             raise ValueError("sharded gradients need sharded buckets (the distributed "
+                             "optimizer).")
+        if fp8_gather and not shard:
+            raise ValueError("an FP8 parameter gather needs sharded buckets (the distributed "
                              "optimizer).")
         self.grad_dtype = grad_dtype
         groups, current, count = [], [], 0
@@ -239,7 +258,7 @@ class GradBuffer:
             bucket = Bucket(group, grads,
                             self.param_data[start:start + size] if shard else None, ranges,
                             data_parallel_group, scaling, size, grad_dtype, shard_grads,
-                            replica_group)
+                            replica_group, fp8_gather)
             self.buckets.append(bucket)
             self.bucket_of.update({p: bucket for p in group})
             start += size

@@ -70,22 +70,30 @@ _GENERATION = [0]  # bumped whenever weights may have changed behind autograd's 
 def weights_changed() -> None:
     """Drop every cached quantized weight: the optimizer's step (and anything else that
     writes parameters through ``.data`` or a gathered buffer, which no version counter sees)
-    calls this once its writes are done."""
+    calls this before the new values can reach a forward: the optimizer before the model's
+    weights are written or gathered, so --fp8-param-gather's weights belong to the new
+    step."""
     _GENERATION[0] += 1
 
 
-def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
-    """The quantized weight of this optimizer step, per ``key`` (forward, dgrad): valid while
-    no step has happened (``weights_changed``), the parameter's version counter (in-place
-    writes through autograd-visible tensors) and its storage are the same."""
+def _weight_cache(weight: torch.Tensor) -> dict:
+    """``weight``'s cache of this optimizer step: valid while no step has happened
+    (``weights_changed``), the parameter's version counter (in-place writes through
+    autograd-visible tensors) and its storage are the same."""
     stamp = (_GENERATION[0], weight._version, weight.data_ptr())
     cache = getattr(weight, "_fp8_cache", None)
     if cache is None or cache[0] != stamp:
         cache = (stamp, {})
         weight._fp8_cache = cache
-    if key not in cache[1]:
-        cache[1][key] = make()
-    return cache[1][key]
+    return cache[1]
+
+
+def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
+    """The quantized weight of this optimizer step, per ``key`` (forward, dgrad)."""
+    cache = _weight_cache(weight)
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def weight_cache_bytes(rows: int, cols: int, recipe: str) -> int:
@@ -169,6 +177,11 @@ class Fp8Gemms:
         """x [M, K]: K is the row-parallel layer's shard."""
         return self._quantize(x, self.config.forward_dtype, self.act, self.kind == "row",
                               transpose, operand="input")
+
+    def use_weight(self, weight: torch.Tensor, q: Quantized) -> None:
+        """``q`` as ``weight``'s forward operand of this step (fp8/param_gather.py: the
+        all-gathered FP8 weight, bitwise what ``_weight`` would quantize)."""
+        _weight_cache(weight)[self._key("forward")] = q
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp8_gemm(self._input(x), self._weight(weight), x.dtype)

@@ -149,8 +149,8 @@ class MegatronOptimizer:
         self.optimizer.step()
         if row_scales:
             self._scale_main_rows(row_scales)
+        weights_changed()  # FP8's quantized weights are of the old ones (before any new one)
         self._copy_main_params_to_model_params()
-        weights_changed()  # FP8's quantized weights are of the old ones
         return True, grad_norm, num_zeros
 
     def _main_ranges(self):

@@ -40,5 +40,7 @@ def use_fp8(module: torch.nn.Module, config: Fp8Config, compile: bool = False) -
                                      gemms[type(layer)].group, compile)
             else:
                 layer.fp8 = gemms[type(layer)]
+            if type(layer) is not SwiGLUExperts:  # --fp8-param-gather finds its weights
+                layer.weight.fp8_gemms = layer.fp8
             count += 1
     return count

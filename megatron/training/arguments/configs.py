@@ -166,6 +166,9 @@ def _fsdp2_config(args, ddp):
                or args.ddp_bucket_size is not None),
           f"{flag} overlaps its own collectives per layer; drop --overlap-grad-reduce, "
           "--overlap-param-gather and --ddp-bucket-size.")
+    _need(not getattr(args, "fp8_param_gather", False),
+          f"--fp8-param-gather with {flag} is not built yet (FSDP2 gathers its shards "
+          "itself): drop one, or use --use-distributed-optimizer.")
     _need(args.ckpt_format != "torch" or (args.save is None and args.load is None),
           f"{flag} saves and loads the sharded checkpoint format only: use --ckpt-format "
           "torch_dist (the default), not --ckpt-format torch.")
@@ -402,6 +405,11 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         transformer, target, device.capability() if target == "cuda" else None,
         args.micro_batch_size * args.seq_length // args.context_parallel_size)
     _need(reason is None, reason)
+    _need(not getattr(args, "fp8_param_gather", False) or args.fp8_recipe == "tensorwise",
+          f"--fp8-param-gather gathers each weight with one tensorwise scale: use "
+          f"--fp8-recipe tensorwise, not {args.fp8_recipe} (rowwise would gather a second, "
+          "column-scaled copy; blockwise's blocks and delayed scaling's history are not "
+          "built for it), or drop --fp8-param-gather.")
     _need(transformer.fp8 is None or transformer.fp8.recipe != "delayed"
           or args.num_experts is None,
           "--fp8-recipe delayed does not cover the MoE experts' GEMMs yet: use "
@@ -424,6 +432,7 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
         reduce_bucket_size=args.reduce_bucket_size,
         shard_gradients=getattr(args, "shard_gradients", False),  # saved args may lack it
+        fp8_param_gather=getattr(args, "fp8_param_gather", False),
         # FSDP2 takes the instances below (this config is replaced by its own).
         num_distributed_optimizer_instances=1 if getattr(args, "use_torch_fsdp2", False)
         else instances_of(args)))

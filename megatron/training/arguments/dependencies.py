@@ -115,7 +115,9 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                "--mtp-num-layers D"),
     # FP8
     *(Dependency(flag, lambda a: a.fp8_format is not None, "--fp8-format e4m3|hybrid")
-      for flag in ("--fp8-recipe", "--fp8-margin", "--first-last-layers-bf16")),
+      for flag in ("--fp8-recipe", "--fp8-margin", "--first-last-layers-bf16",
+                   "--fp8-param-gather")),
+    Dependency("--fp8-param-gather", _distributed_optimizer, "--use-distributed-optimizer"),
     *(Dependency(flag, lambda a: a.fp8_recipe == "delayed", "--fp8-recipe delayed")
       for flag in ("--fp8-amax-history-len", "--fp8-amax-compute-algo")),
     *(Dependency(flag, lambda a: a.first_last_layers_bf16, "--first-last-layers-bf16")

@@ -22,6 +22,10 @@ def add_fp8_args(parser) -> None:
     g.add_argument("--fp8-margin", type=int, default=0,
                    help="scale so that each group's amax lands 2^margin below the largest "
                         "FP8 value")
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="with the distributed optimizer and --fp8-recipe tensorwise: "
+                        "all-gather the FP8 linears' updated weights as FP8 bytes (half of "
+                        "bf16's), which their forward then uses as they are")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first and last transformer layers' GEMMs in high precision")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)

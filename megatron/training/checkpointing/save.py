@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.distributed.distributed_data_parallel import params_current_everywhere
 from megatron.core.fp8.delayed import CHECKPOINT_KEY, capture_histories
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.disk_space import space_for_save, tree_nbytes
@@ -69,12 +70,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         return save_sharded(root, iteration, model_chunks, optimizer, scheduler, configs, args,
                             consumed_train_samples, consumed_valid_samples, writer)
     writer.wait()  # one save at a time: the previous one is published first
-    for chunk in model_chunks:
-        # --overlap-param-gather: the step's all-gathers may still be writing the parameters
-        # this save reads (whatever else it saves).
-        finish_param_sync = getattr(chunk, "finish_param_sync", None)
-        if finish_param_sync is not None:
-            finish_param_sync()
+    # --overlap-param-gather: the step's all-gathers may still be writing the parameters this
+    # save reads; --fp8-param-gather: their high-precision copies are gathered first.
+    params_current_everywhere(model_chunks)
     # The background write needs a copy that training will not change, in host memory: the
     # writer's reused host buffers, filled without blocking (the writer waits for them).
     host = writer.host if writer.async_save else None

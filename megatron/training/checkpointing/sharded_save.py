@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, parallel_state
+from megatron.core.distributed.distributed_data_parallel import params_current_everywhere
 from megatron.core.distributed.fsdp import is_fsdp2
 from megatron.core.distributed.fsdp_checkpoint import first_replica, is_sharded, local_rows
 from megatron.core.fp8.delayed import CHECKPOINT_KEY, capture_histories
@@ -206,10 +207,7 @@ def save_sharded(root: str, iteration: int, model_chunks, optimizer, scheduler, 
 
     t = configs.training
     writer.wait()
-    for chunk in model_chunks:
-        finish_param_sync = getattr(chunk, "finish_param_sync", None)
-        if finish_param_sync is not None:
-            finish_param_sync()
+    params_current_everywhere(model_chunks)  # as save_checkpoint
     layout = current_layout(model_chunks, configs)
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)

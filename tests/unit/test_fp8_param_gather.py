@@ -1,0 +1,132 @@
+"""--fp8-param-gather (fp8/param_gather.py) at TP 2 x DP 2 under the distributed optimizer,
+against the same run without it: every loss and every weight bitwise equal (DP 2 sums a + b
+whatever the buckets' layout, and the gathered FP8 bytes are what each layer quantizes from
+its all-gathered weight), the FP8 weights' all-gathers one byte an element, their
+high-precision copies not gathered until asked for."""
+import pytest
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.models import LlamaModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.training.training import build_model, train_step
+from tests.distributed import run_distributed
+from tests.unit.test_data_parallel import (
+    ADAM,
+    MBS,
+    SEQ,
+    VOCAB,
+    _config,
+    _forward_step,
+    _global_batches,
+)
+
+STEPS, MICROBATCHES = 3, 4
+
+
+def _record_gathers(module, log):
+    """Wrap ``module``'s all_gather_into_tensor: (dtype, elements) of each call."""
+    real = module.all_gather_into_tensor
+
+    def gather(output, input_, **kwargs):
+        log.append((output.dtype, output.numel()))
+        return real(output, input_, **kwargs)
+    module.all_gather_into_tensor = gather
+    return lambda: setattr(module, "all_gather_into_tensor", real)
+
+
+def _own_range_equal(bucket, param, stale, fresh):
+    """Whether ``stale`` equals ``fresh`` exactly inside this rank's shard of ``param`` and
+    nowhere else (every value changes in an Adam step)."""
+    begin, end = bucket.shard_range()
+    p_begin, p_end = bucket.param_ranges[param]
+    inside = torch.zeros(param.numel(), dtype=torch.bool)
+    inside[max(begin - p_begin, 0):max(min(end, p_end) - p_begin, 0)] = True
+    same = (stale.reshape(-1) == fresh.reshape(-1)).cpu()
+    return bool(same[inside].all()) and not bool(same[~inside].any())
+
+
+def _train(fp8_gather, overlap):
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.fp8 import param_gather
+
+    ps.initialize_model_parallel(2, 1)
+    config = _config(tensor_model_parallel_size=2, sequence_parallel=True,
+                     fp8=Fp8Config(format="hybrid", recipe="tensorwise"))
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                        overlap_param_gather=overlap,
+                                        fp8_param_gather=fp8_gather)
+    model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config, ddp,
+                        seed=42)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        clip_grad=0.0, use_distributed_optimizer=True, **ADAM), model)
+    (chunk,) = model
+    fp8_buckets = [b for b in chunk._buckets() if b.fp8_gather is not None]
+    log = {"high": [], "fp8": []}
+    restore = [_record_gathers(param_and_grad_buffer, log["high"]),
+               _record_gathers(param_gather, log["fp8"])]
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = MICROBATCHES // dp
+    losses, checks = [], []
+    try:
+        for batch in _global_batches(MICROBATCHES, STEPS):
+            report, skipped, _, _ = train_step(_forward_step, iter(batch[rank * local:][:local]),
+                                               model, optimizer, None, local, SEQ, MBS)
+            assert not skipped
+            losses.append(float(report["lm loss"]))
+            chunk.finish_param_sync()
+            installed = {}
+            for bucket in fp8_buckets:
+                for param in bucket.params:
+                    gemms = param.fp8_gemms
+                    installed[param] = (bucket, param.detach().clone(),
+                                        param._fp8_cache[1][gemms._key("forward")])
+            chunk.gather_high_precision_params()
+            for param, (bucket, stale, q) in installed.items():
+                gemms = param.fp8_gemms
+                # what the layer quantizes from the whole high-precision weight (its TP
+                # amax all-reduce included)
+                want = gemms._quantize(param.detach(), gemms.config.forward_dtype,
+                                       gemms.weight, sharded=True)
+                checks.append((torch.equal(q.data.view(torch.uint8),
+                                           want.data.view(torch.uint8))
+                               and torch.equal(q.scale, want.scale),
+                               _own_range_equal(bucket, param, stale, param.detach())))
+    finally:
+        for undo in restore:
+            undo()
+    params = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
+    fp8_numel = sum(b.numel for b in fp8_buckets)
+    high_numel = sum(b.numel for b in chunk._buckets()) - fp8_numel
+    return dict(losses=losses, params=params, checks=checks, log=log, fp8_numel=fp8_numel,
+                high_numel=high_numel, fp8_weights=sum(len(b.params) for b in fp8_buckets))
+
+
+def test_without_the_flag_every_weight_is_gathered_in_high_precision():
+    """The reference runs: no FP8 buckets; every gather is of the fp32 parameters."""
+    for result in run_distributed(_train, world_size=4, fp8_gather=False, overlap=False):
+        assert result["fp8_numel"] == 0 and not result["log"]["fp8"]
+        assert {dtype for dtype, _ in result["log"]["high"]} == {torch.float32}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_fp8_param_gather_trains_bitwise_like_the_high_precision_gather(overlap):
+    plain = run_distributed(_train, world_size=4, fp8_gather=False, overlap=False)
+    fp8 = run_distributed(_train, world_size=4, fp8_gather=True, overlap=overlap)
+    for want, got in zip(plain, fp8, strict=True):
+        assert got["losses"] == want["losses"]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
+        # the 4 linears of each of the 2 layers, checked after each step: the installed FP8
+        # weight is bitwise the layer's own quantization; the high-precision copy was
+        # current only in this rank's shard until gather_high_precision_params
+        assert got["fp8_weights"] == 8 and len(got["checks"]) == 8 * STEPS
+        assert all(bytes_equal and own_only for bytes_equal, own_only in got["checks"])
+        # per step: the FP8 buckets once as bytes (1 each), the rest once in fp32;
+        # gather_high_precision_params adds one fp32 gather of the FP8 buckets
+        assert got["log"]["fp8"] == [(torch.uint8, got["fp8_numel"])] * STEPS
+        fp32 = sum(n for dtype, n in got["log"]["high"] if dtype == torch.float32)
+        assert fp32 == STEPS * (got["high_numel"] + got["fp8_numel"])
+        assert 0 < got["fp8_numel"] and 0 < got["high_numel"]
