@@ -167,3 +167,32 @@ def test_fp8_delayed_resume_is_bitwise(tmp_path, ckpt_format):
     third = run_script("pretrain_llama.py", plain + ["--load", straight, "--ckpt-step", "2"],
                        nproc=4)
     assert "loaded checkpoint" in third.stdout and len(_iteration_losses(third)) == 2
+
+
+def test_fp8_param_gather_trains_saves_and_resumes_as_the_plain_gather(tmp_path):
+    """--fp8-param-gather at TP 2 x DP 2 through pretrain_llama.py: the FP8 weights are
+    gathered as bytes, which are what each layer would quantize from the gathered weight
+    (tests/unit/test_fp8_param_gather.py), so every printed loss is the plain gather's to the
+    digit; the checkpoints hold the exact high-precision weights (gathered before the save:
+    without that they would hold the other ranks' shards of an older step) and a run resumed
+    from iteration 2 with the flag prints and saves what the uninterrupted one does."""
+    from tests.e2e.test_checkpoint_resume import (
+        _assert_bitwise,
+        _flags,
+        _iteration_losses,
+        _straight_then_resume,
+    )
+
+    flags = _flags("--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                   "--fp8-format", "hybrid")
+    plain_dir = tmp_path / "plain"
+    plain = run_script("pretrain_llama.py", flags + ["--save", plain_dir, "--save-interval",
+                                                     "2"], nproc=4)
+    first, second, straight, resumed = _straight_then_resume(
+        tmp_path, flags + ["--fp8-param-gather"], nproc=4)
+    want, got, again = (_iteration_losses(p) for p in (plain, first, second))
+    assert sorted(want) == ["1", "2", "3", "4"] and got == want, (want, got)
+    assert again == {i: want[i] for i in "34"}, (want, again)
+    for iteration in (2, 4):
+        _assert_bitwise(plain_dir, straight, iteration)
+    _assert_bitwise(straight, resumed, 4)

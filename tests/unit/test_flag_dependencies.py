@@ -54,6 +54,10 @@ EXAMPLES = {
         small("--overlap-param-gather"), ["--use-distributed-optimizer"]),
     ("--shard-gradients", "--use-distributed-optimizer"): (
         small("--shard-gradients"), ["--use-distributed-optimizer"]),
+    ("--fp8-param-gather", "--use-distributed-optimizer"): (
+        small("--fp8-format", "e4m3", "--fp8-param-gather"), ["--use-distributed-optimizer"]),
+    ("--fp8-param-gather", "--fp8-format e4m3|hybrid"): (
+        small("--use-distributed-optimizer", "--fp8-param-gather"), ["--fp8-format", "e4m3"]),
     ("--reduce-bucket-size", "--overlapped-distributed-optimizer"): (
         small("--reduce-bucket-size=2e8"), ["--overlapped-distributed-optimizer"]),
     ("--no-reshard-after-forward", "--use-torch-fsdp2"): (

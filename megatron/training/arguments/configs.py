@@ -432,7 +432,9 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
         reduce_bucket_size=args.reduce_bucket_size,
         shard_gradients=getattr(args, "shard_gradients", False),  # saved args may lack it
-        fp8_param_gather=getattr(args, "fp8_param_gather", False),
+        # FSDP2 refuses it below, by name (this config is replaced by its own)
+        fp8_param_gather=getattr(args, "fp8_param_gather", False)
+        and not getattr(args, "use_torch_fsdp2", False),
         # FSDP2 takes the instances below (this config is replaced by its own).
         num_distributed_optimizer_instances=1 if getattr(args, "use_torch_fsdp2", False)
         else instances_of(args)))

@@ -27,6 +27,16 @@ CASES = [
     ("delayed-with-experts", ["--fp8-format", "e4m3", "--fp8-recipe", "delayed",
                               "--num-experts", "4", "--moe-router-topk", "2"],
      ["--fp8-recipe delayed does not cover the MoE experts' GEMMs yet"]),
+    ("param-gather-without-distributed-optimizer", ["--fp8-format", "e4m3",
+                                                    "--fp8-param-gather"],
+     ["--fp8-param-gather has no effect without --use-distributed-optimizer"]),
+    ("param-gather-rowwise", ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise",
+                              "--use-distributed-optimizer", "--fp8-param-gather"],
+     ["--fp8-param-gather gathers each weight with one tensorwise scale",
+      "use --fp8-recipe tensorwise, not rowwise"]),
+    ("param-gather-fsdp2", ["--fp8-format", "e4m3", "--use-torch-fsdp2",
+                            "--fp8-param-gather"],
+     ["--fp8-param-gather with --use-torch-fsdp2 is not built yet"]),
 ]
 
 
