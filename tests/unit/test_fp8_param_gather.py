@@ -2,14 +2,18 @@
 against the same run without it: every loss and every weight bitwise equal (DP 2 sums a + b
 whatever the buckets' layout, and the gathered FP8 bytes are what each layer quantizes from
 its all-gathered weight), the FP8 weights' all-gathers one byte an element, their
-high-precision copies not gathered until asked for."""
+high-precision copies not gathered until asked for. Tensorwise on the small model;
+blockwise on one whose weights hold several 128 x 128 blocks, partial ones at the edges,
+which the DP shards cut through."""
+import math
+
 import pytest
 import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.fp8.config import Fp8Config
-from megatron.core.models import LlamaModel
+from megatron.core.models import LlamaModel, llama_config
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.training.training import build_model, train_step
 from tests.distributed import run_distributed
@@ -49,13 +53,25 @@ def _own_range_equal(bucket, param, stale, fresh):
     return bool(same[inside].all()) and (outside.numel() == 0 or not bool(outside.all()))
 
 
-def _train(fp8_gather, overlap, dtype):
+def _model_config(recipe, dtype):
+    fp8 = Fp8Config(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe)
+    parallel = dict(tensor_model_parallel_size=2, sequence_parallel=True, params_dtype=dtype,
+                    fp8=fp8)
+    if recipe == "tensorwise":
+        return _config(**parallel)
+    # TP shards (blocks): fc2 256 x 160 (2 x 2, the last column partial), fc1 320 x 256
+    # (3 x 2, the last row partial), proj 256 x 128 (2 x 1), qkv 192 x 256 (2 x 2)
+    return llama_config(num_layers=1, hidden_size=256, num_attention_heads=8,
+                        num_query_groups=2, ffn_hidden_size=320, max_position_embeddings=SEQ,
+                        **parallel)
+
+
+def _train(fp8_gather, overlap, dtype, recipe):
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.fp8 import param_gather
 
     ps.initialize_model_parallel(2, 1)
-    config = _config(tensor_model_parallel_size=2, sequence_parallel=True, params_dtype=dtype,
-                     fp8=Fp8Config(format="hybrid", recipe="tensorwise"))
+    config = _model_config(recipe, dtype)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                         grad_reduce_in_fp32=True,
                                         overlap_param_gather=overlap,
@@ -103,31 +119,37 @@ def _train(fp8_gather, overlap, dtype):
     params = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
     fp8_numel = sum(b.numel for b in fp8_buckets)
     high_numel = sum(b.numel for b in chunk._buckets()) - fp8_numel
+    blocks = [math.prod(g) for b in fp8_buckets for g in b.fp8_gather.grids]
     return dict(losses=losses, params=params, checks=checks, log=log, fp8_numel=fp8_numel,
-                high_numel=high_numel, fp8_weights=sum(len(b.params) for b in fp8_buckets))
+                high_numel=high_numel, fp8_weights=len(blocks), blocks=blocks)
 
 
 # the overlapped gathers (forward pre-hooks) and bf16 weights (fp32 main copies: the FP8
 # bytes are cast from the bf16 shard) in the full suite only
-@pytest.mark.parametrize("overlap,dtype", [
-    (False, torch.float32), pytest.param(True, torch.float32, marks=pytest.mark.slow),
-    pytest.param(False, torch.bfloat16, marks=pytest.mark.slow)],
-    ids=["sync", "overlapped", "bf16"])
-def test_fp8_param_gather_trains_bitwise_like_the_high_precision_gather(overlap, dtype):
+@pytest.mark.parametrize("recipe,overlap,dtype", [
+    ("tensorwise", False, torch.float32), ("blockwise", False, torch.float32),
+    pytest.param("tensorwise", True, torch.float32, marks=pytest.mark.slow),
+    pytest.param("blockwise", False, torch.bfloat16, marks=pytest.mark.slow)],
+    ids=["tensorwise", "blockwise", "overlapped", "blockwise-bf16"])
+def test_fp8_param_gather_trains_bitwise_like_the_high_precision_gather(recipe, overlap,
+                                                                        dtype):
     plain = run_distributed(_train, world_size=4, fp8_gather=False, overlap=False,
-                            dtype=dtype)
-    for result in plain:  # the reference: every weight gathered in fp32, no FP8 bucket
+                            dtype=dtype, recipe=recipe)
+    for result in plain:  # the reference: every weight gathered at its dtype, no FP8 bucket
         assert result["fp8_numel"] == 0 and not result["log"]["fp8"]
         assert {kind for kind, _ in result["log"]["high"]} == {dtype}
-    fp8 = run_distributed(_train, world_size=4, fp8_gather=True, overlap=overlap, dtype=dtype)
+    fp8 = run_distributed(_train, world_size=4, fp8_gather=True, overlap=overlap, dtype=dtype,
+                          recipe=recipe)
     for want, got in zip(plain, fp8, strict=True):
         assert got["losses"] == want["losses"]
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), name
-        # the 4 linears of each of the 2 layers, checked after each step: the installed FP8
-        # weight is bitwise the layer's own quantization; the high-precision copy was
-        # current only in this rank's shard until gather_high_precision_params
-        assert got["fp8_weights"] == 8 and len(got["checks"]) == 8 * STEPS
+        # the 4 linears of each layer, checked after each step: the installed FP8 weight
+        # (data and scales) is bitwise the layer's own quantization; the high-precision
+        # copy was current only in this rank's shard until gather_high_precision_params
+        weights = 8 if recipe == "tensorwise" else 4
+        assert got["fp8_weights"] == weights and len(got["checks"]) == weights * STEPS
+        assert got["blocks"] == ([1] * 8 if recipe == "tensorwise" else [4, 6, 2, 4])
         assert all(bytes_equal and own_only for bytes_equal, own_only in got["checks"])
         # per step: the FP8 buckets once as bytes (1 each), the rest once in the weights'
         # dtype; gather_high_precision_params adds one such gather of the FP8 buckets

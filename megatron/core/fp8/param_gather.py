@@ -2,28 +2,32 @@
 bytes (one a weight element, half of bf16's two), and the forward takes them as its quantized
 weight of the step, quantizing nothing.
 
-Each FP8 linear's weight is quantized tensorwise, so one scale per weight. After the step,
+Tensorwise, each weight has one scale; blockwise, one a 128 x 128 block. After the step,
 every DP rank holds the updated values of its contiguous shard of a bucket, a range that may
-cut weights anywhere: per weight in the bucket, a rank takes the absolute maximum of its piece
-(0 where it has none), a MAX all-reduce over the bucket's DP group (and over the TP group, as
-the layer's own quantization reduces a sharded weight's amax) gives every rank the whole
-weight's amax, each rank casts its pieces with that scale (``quantize``'s arithmetic, element
-for element) and the FP8 shards are all-gathered into a persistent byte buffer of the
-bucket's layout. The weights' forward copies (``Fp8Gemms._weight``'s cache) are then views
-of that buffer: bitwise what the layer quantizes from the all-gathered high-precision weight,
-so a run with the flag computes exactly what one without it does.
+cut weights (and blocks) anywhere: per scaling group of each weight in the bucket, a rank
+takes the absolute maximum of its part (0 where it has none; a blockwise piece is seen as
+whole 128-row blocks padded with zeros), a MAX all-reduce over the bucket's DP group (and
+for tensorwise over the TP group, as the layer's own quantization reduces a sharded weight's
+amax; a block stays inside a TP shard) gives every rank the whole group's amax, each rank
+casts its pieces with those scales (``quantize``'s arithmetic, element for element) and the
+FP8 shards are all-gathered into a persistent byte buffer of the bucket's layout. The
+weights' forward copies (``Fp8Gemms._weight``'s cache; dgrad's is its transpose in both
+recipes) are then views of that buffer: bitwise what the layer quantizes from the
+all-gathered high-precision weight, so a run with the flag computes exactly what one
+without it does.
 
 What stays high precision: the optimizer's main params (fp32) and its state, and this rank's
 shard of the model's weights (written from the main params each step). The rest of an FP8
 weight's high-precision copy is not gathered (that would be the bytes saved): it is stale
-until ``gather_high_precision`` all-gathers it, which checkpoint saves do first, so a
+until ``gather_high_precision_params`` all-gathers it, which checkpoint saves do first, so a
 checkpoint holds the exact weights whether the flag was on or not.
 
-Only tensorwise: a rowwise dgrad needs the weight's columns scaled as well (a second copy of
-the same bytes), blockwise's 128 x 128 blocks span the DP shard boundaries, and delayed
-scaling's weight amax history would need the whole weight's amax per step too. Routed experts
-keep the high-precision gather (their per-expert weights are quantized per call).
+Not rowwise (its dgrad needs the weight's columns scaled as well: a second copy of the same
+bytes) nor delayed scaling (its weight amax history would need the whole weight's amax per
+step too). Routed experts keep the high-precision gather (their per-expert weights are
+quantized per call).
 """
+import math
 from typing import Dict, List, Tuple
 
 import torch
@@ -31,20 +35,45 @@ import torch.distributed as dist
 
 from megatron.core import device
 from megatron.core.collectives import all_gather_into_tensor
-from megatron.core.fp8.config import fp8_max
-from megatron.core.fp8.quantize import TENSORWISE, Quantized, _scale_and_cast, encode_scale
+from megatron.core.fp8.config import TILE, fp8_max
+from megatron.core.fp8.quantize import (
+    BLOCKS_128x128,
+    TENSORWISE,
+    Quantized,
+    _scale_and_cast,
+    encode_scale,
+    group_amax,
+)
+
+
+GATHERED_RECIPES = ("tensorwise", "blockwise")
 
 
 def gathers_in_fp8(param: torch.nn.Parameter) -> bool:
     """Whether ``param`` is an FP8 linear's weight whose recipe can be gathered in FP8 (the
     layers mark their weights: fp8_layers.use_fp8)."""
     gemms = getattr(param, "fp8_gemms", None)
-    return gemms is not None and gemms.config.recipe == "tensorwise"
+    return gemms is not None and gemms.config.recipe in GATHERED_RECIPES
+
+
+def _block_rows(piece: torch.Tensor, lo: int, cols: int):
+    """The piece at flat offset ``lo`` of a row-major [rows, cols] weight, as whole 128-row
+    blocks: zeros before it back to the start of its first block of rows and after it to the
+    end of its last (zeros change no block's amax). (view [R, cols], R a multiple of 128;
+    the first block row; the zeros before the piece)."""
+    block0 = lo // cols // TILE
+    front = lo - block0 * TILE * cols
+    span = TILE * cols
+    padded = piece.new_zeros(-(-(front + piece.numel()) // span) * span)
+    padded[front:front + piece.numel()] = piece
+    return padded.view(-1, cols), block0, front
 
 
 class Fp8ShardGather:
     """One bucket's FP8 copy of its weights: quantize this rank's shard, all-gather, hand each
-    weight's FP8 view to its layer's cache."""
+    weight's FP8 view to its layer's cache. The weights' scales (one a tensorwise weight, one
+    a 128 x 128 block of a blockwise one) are kept flat, all of the bucket's in one vector:
+    one amax all-reduce."""
 
     def __init__(self, param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]], numel: int,
                  group):
@@ -57,33 +86,59 @@ class Fp8ShardGather:
         if any(g.config != self.config or g.group is not self.tp_group for g in gemms):
             raise ValueError("an FP8-gathered bucket mixes FP8 configs or TP groups")
         self.dtype = self.config.forward_dtype
+        self.scaling = gemms[0].weight  # TENSORWISE or BLOCKS_128x128
+        self.grids = [(1,) if self.scaling == TENSORWISE else
+                      (-(-p.shape[0] // TILE), -(-(p.numel() // p.shape[0]) // TILE))
+                      for p in self.params]
+        self.offsets = [0]
+        for grid in self.grids:
+            self.offsets.append(self.offsets[-1] + math.prod(grid))
         self.data = device.empty(numel, dtype=torch.uint8)  # FP8 bytes (gloo has no FP8)
         self.scales = None
         self.handle = None
 
+    def _grid(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        return flat[self.offsets[i]:self.offsets[i + 1]].view(self.grids[i])
+
     def start(self, param_data: torch.Tensor, begin: int, end: int, async_op: bool) -> None:
         """Quantize the shard [begin, end) of ``param_data`` (the bucket's high-precision
-        values) with every weight's whole-tensor scale and all-gather the FP8 bytes."""
-        amax = device.zeros(len(self.params), dtype=torch.float32)
-        pieces = []
+        values) with every weight's whole-tensor (or whole-block) scales and all-gather the
+        FP8 bytes."""
+        amax = device.zeros(self.offsets[-1], dtype=torch.float32)
+        pieces = []  # (weight, its rows to cast, first block row, zeros before, shard offset)
         for i, param in enumerate(self.params):
             p_begin, p_end = self.ranges[param]
             lo, hi = max(p_begin, begin), min(p_end, end)
-            if lo < hi:
-                piece = param_data[lo:hi].view(1, -1)
-                amax[i] = torch.linalg.vector_norm(piece, float("inf")).float()
-                pieces.append((i, piece, lo - begin))
-        # the max over DP of the pieces' maxes: the whole (TP shard of the) weight's
+            if lo >= hi:
+                continue
+            piece = param_data[lo:hi]
+            if self.scaling == TENSORWISE:
+                amax[self.offsets[i]] = torch.linalg.vector_norm(piece, float("inf")).float()
+                pieces.append((i, piece.view(1, -1), 0, 0, lo - begin, piece.numel()))
+                continue
+            rows, block0, front = _block_rows(piece, lo - p_begin, param.numel() //
+                                              param.shape[0])
+            blocks = group_amax(rows, BLOCKS_128x128)
+            self._grid(amax, i)[block0:block0 + blocks.shape[0]] = blocks
+            pieces.append((i, rows, block0, front, lo - begin, piece.numel()))
+        # the max over DP of the pieces' maxes: the whole weight's (block's), and for a
+        # tensorwise scale over the TP shards too, as the layer's own quantization
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        if self.tp_group is not None:
+        if self.tp_group is not None and self.scaling == TENSORWISE:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
         encode = encode_scale(amax, self.dtype, self.config.margin)
         self.scales = torch.reciprocal(encode)
         shard = self.data[begin:end]
         top = fp8_max(self.dtype)
-        for i, piece, offset in pieces:
-            cast, _ = _scale_and_cast(piece, encode[i], TENSORWISE, top, self.dtype, False)
-            shard[offset:offset + piece.numel()].copy_(cast.view(-1).view(torch.uint8))
+        for i, rows, block0, front, offset, size in pieces:
+            grid = self._grid(encode, i)
+            if self.scaling == TENSORWISE:
+                grid = grid[0]
+            else:
+                grid = grid[block0:block0 + rows.shape[0] // TILE]
+            cast, _ = _scale_and_cast(rows, grid, self.scaling, top, self.dtype, False)
+            shard[offset:offset + size].copy_(cast.view(-1)[front:front + size].view(
+                torch.uint8))
         self.handle = all_gather_into_tensor(self.data, shard, group=self.group,
                                              async_op=async_op)
         if not async_op:
@@ -101,4 +156,6 @@ class Fp8ShardGather:
         for i, param in enumerate(self.params):
             p_begin, p_end = self.ranges[param]
             data = self.data[p_begin:p_end].view(self.dtype).view(param.shape)
-            param.fp8_gemms.use_weight(param, Quantized(data, self.scales[i].clone(), TENSORWISE))
+            scale = self._grid(self.scales, i)
+            scale = scale.reshape(()) if self.scaling == TENSORWISE else scale
+            param.fp8_gemms.use_weight(param, Quantized(data, scale.clone(), self.scaling))

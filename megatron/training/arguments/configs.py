@@ -16,6 +16,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 )
 from megatron.core.distributed.fsdp import TorchFSDP2Config
 from megatron.core.fp8.checks import fp8_unsupported_reason
+from megatron.core.fp8.param_gather import GATHERED_RECIPES
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedule_order import check_schedule_settings
@@ -405,11 +406,12 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
         transformer, target, device.capability() if target == "cuda" else None,
         args.micro_batch_size * args.seq_length // args.context_parallel_size)
     _need(reason is None, reason)
-    _need(not getattr(args, "fp8_param_gather", False) or args.fp8_recipe == "tensorwise",
-          f"--fp8-param-gather gathers each weight with one tensorwise scale: use "
-          f"--fp8-recipe tensorwise, not {args.fp8_recipe} (rowwise would gather a second, "
-          "column-scaled copy; blockwise's blocks and delayed scaling's history are not "
-          "built for it), or drop --fp8-param-gather.")
+    _need(not getattr(args, "fp8_param_gather", False)
+          or args.fp8_recipe in GATHERED_RECIPES,
+          f"--fp8-param-gather gathers weights quantized with their tensor's or 128 x 128 "
+          f"blocks' scales: use --fp8-recipe tensorwise or blockwise, not {args.fp8_recipe} "
+          "(rowwise's dgrad needs a second, column-scaled copy; delayed scaling's histories "
+          "are not built for it), or drop --fp8-param-gather.")
     _need(transformer.fp8 is None or transformer.fp8.recipe != "delayed"
           or args.num_experts is None,
           "--fp8-recipe delayed does not cover the MoE experts' GEMMs yet: use "
