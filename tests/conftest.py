@@ -11,7 +11,17 @@ os.environ.setdefault("MEGATRON_DEVICE", "cpu")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import shared_fixture  # noqa: E402
+
 _UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
+
+
+def pytest_configure(config):
+    shared_fixture.begin_run(config)
+
+
+def pytest_unconfigure(config):
+    shared_fixture.end_run(config)
 
 
 def pytest_collection_modifyitems(items):

@@ -15,6 +15,7 @@ import torch
 from megatron.training.checkpointing.offline import read_checkpoint
 from tests.e2e.runner import LLAMA, TINY, checkpoint_tensors, finish, start_script, without
 from tests.hf_checkpoints import converter
+from tests.shared_fixture import once_per_run
 
 VOCAB = 65  # TINY's NullTokenizer: --vocab-size 64 plus its eod token
 FLAGS = without(TINY, "--train-iters", "--eval-interval") + LLAMA + [
@@ -39,6 +40,7 @@ def _losses(proc):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def runs(tmp_path_factory):
     """Straight 4-iteration runs in both formats (saves at 2 and 4)."""
     root = tmp_path_factory.mktemp("formats")

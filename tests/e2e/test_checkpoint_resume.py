@@ -23,6 +23,7 @@ from tests.e2e.runner import (
     run_script,
     without,
 )
+from tests.shared_fixture import once_per_run
 
 TOL = 1e-5
 PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -93,6 +94,7 @@ def test_resume_at_tp2_pp2_dp2_is_bitwise(tmp_path, ckpt_format, optimizer):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def saved_at_tp2_pp2_dp2(tmp_path_factory):
     """A 4-iteration run with the distributed optimizer, no dropout (masks depend on the
     layout) and the sequential loader (the shuffled one deals samples per DP rank)."""

@@ -23,6 +23,7 @@ import re
 import pytest
 
 from tests.e2e.runner import finish, load_tool, parse_losses, start_script
+from tests.shared_fixture import once_per_run
 
 TOL = 1e-5
 NORM_TOL = 1e-3 + 1e-9
@@ -84,6 +85,7 @@ def _described(name, case, same_runs):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def references():
     started = {model: start_script("pretrain_llama.py", matrix.Case((), (), 1, model).argv())
                for model in ("dense", "dense+packed", "moe", "moe+packed")}

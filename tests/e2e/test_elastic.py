@@ -22,6 +22,7 @@ from tests.e2e.runner import (
     start_script,
     without,
 )
+from tests.shared_fixture import once_per_run
 
 ITERS = 20
 FLAGS = without(TINY, "--train-iters", "--log-interval", "--eval-interval") + LLAMA + [
@@ -37,6 +38,7 @@ def _run(root, **kwargs):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted") / "ckpt"
     parse_losses(_run(root))

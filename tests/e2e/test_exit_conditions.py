@@ -4,6 +4,7 @@ the three runs start together to share the cost of importing torch."""
 import pytest
 
 from tests.e2e.runner import LLAMA, TINY, finish, parse_iterations, start_script, without
+from tests.shared_fixture import once_per_run
 
 BASE = without(TINY + LLAMA, "--train-iters", "--eval-interval") + ["--eval-interval", "100"]
 RUNS = {
@@ -16,6 +17,7 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def runs():
     started = {name: start_script("pretrain_llama.py", BASE + flags)
                for name, flags in RUNS.items()}

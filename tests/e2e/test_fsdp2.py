@@ -21,6 +21,7 @@ from tests.e2e.test_checkpoint_resume import (
     _iteration_losses,
     _straight_then_resume,
 )
+from tests.shared_fixture import once_per_run
 
 TOL = 1e-6 + 1e-12  # one unit in the printed 7th digit, and the float error of the subtraction
 FLAGS = TINY + LLAMA + ["--train-iters", "10"]
@@ -31,6 +32,7 @@ FP16 = ["--fp16", "--initial-loss-scale", "1048576"]
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def single_process():
     losses, valid = parse_losses(run_script("pretrain_llama.py", FLAGS))
     # validations at iterations 3, 6 and 9 (--eval-interval 3), and after training at 10
@@ -156,6 +158,7 @@ def uninterrupted_runs(root, flags, layouts):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def straight_runs(tmp_path_factory):
     """Each layout uninterrupted for 4 iterations, saving at 2."""
     return uninterrupted_runs(tmp_path_factory.mktemp("fsdp2_reshard"), _reshard_flags(),

@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script
 from tests.e2e.test_checkpoint_resume import _flags, _iteration_losses
 from tests.e2e.test_fsdp2 import uninterrupted_runs
+from tests.shared_fixture import once_per_run
 
 MOE = ("--train-iters 4 --eval-interval 2 --num-experts 4 --moe-router-topk 2 "
        "--moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
@@ -79,6 +80,7 @@ def _ckpt_flags():
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def straight_runs(tmp_path_factory):
     return uninterrupted_runs(tmp_path_factory.mktemp("fsdp2_moe_reshard"), _ckpt_flags(),
                               CKPT_LAYOUTS)

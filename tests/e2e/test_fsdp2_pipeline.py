@@ -22,6 +22,7 @@ import re
 import pytest
 
 from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, start_script
+from tests.shared_fixture import once_per_run
 
 TOL = 1e-5  # the issue's bound; these runs print the one-process digits
 NORM_TOL = 1e-3 + 1e-9  # the log prints the grad norm to 3 decimals
@@ -38,6 +39,7 @@ def _losses_and_norms(proc):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def references():
     """One process, tied and untied (started together, run one after the other)."""
     started = {tied: start_script("pretrain_llama.py", BASE + (TIED if tied else LLAMA))

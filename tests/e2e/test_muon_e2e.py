@@ -13,6 +13,7 @@ import torch
 
 from tests.e2e.bad_inputs.harness import assert_clean_error, run
 from tests.e2e.runner import LLAMA, TINY, checkpoint_tensors, parse_losses, run_script, without
+from tests.shared_fixture import once_per_run
 
 TOL = 1e-5
 MATRICES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
@@ -50,6 +51,7 @@ def _iteration_losses(proc):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def muon_saved_at_tp2_dp2(tmp_path_factory):
     """4 iterations at TP=2 x DP=2 with the distributed optimizer, saved at 2 and 4."""
     root = tmp_path_factory.mktemp("muon") / "saved"

@@ -12,6 +12,7 @@ import re
 import pytest
 
 from tests.e2e.runner import LLAMA, TINY, finish, parse_losses, run_script, start_script, without
+from tests.shared_fixture import once_per_run
 
 FLAGS = without(TINY, "--global-batch-size", "--train-iters") + LLAMA + [
     "--global-batch-size", "16", "--train-iters", "10"]  # 4 microbatches per DP rank
@@ -28,6 +29,7 @@ def _printed(proc):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def runs(tmp_path_factory):
     """1F1B, zb-h1, zbv (saving at 5) at PP=2 x DP=2, and one process: started together."""
     root = tmp_path_factory.mktemp("zero_bubble")

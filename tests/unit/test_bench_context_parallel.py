@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from bench.context_parallel_trace import DKV_TAG, KV_TAG, Exchange, RingTrace, ring_overlap
+from tests.shared_fixture import once_per_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B, HQ, HKV, D, SEQ = 1, 4, 2, 16, 64
@@ -25,6 +26,7 @@ def saved_bytes(name):
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def output():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from bench.pipeline import all_schedules
+from tests.shared_fixture import once_per_run
 
 pytestmark = pytest.mark.slow  # runs bench/pipeline.py: the full suite, not the quick tier
 
@@ -21,6 +22,7 @@ SCHEDULES = all_schedules()
 
 
 @pytest.fixture(scope="module")
+@once_per_run
 def run(tmp_path_factory):
     traces = tmp_path_factory.mktemp("traces")
     env = dict(os.environ, OMP_NUM_THREADS="1")
