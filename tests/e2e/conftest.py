@@ -10,9 +10,11 @@ import pytest
 
 from megatron.core.datasets.tokenizer_sidecar import SIDECAR_SUFFIX
 from tests.e2e.runner import ROOT, load_tool
+from tests.shared_fixture import once_per_run
 
 
 @pytest.fixture(scope="session")
+@once_per_run  # read only: the pytest workers share one copy
 def quickstart_data(tmp_path_factory):
     """A byte-level BPE tokenizer directory and three Megatron datasets ``{data}/D1..D3``
     (.bin/.idx), each from a quickstart corpus with its own seed."""

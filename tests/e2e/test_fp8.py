@@ -14,6 +14,7 @@ FP8 moves the loss off fp32's by 9e-5 to 4.5e-4 from iteration 1 on."""
 import pytest
 
 from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
+from tests.shared_fixture import once_per_run
 
 TOL = 1e-5  # as tests/e2e/test_pretrain.py: the layouts differ in the order of fp32 sums
 FLIP_TOL = 3e-4  # after updates: FP8 rounding flips (docstring), ~2x the largest measured
@@ -80,6 +81,7 @@ def _curve(quickstart_data, extra):
 
 
 @pytest.fixture(scope="module")
+@once_per_run  # of the one quickstart_data both pytest workers share
 def high_precision_curve(quickstart_data):
     return _curve(quickstart_data, [])
 
