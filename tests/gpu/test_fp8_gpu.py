@@ -1,8 +1,8 @@
 """FP8 on CUDA: each recipe's three GEMMs in a column- and a row-parallel linear (bf16
 activations, cuBLAS's FP8 kernels) against the fp64 product of the same dequantized operands
 (tests/unit/test_fp8_linear.py's reference), at TP 1 and, over two ranks on the one GPU, TP 2
-with sequence parallelism; and a whole bf16 training step with FP8 GEMMs stays near the bf16
-step from the same weights."""
+with sequence parallelism; a whole bf16 training step with FP8 GEMMs stays near the bf16
+step from the same weights; and --fp8-param-gather trains bitwise like the plain gather."""
 import pytest
 import torch
 
@@ -107,3 +107,20 @@ def test_grouped_expert_gemm_agrees_on_hopper():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("torch's grouped FP8 GEMM is sm90 only")
     assert grouped_kernel("cuda"), GROUPED_WHY["cuda"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_param_gather_on_cuda_trains_bitwise_like_the_plain_gather(gpu_env, recipe):
+    """--fp8-param-gather on CUDA (bf16 weights, DP 2 on the one GPU, overlapped gathers):
+    the FP8 bytes cast from the shards and viewed out of the gathered buffer by cuBLAS's
+    GEMMs, bitwise what the layers quantize from the gathered bf16 weights
+    (tests/unit/test_fp8_param_gather.py's run and checks)."""
+    from tests.unit.test_fp8_param_gather import _train
+
+    runs = [run_on_gpu(_train, world_size=2, fp8_gather=gather, overlap=gather,
+                       dtype=torch.bfloat16, recipe=recipe, tp=1) for gather in (False, True)]
+    for want, got in zip(*runs, strict=True):
+        assert got["losses"] == want["losses"]
+        assert all(torch.equal(got["params"][n], v) for n, v in want["params"].items())
+        assert got["checks"] and all(all(check) for check in got["checks"])
+        assert got["log"]["fp8"] and {d for d, _ in got["log"]["fp8"]} == {torch.uint8}

@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.quantize import TENSORWISE, quantize
 from megatron.core.models import LlamaModel, llama_config
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.training.training import build_model, train_step
@@ -53,10 +54,10 @@ def _own_range_equal(bucket, param, stale, fresh):
     return bool(same[inside].all()) and (outside.numel() == 0 or not bool(outside.all()))
 
 
-def _model_config(recipe, dtype):
+def _model_config(recipe, dtype, tp):
     fp8 = Fp8Config(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe)
-    parallel = dict(tensor_model_parallel_size=2, sequence_parallel=True, params_dtype=dtype,
-                    fp8=fp8)
+    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                    params_dtype=dtype, fp8=fp8)
     if recipe == "tensorwise":
         return _config(**parallel)
     # TP shards (blocks): fc2 256 x 160 (2 x 2, the last column partial), fc1 320 x 256
@@ -66,12 +67,14 @@ def _model_config(recipe, dtype):
                         **parallel)
 
 
-def _train(fp8_gather, overlap, dtype, recipe):
+def _train(fp8_gather, overlap, dtype, recipe, tp=2):
+    """Three steps at TP ``tp`` x DP (the rest of the world); (also the GPU tier's, at TP 1 x
+    DP 2 on the one GPU: tests/gpu/test_fp8_gpu.py)."""
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.fp8 import param_gather
 
-    ps.initialize_model_parallel(2, 1)
-    config = _model_config(recipe, dtype)
+    ps.initialize_model_parallel(tp, 1)
+    config = _model_config(recipe, dtype, tp)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                         grad_reduce_in_fp32=True,
                                         overlap_param_gather=overlap,
@@ -109,14 +112,18 @@ def _train(fp8_gather, overlap, dtype, recipe):
                 # amax all-reduce included)
                 want = gemms._quantize(param.detach(), gemms.config.forward_dtype,
                                        gemms.weight, sharded=True)
+                # ... and a view of the gathered bytes, no copy of its own (the memory
+                # estimate's forward FP8 copy is that buffer)
+                in_buffer = q.data.untyped_storage().data_ptr() == \
+                    bucket.fp8_gather.data.untyped_storage().data_ptr()
                 checks.append((torch.equal(q.data.view(torch.uint8),
                                            want.data.view(torch.uint8))
-                               and torch.equal(q.scale, want.scale),
+                               and torch.equal(q.scale, want.scale) and in_buffer,
                                _own_range_equal(bucket, param, stale, param.detach())))
     finally:
         for undo in restore:
             undo()
-    params = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
+    params = {n: p.detach().cpu().clone() for n, p in chunk.module.named_parameters()}
     fp8_numel = sum(b.numel for b in fp8_buckets)
     high_numel = sum(b.numel for b in chunk._buckets()) - fp8_numel
     blocks = [math.prod(g) for b in fp8_buckets for g in b.fp8_gather.grids]
@@ -157,3 +164,34 @@ def test_fp8_param_gather_trains_bitwise_like_the_high_precision_gather(recipe, 
         high = sum(n for kind, n in got["log"]["high"] if kind == dtype)
         assert high == STEPS * (got["high_numel"] + got["fp8_numel"])
         assert 0 < got["fp8_numel"] and 0 < got["high_numel"]
+
+
+def _gather_unaligned():
+    """A bucket of two weights, the second at byte offset 15 (as no real model's sizes put
+    it): its installed FP8 weight is an aligned copy, the first one a view of the buffer;
+    both the layer's own quantization."""
+    from megatron.core.fp8.linear import Fp8Gemms
+    from megatron.core.fp8.param_gather import Fp8ShardGather
+
+    gemms = Fp8Gemms(Fp8Config())
+    weights = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(16, 16))]
+    for weight in weights:
+        weight.fp8_gemms = gemms
+    gather = Fp8ShardGather({weights[0]: (0, 15), weights[1]: (15, 271)}, 272,
+                            torch.distributed.group.WORLD)
+    values = torch.cat([w.detach().reshape(-1) for w in weights] + [torch.zeros(1)])
+    gather.start(values, 0, 272, async_op=False)
+    out = []
+    for weight in weights:
+        q = weight._fp8_cache[1][gemms._key("forward")]
+        want = quantize(weight.detach(), torch.float8_e4m3fn, TENSORWISE)
+        out.append((torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+                    and torch.equal(q.scale, want.scale), q.data.data_ptr() % 16 == 0,
+                    q.data.untyped_storage().data_ptr()
+                    == gather.data.untyped_storage().data_ptr()))
+    return out
+
+
+def test_a_weight_at_an_unaligned_offset_gets_an_aligned_copy():
+    (first, second), = run_distributed(_gather_unaligned, world_size=1)
+    assert first == (True, True, True) and second == (True, True, False)

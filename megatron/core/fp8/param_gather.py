@@ -156,6 +156,8 @@ class Fp8ShardGather:
         for i, param in enumerate(self.params):
             p_begin, p_end = self.ranges[param]
             data = self.data[p_begin:p_end].view(self.dtype).view(param.shape)
+            if data.data_ptr() % 16:  # cuBLASLt's FP8 GEMMs take 16-byte aligned operands
+                data = data.clone()
             scale = self._grid(self.scales, i)
             scale = scale.reshape(()) if self.scaling == TENSORWISE else scale
             param.fp8_gemms.use_weight(param, Quantized(data, scale.clone(), self.scaling))
