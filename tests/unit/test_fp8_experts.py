@@ -33,6 +33,37 @@ def test_expert_projection_equals_the_dequantized_reference(fp8_config):
     assert torch.all(runs[0][2][1] == 0)  # the idle expert's weight gets no gradient
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_each_experts_weight_is_quantized_once_per_step(recipe, monkeypatch):
+    """Two microbatches of one step (forward and backward each): every expert's weight is
+    quantized once, its cached copy reused by the second microbatch and by dgrad (the
+    transpose of the forward copy in both recipes); a step (weights_changed) quantizes anew."""
+    from megatron.core.fp8 import linear
+
+    calls = []
+    real = linear.quantize
+    monkeypatch.setattr(linear, "quantize", lambda x, *a, **k: calls.append(x.shape) or
+                        real(x, *a, **k))
+    g = torch.Generator().manual_seed(0)
+    counts = [8, 0, 16]
+    weight = (torch.randn(3, 128, 256, generator=g) * 0.02).requires_grad_()
+    gemms = Fp8Gemms(Fp8Config(recipe=recipe))
+
+    def microbatch():
+        x = torch.randn(sum(counts), 256, generator=g)
+        fp8_expert_linear(x, weight, counts, gemms).sum().backward()
+    microbatch()
+    weights = [shape for shape in calls if shape == (128, 256)]
+    assert len(weights) == 2  # the experts with tokens, once each
+    calls.clear()
+    microbatch()
+    assert (128, 256) not in calls  # the step's copies: no weight quantized again
+    linear.weights_changed()
+    calls.clear()
+    microbatch()
+    assert [shape for shape in calls if shape == (128, 256)] == [(128, 256)] * 2
+
+
 def _moe_layer_experts_in_fp8():
     from megatron.core.models import LlamaModel, llama_config
     from megatron.core.transformer.moe.moe_config import MoEConfig

@@ -47,14 +47,16 @@ class ReferenceGemms:
         qb = dequantize(quantize(b, b_dtype, sb, self.config.margin), torch.float64)
         return (qa @ qb.t()).to(out_dtype)
 
-    def forward(self, x, weight):
+    def forward(self, x, weight, expert=None):  # expert: weight[expert] of stacked ones
         f = self.config.forward_dtype
+        weight = weight if expert is None else weight[expert]
         return self._gemm("forward", x, f, weight.detach(), f, x.dtype)
 
     def quantize_grad(self, grad):
         return None
 
-    def dgrad(self, grad, weight, grad_q=None):
+    def dgrad(self, grad, weight, grad_q=None, expert=None):
+        weight = weight if expert is None else weight[expert]
         return self._gemm("dgrad", grad, self.config.gradient_dtype, weight.detach().t(),
                           self.config.forward_dtype, grad.dtype)
 

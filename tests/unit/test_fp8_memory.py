@@ -48,10 +48,10 @@ def test_estimate_counts_the_cached_fp8_weights_to_the_byte(recipe, tp):
         assert cached == estimated and cached > 0
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "blockwise"])
 def test_estimate_counts_the_experts_cached_weights_to_the_byte(recipe):
     """An MoE model at TP 2 (expert TP 2): rowwise experts keep their stacked quantized
-    weights between steps (the grouped path), the other recipes quantize them per call."""
+    weights between steps (the grouped path), the other recipes each expert's."""
     for cached, estimated in run_distributed(_cached_and_estimated, world_size=2, tp=2,
                                              recipe=recipe, moe=True):
         assert cached == estimated and cached > 0

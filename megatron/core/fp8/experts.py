@@ -1,7 +1,9 @@
 """The MoE experts' two projections in FP8: for each local expert e, the tokens routed to it
 times its weight, ``x_e @ W[e].T``, with the recipe's three GEMMs of a linear (fp8/linear.py):
 each expert's weight is scaled on its own (a tensor, its rows or its 128 x 128 blocks), each
-token's activations as in a dense linear.
+token's activations as in a dense linear. Each expert's quantized weight (and its dgrad
+transpose) is cached on the stacked weight for the step, as a dense linear's: quantized once
+per step, not per microbatch.
 
 One FP8 GEMM per expert and direction, over contiguous slices (the experts' counts come to the
 host once per layer, as the loop fallback of experts.py needs them too). The rowwise recipe's
@@ -57,7 +59,7 @@ class _Fp8ExpertLinear(torch.autograd.Function):
         start = 0
         for e, n in enumerate(counts):
             if n:
-                out[start:start + n] = gemms.forward(x[start:start + n], weight[e])
+                out[start:start + n] = gemms.forward(x[start:start + n], weight, e)
             start += n
         return out
 
@@ -81,7 +83,7 @@ class _Fp8ExpertLinear(torch.autograd.Function):
                 # the rowwise wgrad quantizes grad.T itself: no grad_q to share
                 grad_q = None if grouped else gemms.quantize_grad(grad[rows])
                 if grad_x is not None and not grouped:
-                    grad_x[rows] = gemms.dgrad(grad[rows], weight[e], grad_q)
+                    grad_x[rows] = gemms.dgrad(grad[rows], weight, grad_q, e)
                 if grad_w is not None:
                     grad_w[e] = gemms.wgrad(grad[rows], x[rows], weight.dtype, grad_q)
             start += n

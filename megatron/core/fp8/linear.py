@@ -143,48 +143,57 @@ class Fp8Gemms:
             self.delayed.record(operand, q.amax)
         return q
 
-    def _key(self, what: str) -> str:
-        """The weight cache's key: delayed scaling's scale changes at each step boundary."""
+    def _key(self, what: str, expert: Optional[int] = None) -> str:
+        """The weight cache's key: delayed scaling's scale changes at each step boundary; a
+        stacked experts' weight holds one entry per expert."""
         steps = f" {self.delayed.steps}" if self.delayed is not None else ""
-        return f"{what} {self.config.recipe} {self.config.margin}{steps}"
+        which = "" if expert is None else f" expert {expert}"
+        return f"{what}{which} {self.config.recipe} {self.config.margin}{steps}"
 
     @property
     def _tensorwise(self) -> bool:
         return self.act == TENSORWISE
 
-    def _weight(self, weight: torch.Tensor) -> Quantized:
+    def _weight(self, weight: torch.Tensor, expert: Optional[int] = None) -> Quantized:
         """W [N, K] for the forward: a tensor scale spans the shards in both kinds, a row
-        scale only along the row-parallel K."""
+        scale only along the row-parallel K. ``expert``: W is ``weight[expert]`` of the
+        experts' stacked weight, cached on it (fp8/experts.py)."""
         dtype = self.config.forward_dtype
         sharded = self._tensorwise or self.kind == "row"
-        q = _cached_weight(weight, self._key("forward"),
-                           lambda: self._quantize(weight.detach(), dtype, self.weight,
+        source = weight if expert is None else weight[expert]
+        q = _cached_weight(weight, self._key("forward", expert),
+                           lambda: self._quantize(source.detach(), dtype, self.weight,
                                                   sharded, operand="weight"))
         if self.delayed is not None:  # also where evaluation made the cached copy
             self.delayed.record("weight", q.amax)
         return q
 
-    def _weight_t(self, weight: torch.Tensor) -> Quantized:
+    def _weight_t(self, weight: torch.Tensor, expert: Optional[int] = None) -> Quantized:
         """W.T [K, N] for dgrad (rows along N: sharded in the column-parallel layer)."""
-        key = self._key("dgrad")
+        key = self._key("dgrad", expert)
         if self.weight in (TENSORWISE, BLOCKS_128x128):
-            return _cached_weight(weight, key, lambda: _transposed(self._weight(weight)))
+            return _cached_weight(weight, key,
+                                  lambda: _transposed(self._weight(weight, expert)))
         dtype = self.config.forward_dtype
+        source = weight if expert is None else weight[expert]
         return _cached_weight(weight, key, lambda: self._quantize(
-            weight.detach().t(), dtype, self.weight, self.kind == "column"))
+            source.detach().t(), dtype, self.weight, self.kind == "column"))
 
     def _input(self, x: torch.Tensor, transpose: bool = False) -> Quantized:
         """x [M, K]: K is the row-parallel layer's shard."""
         return self._quantize(x, self.config.forward_dtype, self.act, self.kind == "row",
                               transpose, operand="input")
 
-    def use_weight(self, weight: torch.Tensor, q: Quantized) -> None:
-        """``q`` as ``weight``'s forward operand of this step (fp8/param_gather.py: the
-        all-gathered FP8 weight, bitwise what ``_weight`` would quantize)."""
-        _weight_cache(weight)[self._key("forward")] = q
+    def use_weight(self, weight: torch.Tensor, q: Quantized,
+                   expert: Optional[int] = None) -> None:
+        """``q`` as ``weight``'s (``weight[expert]``'s) forward operand of this step
+        (fp8/param_gather.py: the all-gathered FP8 weight, bitwise what ``_weight`` would
+        quantize)."""
+        _weight_cache(weight)[self._key("forward", expert)] = q
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return fp8_gemm(self._input(x), self._weight(weight), x.dtype)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor,
+                expert: Optional[int] = None) -> torch.Tensor:
+        return fp8_gemm(self._input(x), self._weight(weight, expert), x.dtype)
 
     @property
     def reuses_input(self) -> bool:
@@ -210,9 +219,10 @@ class Fp8Gemms:
                               self.kind == "column", operand="grad")
 
     def dgrad(self, grad: torch.Tensor, weight: torch.Tensor,
-              grad_q: Optional[Quantized] = None) -> torch.Tensor:
+              grad_q: Optional[Quantized] = None, expert: Optional[int] = None
+              ) -> torch.Tensor:
         gq = grad_q if grad_q is not None else self.quantize_grad(grad)
-        return fp8_gemm(gq, self._weight_t(weight), grad.dtype)
+        return fp8_gemm(gq, self._weight_t(weight, expert), grad.dtype)
 
     def wgrad(self, grad: torch.Tensor, x: Optional[torch.Tensor], out_dtype: torch.dtype,
               grad_q: Optional[Quantized] = None, kept=None,

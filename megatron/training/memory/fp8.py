@@ -1,9 +1,11 @@
 """What FP8 adds to a rank's state: the cached quantized weights of its FP8 layers' linears
 (``megatron.core.fp8.linear.weight_cache_bytes`` each), held from a layer's first GEMM of a
-step to the next step's. The MoE experts' weights under the rowwise recipe are cached too,
-stacked (fp8/experts.py's grouped path: [E x N, K] for the forward, [E x K, N] for dgrad);
-under the other recipes they are quantized per call (transient). The quantized activations
-and gradients live for one GEMM (not counted, as other GEMM workspaces are not)."""
+step to the next step's. The MoE experts' weights are cached too: under the rowwise recipe
+stacked (fp8/experts.py's grouped path: [E x N, K] for the forward, [E x K, N] for dgrad),
+under the others expert by expert (``weight_cache_bytes`` of each [N, K]). With
+--fp8-param-gather the forward copies are views of the gathered bytes, the same count. The
+quantized activations and gradients live for one GEMM (not counted, as other GEMM
+workspaces are not)."""
 import re
 from typing import List
 
@@ -16,13 +18,16 @@ _FP8_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_(qkv
 _EXPERT_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.weight([12])$")
 
 
-def _stacked_expert_cache(config, shape: ParamShape, which: str) -> int:
-    """weight1 [E, 2f, h] or weight2 [E, h, f] (f this expert-TP rank's): one byte an element
-    twice, and an fp32 scale per row of each copy (E x (N + K))."""
+def _expert_cache(config, shape: ParamShape, which: str, recipe: str) -> int:
+    """weight1 [E, 2f, h] or weight2 [E, h, f] (f this expert-TP rank's). Rowwise, stacked:
+    one byte an element twice, and an fp32 scale per row of each copy (E x (N + K)); the
+    other recipes: each expert's [N, K] as a dense weight's."""
     h = config.hidden_size
     f = config.moe.moe_ffn_hidden_size // expert_sizes(config)[1]
-    rows_and_cols = 2 * f + h if which == "1" else h + f
-    return 2 * shape.numel + 4 * shape.dim0 * rows_and_cols
+    rows, cols = (2 * f, h) if which == "1" else (h, f)
+    if recipe != "rowwise":
+        return shape.dim0 * weight_cache_bytes(rows, cols, recipe)
+    return 2 * shape.numel + 4 * shape.dim0 * (rows + cols)
 
 
 def fp8_weight_cache_bytes(config, shapes: List[ParamShape]) -> int:
@@ -36,7 +41,6 @@ def fp8_weight_cache_bytes(config, shapes: List[ParamShape]) -> int:
         if match and fp8.layer_in_fp8(int(match.group(1)) + 1, config.num_layers):
             total += weight_cache_bytes(shape.dim0, shape.numel // shape.dim0, fp8.recipe)
         match = _EXPERT_WEIGHT.match(shape.name)
-        if match and fp8.recipe == "rowwise" and \
-                fp8.layer_in_fp8(int(match.group(1)) + 1, config.num_layers):
-            total += _stacked_expert_cache(config, shape, match.group(2))
+        if match and fp8.layer_in_fp8(int(match.group(1)) + 1, config.num_layers):
+            total += _expert_cache(config, shape, match.group(2), fp8.recipe)
     return total
