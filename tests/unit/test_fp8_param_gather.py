@@ -54,27 +54,41 @@ def _own_range_equal(bucket, param, stale, fresh):
     return bool(same[inside].all()) and (outside.numel() == 0 or not bool(outside.all()))
 
 
-def _model_config(recipe, dtype, tp):
+def _model_config(recipe, dtype, tp, moe):
+    from megatron.core.transformer.moe.moe_config import MoEConfig
+
     fp8 = Fp8Config(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe)
     parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                     params_dtype=dtype, fp8=fp8)
+    if moe:  # 4 experts at EP 2 (expert TP 1, expert DP 2): 2 per rank, stacked
+        parallel["moe"] = MoEConfig(num_moe_experts=4, moe_router_topk=2,
+                                    moe_ffn_hidden_size=32 if recipe == "tensorwise" else 64)
     if recipe == "tensorwise":
         return _config(**parallel)
     # TP shards (blocks): fc2 256 x 160 (2 x 2, the last column partial), fc1 320 x 256
-    # (3 x 2, the last row partial), proj 256 x 128 (2 x 1), qkv 192 x 256 (2 x 2)
+    # (3 x 2, the last row partial), proj 256 x 128 (2 x 1), qkv 192 x 256 (2 x 2); the
+    # experts' weight1 2 x 128 x 256 (2 x 2), weight2 2 x 256 x 64 (4 x 1)
     return llama_config(num_layers=1, hidden_size=256, num_attention_heads=8,
                         num_query_groups=2, ffn_hidden_size=320, max_position_embeddings=SEQ,
                         **parallel)
 
 
-def _train(fp8_gather, overlap, dtype, recipe, tp=2):
+def _matrices_of(param):
+    """The weight's matrices: itself, or each expert's of a stacked one (with its index)."""
+    if param.dim() == 2:
+        return [(None, param.detach())]
+    return list(enumerate(param.detach()))
+
+
+def _train(fp8_gather, overlap, dtype, recipe, tp=2, moe=False):
     """Three steps at TP ``tp`` x DP (the rest of the world); (also the GPU tier's, at TP 1 x
     DP 2 on the one GPU: tests/gpu/test_fp8_gpu.py)."""
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.fp8 import param_gather
 
-    ps.initialize_model_parallel(tp, 1)
-    config = _model_config(recipe, dtype, tp)
+    experts = dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1) if moe else {}
+    ps.initialize_model_parallel(tp, 1, **experts)
+    config = _model_config(recipe, dtype, tp, moe)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                         grad_reduce_in_fp32=True,
                                         overlap_param_gather=overlap,
@@ -102,24 +116,26 @@ def _train(fp8_gather, overlap, dtype, recipe, tp=2):
             installed = {}
             for bucket in fp8_buckets:
                 for param in bucket.params:
-                    gemms = param.fp8_gemms
-                    installed[param] = (bucket, param.detach().clone(),
-                                        param._fp8_cache[1][gemms._key("forward")])
+                    cache = param._fp8_cache[1]
+                    installed[param] = (bucket, param.detach().clone(), [
+                        cache[param.fp8_gemms._key("forward", e)] for e, _ in
+                        _matrices_of(param)])
             chunk.gather_high_precision_params()
-            for param, (bucket, stale, q) in installed.items():
+            for param, (bucket, stale, qs) in installed.items():
                 gemms = param.fp8_gemms
-                # what the layer quantizes from the whole high-precision weight (its TP
-                # amax all-reduce included)
-                want = gemms._quantize(param.detach(), gemms.config.forward_dtype,
-                                       gemms.weight, sharded=True)
-                # ... and a view of the gathered bytes, no copy of its own (the memory
-                # estimate's forward FP8 copy is that buffer)
-                in_buffer = q.data.untyped_storage().data_ptr() == \
-                    bucket.fp8_gather.data.untyped_storage().data_ptr()
-                checks.append((torch.equal(q.data.view(torch.uint8),
-                                           want.data.view(torch.uint8))
-                               and torch.equal(q.scale, want.scale) and in_buffer,
-                               _own_range_equal(bucket, param, stale, param.detach())))
+                fine = True
+                for q, (_, matrix) in zip(qs, _matrices_of(param), strict=True):
+                    # what the layer quantizes from the whole high-precision weight (its TP
+                    # amax all-reduce included)
+                    want = gemms._quantize(matrix, gemms.config.forward_dtype, gemms.weight,
+                                           sharded=True)
+                    # ... and a view of the gathered bytes, no copy of its own (the memory
+                    # estimate's forward FP8 copy is that buffer)
+                    in_buffer = q.data.untyped_storage().data_ptr() == \
+                        bucket.fp8_gather.data.untyped_storage().data_ptr()
+                    fine &= torch.equal(q.data.view(torch.uint8), want.data.view(
+                        torch.uint8)) and torch.equal(q.scale, want.scale) and in_buffer
+                checks.append((fine, _own_range_equal(bucket, param, stale, param.detach())))
     finally:
         for undo in restore:
             undo()
@@ -131,36 +147,46 @@ def _train(fp8_gather, overlap, dtype, recipe, tp=2):
                 high_numel=high_numel, fp8_weights=len(blocks), blocks=blocks)
 
 
-# the overlapped gathers (forward pre-hooks) and bf16 weights (fp32 main copies: the FP8
-# bytes are cast from the bf16 shard) in the full suite only
-@pytest.mark.parametrize("recipe,overlap,dtype", [
-    ("tensorwise", False, torch.float32), ("blockwise", False, torch.float32),
-    pytest.param("tensorwise", True, torch.float32, marks=pytest.mark.slow),
-    pytest.param("blockwise", False, torch.bfloat16, marks=pytest.mark.slow)],
-    ids=["tensorwise", "blockwise", "overlapped", "blockwise-bf16"])
-def test_fp8_param_gather_trains_bitwise_like_the_high_precision_gather(recipe, overlap,
-                                                                        dtype):
+# Per case: the scaling groups of each FP8 weight (tensorwise 1, or one an expert; blockwise
+# its 128 x 128 blocks). The overlapped gathers (forward pre-hooks), bf16 weights (fp32 main
+# copies: the FP8 bytes cast from the bf16 shard) and the experts in the full suite only.
+CASES = {
+    "tensorwise": (("tensorwise", False, torch.float32, False), [1] * 8),
+    "blockwise": (("blockwise", False, torch.float32, False), [2, 4, 4, 6]),
+    "overlapped": (("tensorwise", True, torch.float32, False), [1] * 8),
+    "blockwise-bf16": (("blockwise", False, torch.bfloat16, False), [2, 4, 4, 6]),
+    "experts": (("tensorwise", False, torch.float32, True), [1, 1, 1, 1, 2, 2, 2, 2]),
+    "experts-blockwise": (("blockwise", False, torch.float32, True), [2, 4, 4, 4]),
+}
+QUICK = ("tensorwise", "blockwise")
+
+
+@pytest.mark.parametrize("case,groups", [
+    pytest.param(*CASES[name], marks=() if name in QUICK else pytest.mark.slow, id=name)
+    for name in CASES])
+def test_fp8_param_gather_trains_bitwise_like_the_high_precision_gather(case, groups):
+    recipe, overlap, dtype, moe = case
     plain = run_distributed(_train, world_size=4, fp8_gather=False, overlap=False,
-                            dtype=dtype, recipe=recipe)
+                            dtype=dtype, recipe=recipe, moe=moe)
     for result in plain:  # the reference: every weight gathered at its dtype, no FP8 bucket
         assert result["fp8_numel"] == 0 and not result["log"]["fp8"]
         assert {kind for kind, _ in result["log"]["high"]} == {dtype}
     fp8 = run_distributed(_train, world_size=4, fp8_gather=True, overlap=overlap, dtype=dtype,
-                          recipe=recipe)
+                          recipe=recipe, moe=moe)
     for want, got in zip(plain, fp8, strict=True):
         assert got["losses"] == want["losses"]
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), name
-        # the 4 linears of each layer, checked after each step: the installed FP8 weight
-        # (data and scales) is bitwise the layer's own quantization; the high-precision
-        # copy was current only in this rank's shard until gather_high_precision_params
-        weights = 8 if recipe == "tensorwise" else 4
-        assert got["fp8_weights"] == weights and len(got["checks"]) == weights * STEPS
-        assert got["blocks"] == ([1] * 8 if recipe == "tensorwise" else [4, 6, 2, 4])
+        # every FP8 weight checked after each step: the installed FP8 matrices (data and
+        # scales) are bitwise the layer's own quantization; the high-precision copy was
+        # current only in this rank's shard until gather_high_precision_params
+        assert sorted(got["blocks"]) == groups
+        assert len(got["checks"]) == len(groups) * STEPS
         assert all(bytes_equal and own_only for bytes_equal, own_only in got["checks"])
         # per step: the FP8 buckets once as bytes (1 each), the rest once in the weights'
         # dtype; gather_high_precision_params adds one such gather of the FP8 buckets
-        assert got["log"]["fp8"] == [(torch.uint8, got["fp8_numel"])] * STEPS
+        assert {kind for kind, _ in got["log"]["fp8"]} == {torch.uint8}
+        assert sum(n for _, n in got["log"]["fp8"]) == STEPS * got["fp8_numel"]
         high = sum(n for kind, n in got["log"]["high"] if kind == dtype)
         assert high == STEPS * (got["high_numel"] + got["fp8_numel"])
         assert 0 < got["fp8_numel"] and 0 < got["high_numel"]

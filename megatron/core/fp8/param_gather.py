@@ -22,10 +22,15 @@ weight's high-precision copy is not gathered (that would be the bytes saved): it
 until ``gather_high_precision_params`` all-gathers it, which checkpoint saves do first, so a
 checkpoint holds the exact weights whether the flag was on or not.
 
+The routed experts' stacked [E, N, K] weights are E matrices, each scaled on its own as
+fp8/experts.py quantizes them (tensorwise one scale an expert; blockwise the stack's rows cut
+in 128-row blocks, which are each expert's own where N is a multiple of 128, else those
+experts keep the high-precision gather), gathered over the expert-DP group and installed
+expert by expert.
+
 Not rowwise (its dgrad needs the weight's columns scaled as well: a second copy of the same
 bytes) nor delayed scaling (its weight amax history would need the whole weight's amax per
-step too). Routed experts keep the high-precision gather (their per-expert weights are
-quantized per call).
+step too).
 """
 import math
 from typing import Dict, List, Tuple
@@ -49,11 +54,21 @@ from megatron.core.fp8.quantize import (
 GATHERED_RECIPES = ("tensorwise", "blockwise")
 
 
+def _matrices(param: torch.Tensor) -> Tuple[int, int, int]:
+    """(E, N, K): a linear's [N, K] weight is one matrix, the experts' stacked [E, N, K] E."""
+    return (param.shape[0] if param.dim() == 3 else 1), param.shape[-2], param.shape[-1]
+
+
 def gathers_in_fp8(param: torch.nn.Parameter) -> bool:
-    """Whether ``param`` is an FP8 linear's weight whose recipe can be gathered in FP8 (the
-    layers mark their weights: fp8_layers.use_fp8)."""
+    """Whether ``param`` is an FP8 linear's (or the experts') weight whose recipe can be
+    gathered in FP8 (the layers mark their weights: fp8_layers.use_fp8). Stacked experts
+    under blockwise only where each expert's rows are whole 128-row blocks (the rows of the
+    stack are then cut into blocks as each expert's are)."""
     gemms = getattr(param, "fp8_gemms", None)
-    return gemms is not None and gemms.config.recipe in GATHERED_RECIPES
+    if gemms is None or gemms.config.recipe not in GATHERED_RECIPES:
+        return False
+    experts, rows, _ = _matrices(param)
+    return experts == 1 or gemms.config.recipe == "tensorwise" or rows % TILE == 0
 
 
 def _block_rows(piece: torch.Tensor, lo: int, cols: int):
@@ -71,9 +86,10 @@ def _block_rows(piece: torch.Tensor, lo: int, cols: int):
 
 class Fp8ShardGather:
     """One bucket's FP8 copy of its weights: quantize this rank's shard, all-gather, hand each
-    weight's FP8 view to its layer's cache. The weights' scales (one a tensorwise weight, one
-    a 128 x 128 block of a blockwise one) are kept flat, all of the bucket's in one vector:
-    one amax all-reduce."""
+    weight's FP8 view to its layer's cache. The scales (tensorwise one a matrix: a weight, or
+    each expert of a stacked one; blockwise one a 128 x 128 block, the experts' stacked rows
+    cut as one [E x N, K] matrix) are kept flat, all of the bucket's in one vector: one amax
+    all-reduce."""
 
     def __init__(self, param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]], numel: int,
                  group):
@@ -87,9 +103,11 @@ class Fp8ShardGather:
             raise ValueError("an FP8-gathered bucket mixes FP8 configs or TP groups")
         self.dtype = self.config.forward_dtype
         self.scaling = gemms[0].weight  # TENSORWISE or BLOCKS_128x128
-        self.grids = [(1,) if self.scaling == TENSORWISE else
-                      (-(-p.shape[0] // TILE), -(-(p.numel() // p.shape[0]) // TILE))
-                      for p in self.params]
+        self.grids = []
+        for param in self.params:
+            experts, rows, cols = _matrices(param)
+            self.grids.append((experts,) if self.scaling == TENSORWISE else
+                              (-(-experts * rows // TILE), -(-cols // TILE)))
         self.offsets = [0]
         for grid in self.grids:
             self.offsets.append(self.offsets[-1] + math.prod(grid))
@@ -100,28 +118,43 @@ class Fp8ShardGather:
     def _grid(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.offsets[i]:self.offsets[i + 1]].view(self.grids[i])
 
+    def _pieces(self, i: int, piece: torch.Tensor, lo: int):
+        """Weight ``i``'s ``piece`` from its flat offset ``lo``, cut where its scales are:
+        (rows to cast [r, cols], index into its grid, zeros before the piece's values in
+        them, their offset in ``piece``, their count). Tensorwise: each expert's part as one
+        row; blockwise: whole 128-row blocks (``_block_rows``)."""
+        experts, rows, cols = _matrices(self.params[i])
+        if self.scaling != TENSORWISE:
+            padded, block0, front = _block_rows(piece, lo, cols)
+            return [(padded, block0, front, 0, piece.numel())]
+        size = rows * cols
+        out = []
+        for e in range(lo // size, min(experts, -(-(lo + piece.numel()) // size))):
+            a, b = max(lo, e * size) - lo, min(lo + piece.numel(), (e + 1) * size) - lo
+            out.append((piece[a:b].view(1, -1), e, 0, a, b - a))
+        return out
+
     def start(self, param_data: torch.Tensor, begin: int, end: int, async_op: bool) -> None:
         """Quantize the shard [begin, end) of ``param_data`` (the bucket's high-precision
-        values) with every weight's whole-tensor (or whole-block) scales and all-gather the
+        values) with every matrix's whole-tensor (or whole-block) scales and all-gather the
         FP8 bytes."""
         amax = device.zeros(self.offsets[-1], dtype=torch.float32)
-        pieces = []  # (weight, its rows to cast, first block row, zeros before, shard offset)
+        pieces = []  # (weight, rows to cast, grid index, zeros before, shard offset, count)
         for i, param in enumerate(self.params):
             p_begin, p_end = self.ranges[param]
             lo, hi = max(p_begin, begin), min(p_end, end)
             if lo >= hi:
                 continue
-            piece = param_data[lo:hi]
-            if self.scaling == TENSORWISE:
-                amax[self.offsets[i]] = torch.linalg.vector_norm(piece, float("inf")).float()
-                pieces.append((i, piece.view(1, -1), 0, 0, lo - begin, piece.numel()))
-                continue
-            rows, block0, front = _block_rows(piece, lo - p_begin, param.numel() //
-                                              param.shape[0])
-            blocks = group_amax(rows, BLOCKS_128x128)
-            self._grid(amax, i)[block0:block0 + blocks.shape[0]] = blocks
-            pieces.append((i, rows, block0, front, lo - begin, piece.numel()))
-        # the max over DP of the pieces' maxes: the whole weight's (block's), and for a
+            for rows, at, front, offset, size in self._pieces(i, param_data[lo:hi],
+                                                               lo - p_begin):
+                grid = self._grid(amax, i)
+                if self.scaling == TENSORWISE:
+                    grid[at] = torch.linalg.vector_norm(rows, float("inf")).float()
+                else:
+                    blocks = group_amax(rows, BLOCKS_128x128)
+                    grid[at:at + blocks.shape[0]] = blocks
+                pieces.append((i, rows, at, front, lo - begin + offset, size))
+        # the max over DP of the pieces' maxes: the whole matrix's (block's), and for a
         # tensorwise scale over the TP shards too, as the layer's own quantization
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         if self.tp_group is not None and self.scaling == TENSORWISE:
@@ -130,12 +163,10 @@ class Fp8ShardGather:
         self.scales = torch.reciprocal(encode)
         shard = self.data[begin:end]
         top = fp8_max(self.dtype)
-        for i, rows, block0, front, offset, size in pieces:
+        for i, rows, at, front, offset, size in pieces:
             grid = self._grid(encode, i)
-            if self.scaling == TENSORWISE:
-                grid = grid[0]
-            else:
-                grid = grid[block0:block0 + rows.shape[0] // TILE]
+            grid = grid[at] if self.scaling == TENSORWISE else \
+                grid[at:at + rows.shape[0] // TILE]
             cast, _ = _scale_and_cast(rows, grid, self.scaling, top, self.dtype, False)
             shard[offset:offset + size].copy_(cast.view(-1)[front:front + size].view(
                 torch.uint8))
@@ -152,12 +183,18 @@ class Fp8ShardGather:
             self._install()
 
     def _install(self) -> None:
-        """Each weight's forward operand of this step: its view of the gathered bytes."""
+        """Each matrix's forward operand of this step: its view of the gathered bytes."""
         for i, param in enumerate(self.params):
-            p_begin, p_end = self.ranges[param]
-            data = self.data[p_begin:p_end].view(self.dtype).view(param.shape)
-            if data.data_ptr() % 16:  # cuBLASLt's FP8 GEMMs take 16-byte aligned operands
-                data = data.clone()
-            scale = self._grid(self.scales, i)
-            scale = scale.reshape(()) if self.scaling == TENSORWISE else scale
-            param.fp8_gemms.use_weight(param, Quantized(data, scale.clone(), self.scaling))
+            experts, rows, cols = _matrices(param)
+            begin = self.ranges[param][0]
+            grid = self._grid(self.scales, i)
+            blocks = -(-rows // TILE)
+            for e in range(experts):
+                at = begin + e * rows * cols
+                data = self.data[at:at + rows * cols].view(self.dtype).view(rows, cols)
+                if data.data_ptr() % 16:  # cuBLASLt's FP8 GEMMs take 16-byte aligned operands
+                    data = data.clone()
+                scale = grid[e] if self.scaling == TENSORWISE else \
+                    grid[e * blocks:(e + 1) * blocks]
+                param.fp8_gemms.use_weight(param, Quantized(data, scale.clone(), self.scaling),
+                                           e if param.dim() == 3 else None)

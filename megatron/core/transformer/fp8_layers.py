@@ -40,7 +40,10 @@ def use_fp8(module: torch.nn.Module, config: Fp8Config, compile: bool = False) -
                                      gemms[type(layer)].group, compile)
             else:
                 layer.fp8 = gemms[type(layer)]
-            if type(layer) is not SwiGLUExperts:  # --fp8-param-gather finds its weights
+            # --fp8-param-gather finds the weights by this (fp8/param_gather.py)
+            if type(layer) is SwiGLUExperts:
+                layer.weight1.fp8_gemms, layer.weight2.fp8_gemms = layer.fp8
+            else:
                 layer.weight.fp8_gemms = layer.fp8
             count += 1
     return count
