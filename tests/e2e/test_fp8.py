@@ -198,3 +198,20 @@ def test_fp8_param_gather_trains_saves_and_resumes_as_the_plain_gather(tmp_path)
     for iteration in (2, 4):
         _assert_bitwise(plain_dir, straight, iteration)
     _assert_bitwise(straight, resumed, 4)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--overlapped-distributed-optimizer", "--shard-gradients",
+     "--num-distributed-optimizer-instances", "2"],
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+     "--use-distributed-optimizer", "--optimizer-cpu-offload"]],
+    ids=["dp4-overlapped-zero2-hsdp", "pp2-zbh1-dp2-offload"])
+def test_fp8_param_gather_composes_and_prints_the_plain_gathers_losses(extra):
+    """With the sharded optimizer's other features at once (the overlapped one with ZeRO-2
+    and two HSDP instances; PP 2 under ZB-H1 with the optimizer on the host): the same
+    printed losses to the digit as without the flag."""
+    flags = TINY + LLAMA + ["--fp8-format", "hybrid"] + extra
+    plain = run_script("pretrain_llama.py", flags, nproc=4)
+    gathered = run_script("pretrain_llama.py", flags + ["--fp8-param-gather"], nproc=4)
+    assert "FP8 GEMMs (hybrid, tensorwise), weights all-gathered in FP8" in gathered.stdout
+    assert parse_losses(gathered) == parse_losses(plain) and len(parse_losses(plain)[0]) == 6

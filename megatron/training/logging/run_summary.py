@@ -90,6 +90,10 @@ def start_block(args, configs, counts: Tuple[int, int, int], datasets: Sequence,
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if precision != "fp32":
         precision += " (fp32 main parameters and gradients)"
+    if tc.fp8 is not None:
+        precision += f", FP8 GEMMs ({tc.fp8.format}, {tc.fp8.recipe})"
+        if getattr(args, "fp8_param_gather", False):
+            precision += ", weights all-gathered in FP8"
     experts = f", {tc.moe.num_moe_experts} experts (top-{tc.moe.moe_router_topk})" \
         if tc.moe is not None else ""
     data = "mock data" if args.mock_data else "; ".join(
