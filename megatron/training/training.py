@@ -173,10 +173,12 @@ def train_step(forward_step_func, data_iterator, model: List[torch.nn.Module], o
     timers("optimizer", log_level=1).start()
     # QK-clip's factors (a collective over DP x CP) reach the step, applied if it is taken.
     clipping = {} if qk_clip is None else {"row_scales": qk_clip.row_scales()}
+    # FP8 delayed scaling's step boundary first: the step's all-gather of FP8 weights
+    # (--fp8-param-gather) casts with the histories the next forward uses.
+    step_fp8_delayed_scaling(model)
     # With the NaN check the optimizer reads the norm; the losses come in the same copy.
     ok, grad_norm, num_zeros = optimizer.step(read_with_norm=report, **clipping)
     timers("optimizer").stop()
-    step_fp8_delayed_scaling(model)
     if ok and scheduler is not None:
         scheduler.step(increment=num_microbatches * micro_batch_size *
                        parallel_state.get_data_parallel_world_size())

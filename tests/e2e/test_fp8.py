@@ -172,7 +172,8 @@ def test_fp8_delayed_resume_is_bitwise(tmp_path, ckpt_format):
 
 
 def test_fp8_param_gather_trains_saves_and_resumes_as_the_plain_gather(tmp_path):
-    """--fp8-param-gather at TP 2 x DP 2 through pretrain_llama.py: the FP8 weights are
+    """--fp8-param-gather at TP 2 x DP 2 through pretrain_llama.py, delayed scaling (the
+    weights cast with their histories' scales, restored on the resume): the FP8 weights are
     gathered as bytes, which are what each layer would quantize from the gathered weight
     (tests/unit/test_fp8_param_gather.py), so every printed loss is the plain gather's to the
     digit; the checkpoints hold the exact high-precision weights (gathered before the save:
@@ -186,7 +187,7 @@ def test_fp8_param_gather_trains_saves_and_resumes_as_the_plain_gather(tmp_path)
     )
 
     flags = _flags("--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
-                   "--fp8-format", "hybrid")
+                   "--fp8-format", "hybrid", *DELAYED)
     plain_dir = tmp_path / "plain"
     plain = run_script("pretrain_llama.py", flags + ["--save", plain_dir, "--save-interval",
                                                      "2"], nproc=4)

@@ -57,13 +57,15 @@ def _own_range_equal(bucket, param, stale, fresh):
 def _model_config(recipe, dtype, tp, moe):
     from megatron.core.transformer.moe.moe_config import MoEConfig
 
-    fp8 = Fp8Config(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe)
+    fp8 = Fp8Config(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe,
+                    amax_history_len=2 if recipe == "delayed" else 1,
+                    amax_compute_algo="max")
     parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                     params_dtype=dtype, fp8=fp8)
     if moe:  # 4 experts at EP 2 (expert TP 1, expert DP 2): 2 per rank, stacked
         parallel["moe"] = MoEConfig(num_moe_experts=4, moe_router_topk=2,
                                     moe_ffn_hidden_size=32 if recipe == "tensorwise" else 64)
-    if recipe == "tensorwise":
+    if recipe != "blockwise":
         return _config(**parallel)
     # TP shards (blocks): fc2 256 x 160 (2 x 2, the last column partial), fc1 320 x 256
     # (3 x 2, the last row partial), proj 256 x 128 (2 x 1), qkv 192 x 256 (2 x 2); the
@@ -128,7 +130,7 @@ def _train(fp8_gather, overlap, dtype, recipe, tp=2, moe=False):
                     # what the layer quantizes from the whole high-precision weight (its TP
                     # amax all-reduce included)
                     want = gemms._quantize(matrix, gemms.config.forward_dtype, gemms.weight,
-                                           sharded=True)
+                                           sharded=True, operand="weight")
                     # ... and a view of the gathered bytes, no copy of its own (the memory
                     # estimate's forward FP8 copy is that buffer)
                     in_buffer = q.data.untyped_storage().data_ptr() == \
@@ -157,8 +159,9 @@ CASES = {
     "blockwise-bf16": (("blockwise", False, torch.bfloat16, False), [2, 4, 4, 6]),
     "experts": (("tensorwise", False, torch.float32, True), [1, 1, 1, 1, 2, 2, 2, 2]),
     "experts-blockwise": (("blockwise", False, torch.float32, True), [2, 4, 4, 4]),
+    "delayed": (("delayed", True, torch.float32, False), [1] * 8),
 }
-QUICK = ("tensorwise", "blockwise")
+QUICK = ("tensorwise", "blockwise", "delayed")
 
 
 @pytest.mark.parametrize("case,groups", [

@@ -17,7 +17,8 @@ column 0 the most recent step (TE's ``amax_history`` rotates the same way):
   training step begins (``begin_step``), so eval intervals do not change training's scales
   (a weight's amax is kept with its cached FP8 copy and recorded at each use, so a copy
   evaluation made still counts for the step that reuses it).
-- **At the step boundary** (``step_delayed_scaling``, after the optimizer step) each
+- **At the step boundary** (``step_delayed_scaling``, after the backward and before the
+  optimizer step, whose FP8 weight gather casts with the new histories) each
   ``pending`` is MAX all-reduced over the groups given (the training loop gives the TP group
   and the DP x CP group: a sharded operand's amax is its whole tensor's, as current scaling's
   TP all-reduce makes it, and every replica then holds the same history and so the same

@@ -28,9 +28,14 @@ in 128-row blocks, which are each expert's own where N is a multiple of 128, els
 experts keep the high-precision gather), gathered over the expert-DP group and installed
 expert by expert.
 
-Not rowwise (its dgrad needs the weight's columns scaled as well: a second copy of the same
-bytes) nor delayed scaling (its weight amax history would need the whole weight's amax per
-step too).
+Delayed scaling (tensorwise): each weight is cast with its amax history's scale, the one
+its layer's next forward uses (the training step takes the histories' boundary before the
+optimizer step for that), on the first step with its current amax; the installed copy
+carries the TP shard's amax (the DP maximum of the pieces'), which the layer records at each
+use as it records its own copy's.
+
+Not rowwise: its dgrad needs the weight's columns scaled as well, a second copy of the same
+bytes.
 """
 import math
 from typing import Dict, List, Tuple
@@ -51,7 +56,7 @@ from megatron.core.fp8.quantize import (
 )
 
 
-GATHERED_RECIPES = ("tensorwise", "blockwise")
+GATHERED_RECIPES = ("tensorwise", "blockwise", "delayed")
 
 
 def _matrices(param: torch.Tensor) -> Tuple[int, int, int]:
@@ -157,9 +162,16 @@ class Fp8ShardGather:
         # the max over DP of the pieces' maxes: the whole matrix's (block's), and for a
         # tensorwise scale over the TP shards too, as the layer's own quantization
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        self.local_amax = amax.clone()  # delayed scaling records the TP shard's
         if self.tp_group is not None and self.scaling == TENSORWISE:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
         encode = encode_scale(amax, self.dtype, self.config.margin)
+        if self.config.recipe == "delayed":  # each weight's history, once it has one
+            for i, param in enumerate(self.params):
+                history = param.fp8_gemms.delayed.encode("weight", self.dtype,
+                                                         self.config.margin, amax.device)
+                if history is not None:
+                    encode[self.offsets[i]] = history
         self.scales = torch.reciprocal(encode)
         shard = self.data[begin:end]
         top = fp8_max(self.dtype)
@@ -196,5 +208,7 @@ class Fp8ShardGather:
                     data = data.clone()
                 scale = grid[e] if self.scaling == TENSORWISE else \
                     grid[e * blocks:(e + 1) * blocks]
-                param.fp8_gemms.use_weight(param, Quantized(data, scale.clone(), self.scaling),
-                                           e if param.dim() == 3 else None)
+                q = Quantized(data, scale.clone(), self.scaling)
+                if self.config.recipe == "delayed":  # what the layer records at each use
+                    q.amax = self._grid(self.local_amax, i)[e].clone()
+                param.fp8_gemms.use_weight(param, q, e if param.dim() == 3 else None)

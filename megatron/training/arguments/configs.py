@@ -409,9 +409,9 @@ def build_configs(args: argparse.Namespace, world_size: int = 1,
     _need(not getattr(args, "fp8_param_gather", False)
           or args.fp8_recipe in GATHERED_RECIPES,
           f"--fp8-param-gather gathers weights quantized with their tensor's or 128 x 128 "
-          f"blocks' scales: use --fp8-recipe tensorwise or blockwise, not {args.fp8_recipe} "
-          "(rowwise's dgrad needs a second, column-scaled copy; delayed scaling's histories "
-          "are not built for it), or drop --fp8-param-gather.")
+          f"blocks' scales: use --fp8-recipe tensorwise, blockwise or delayed, not "
+          f"{args.fp8_recipe} (its dgrad needs a second, column-scaled copy of the weight), "
+          "or drop --fp8-param-gather.")
     _need(transformer.fp8 is None or transformer.fp8.recipe != "delayed"
           or args.num_experts is None,
           "--fp8-recipe delayed does not cover the MoE experts' GEMMs yet: use "

@@ -33,7 +33,7 @@ CASES = [
     ("param-gather-rowwise", ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise",
                               "--use-distributed-optimizer", "--fp8-param-gather"],
      ["--fp8-param-gather gathers weights quantized with their tensor's or 128 x 128",
-      "use --fp8-recipe tensorwise or blockwise, not rowwise"]),
+      "use --fp8-recipe tensorwise, blockwise or delayed, not rowwise"]),
     ("param-gather-fsdp2", ["--fp8-format", "e4m3", "--use-torch-fsdp2",
                             "--fp8-param-gather"],
      ["--fp8-param-gather with --use-torch-fsdp2 is not built yet"]),
