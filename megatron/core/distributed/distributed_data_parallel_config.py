@@ -26,9 +26,9 @@ class DistributedDataParallelConfig:
     # into this many instances, each sharding over DP x CP / N ranks, all-reduced across
     # them. The groups are parallel_state's (optimizer_instances.py); this must match them.
     num_distributed_optimizer_instances: int = 1
-    # With the distributed optimizer: the FP8 linears' weights (tensorwise, blockwise) are
-    # all-gathered as FP8 bytes after the step, half bf16's (--fp8-param-gather;
-    # fp8/param_gather.py).
+    # With the distributed optimizer: the FP8 linears' and experts' weights (tensorwise,
+    # blockwise, delayed) are all-gathered as FP8 bytes after the step, half bf16's
+    # (--fp8-param-gather; fp8/param_gather.py).
     fp8_param_gather: bool = False
 
     def __post_init__(self):

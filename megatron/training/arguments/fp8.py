@@ -23,8 +23,8 @@ def add_fp8_args(parser) -> None:
                    help="scale so that each group's amax lands 2^margin below the largest "
                         "FP8 value")
     g.add_argument("--fp8-param-gather", action="store_true",
-                   help="with the distributed optimizer and --fp8-recipe tensorwise or "
-                        "blockwise: "
+                   help="with the distributed optimizer and --fp8-recipe tensorwise, "
+                        "blockwise or delayed: "
                         "all-gather the FP8 linears' updated weights as FP8 bytes (half of "
                         "bf16's), which their forward then uses as they are")
     g.add_argument("--first-last-layers-bf16", action="store_true",
