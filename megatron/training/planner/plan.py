@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron.core.fp8.param_gather import GATHERED_RECIPES
 from megatron.core.transformer.attention import math_attention_reason
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import vocab_size_with_padding
@@ -148,10 +149,23 @@ def _search(workload: Workload, cluster: Cluster, max_micro_batch_size: int,
                 result.enumerated += len(family) - family.index(layout) - 1
                 break
             vocab = padded_vocab(workload, layout.tensor_parallel)
-            step = estimate_step_time(config, layout, cluster, memory, workload.seq_length, vocab)
+            fp8_gather = fp8_param_gather_applies(workload, layout)
+            step = estimate_step_time(config, layout, cluster, memory, workload.seq_length, vocab,
+                                      fp8_gather)
+            flags = layout.flags(workload.args.num_layers)
             result.rows.append(PlanRow(layout, config, vocab, memory, step,
-                                       layout.flags(workload.args.num_layers)))
+                                       flags + (["--fp8-param-gather"] if fp8_gather else [])))
     return result, smallest
+
+
+def fp8_param_gather_applies(workload: Workload, layout: Layout) -> bool:
+    """An FP8 workload whose recipe the distributed optimizer gathers in FP8, on a layout with
+    that optimizer: proposed with --fp8-param-gather (half the gathered weight bytes, the
+    same numbers: fp8/param_gather.py)."""
+    args = workload.args
+    return (getattr(args, "fp8_format", None) is not None
+            and args.fp8_recipe in GATHERED_RECIPES and layout.distributed_optimizer
+            and not layout.fsdp2)
 
 
 def _describe(layout: Layout) -> str:

@@ -240,18 +240,22 @@ def cp_ring_seconds(config, layout: Layout, cluster: Cluster, seq_length: int
             forwards * forward_exposed + backward_exposed)
 
 
-def _collective_bytes(stage, layout: Layout, group: int):
+def _collective_bytes(stage, layout: Layout, group: int, fp8_param_gather: bool = False):
     """(gradient bytes reduced, parameter bytes gathered) of a stage: the full buckets, also
     where the state after the step keeps a shard (ZeRO-2: those of backward; FSDP2: the fp32
     shards times the group, gathered in bf16 and reduced in the gradient dtype). CPU offload's
-    host transfers and host step are not modelled."""
+    host transfers and host step are not modelled. ``fp8_param_gather`` (the distributed
+    optimizer's, fp8/param_gather.py): the FP8 weights gathered at one byte an element, not
+    two; their count is half the bytes of their cached FP8 copies (two bytes an element; the
+    scales, 4 bytes a weight or a 128 x 128 block, left in)."""
     state = stage.state
-    if layout.memory_mode == "zero2":
-        return stage.transient_bytes, state.params  # the full buckets of backward
     if layout.fsdp2:  # (offloaded: the shards are on the host, copied in for the gather)
         full = (state.params or stage.host.params) // 4 * group
         return full * (4 if layout.grad_reduce_in_fp32 else 2), full * 2
-    return state.grads, state.params
+    params = state.params - (state.fp8_weights // 2 if fp8_param_gather else 0)
+    if layout.memory_mode == "zero2":
+        return stage.transient_bytes, params  # the full buckets of backward
+    return state.grads, params
 
 
 def sharded_collective_seconds(layout: Layout, cluster: Cluster, grads: float, params: float):
@@ -271,9 +275,11 @@ def sharded_collective_seconds(layout: Layout, cluster: Cluster, grads: float, p
 
 
 def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryEstimate,
-                       seq_length: int, padded_vocab_size: int) -> StepTime:
+                       seq_length: int, padded_vocab_size: int,
+                       fp8_param_gather: bool = False) -> StepTime:
     """The step time of ``layout`` (``config`` is its TransformerConfig, ``memory`` its
-    estimate, whose per-stage gradient and parameter buffers are what DP moves)."""
+    estimate, whose per-stage gradient and parameter buffers are what DP moves;
+    ``fp8_param_gather``: its FP8 weights are gathered in FP8)."""
     t, p, d = layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel
     c = layout.context_parallel
     v, b, m = layout.chunks_per_rank, layout.micro_batch_size, layout.num_microbatches
@@ -322,7 +328,8 @@ def estimate_step_time(config, layout: Layout, cluster: Cluster, memory: MemoryE
     if d * c > 1:  # gradients are reduced (and the optimizer sharded) over DP x CP
         per_stage = []  # (exposed, total) seconds of each stage's DP collectives
         for stage, (forward_r, backward_r, _, _) in zip(memory.stages, stages):
-            grads, params = _collective_bytes(stage, layout, d * c // layout.instances)
+            grads, params = _collective_bytes(stage, layout, d * c // layout.instances,
+                                              fp8_param_gather)
             if layout.fsdp2:
                 # Every microbatch: ZeRO-3 gathers the parameters for its forward and its
                 # backward (ZeRO-2 for its forward) and reduce-scatters its gradients
