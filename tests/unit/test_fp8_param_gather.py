@@ -224,3 +224,44 @@ def _gather_unaligned():
 def test_a_weight_at_an_unaligned_offset_gets_an_aligned_copy():
     (first, second), = run_distributed(_gather_unaligned, world_size=1)
     assert first == (True, True, True) and second == (True, True, False)
+
+
+def _forward_after_the_fp8_copies_are_dropped():
+    """A step with the flag, then every cached FP8 weight dropped (as an unexpected
+    weights_changed() would): the next forward refuses the stale high-precision weights; after
+    gather_high_precision_params() it runs, with the loss of a model whose weights are
+    current (the same forward without the flag)."""
+    from megatron.core.fp8.linear import weights_changed
+
+    losses = {}
+    for gather in (False, True):
+        ps.initialize_model_parallel(1, 1)
+        config = _model_config("tensorwise", torch.float32, 1, False)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                            fp8_param_gather=gather)
+        model = build_model(lambda **stage: LlamaModel(config, VOCAB, **stage), config, ddp,
+                            seed=42)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            clip_grad=0.0, use_distributed_optimizer=True, **ADAM), model)
+        batch, = _global_batches(2, 1)
+        rank = ps.get_data_parallel_rank()
+        train_step(_forward_step, iter(batch[rank:rank + 1]), model, optimizer, None, 1, SEQ,
+                   MBS)
+        weights_changed()
+        tokens, labels = batch[rank]
+        if gather:
+            try:
+                model[0](tokens, labels=labels)
+                losses["refused"] = False
+            except RuntimeError as error:
+                losses["refused"] = "gather_high_precision_params()" in str(error)
+            model[0].gather_high_precision_params()
+        with torch.no_grad():
+            losses[gather] = model[0](tokens, labels=labels).mean().item()
+        ps.destroy_model_parallel()
+    return losses
+
+
+def test_stale_high_precision_weights_are_never_quantized():
+    for losses in run_distributed(_forward_after_the_fp8_copies_are_dropped, world_size=2):
+        assert losses["refused"] and losses[True] == losses[False]

@@ -184,13 +184,21 @@ class Bucket:
         begin, end = self.shard_range()
         if self.fp8_gather is not None and not high_precision:
             self.fp8_gather.start(self.param_data, begin, end, async_op)
-            self.high_precision_stale = True
+            self._mark_high_precision(stale=True)
             return
         self.param_gather_handle = all_gather_into_tensor(
             self.param_data, self.param_data[begin:end], group=self.group, async_op=async_op)
         if not async_op:
             self.param_gather_handle = None
-        self.high_precision_stale = False
+        self._mark_high_precision(stale=False)
+
+    def _mark_high_precision(self, stale: bool) -> None:
+        """Whether the FP8 weights' high-precision copies are other ranks' older values (the
+        FP8 layers refuse to quantize them then: fp8/linear.py)."""
+        self.high_precision_stale = stale
+        if self.fp8_gather is not None:
+            for param in self.params:
+                param.fp8_high_precision_stale = stale
 
     def wait_param_gather(self) -> None:
         if self.fp8_gather is not None:

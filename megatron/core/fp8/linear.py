@@ -96,6 +96,18 @@ def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
     return cache[key]
 
 
+def _current(weight: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``source`` (``weight`` or one expert's of it) to quantize, refused where
+    --fp8-param-gather left the high-precision weight stale (param_and_grad_buffer.py):
+    its FP8 copy of the step was dropped, and quantizing the stale values would train on
+    other ranks' older weights without a word."""
+    if getattr(weight, "fp8_high_precision_stale", False):
+        raise RuntimeError("an FP8 weight gathered in FP8 (--fp8-param-gather) lost its FP8 "
+                           "copy of this step while its high-precision copy is stale: call "
+                           "the model's gather_high_precision_params() first.")
+    return source.detach()
+
+
 def weight_cache_bytes(rows: int, cols: int, recipe: str) -> int:
     """The bytes a [rows, cols] weight's cached FP8 copies hold between steps (``_weight`` and
     ``_weight_t``): two copies of one byte an element, and their fp32 scales (tensorwise one
@@ -162,8 +174,8 @@ class Fp8Gemms:
         sharded = self._tensorwise or self.kind == "row"
         source = weight if expert is None else weight[expert]
         q = _cached_weight(weight, self._key("forward", expert),
-                           lambda: self._quantize(source.detach(), dtype, self.weight,
-                                                  sharded, operand="weight"))
+                           lambda: self._quantize(_current(weight, source), dtype,
+                                                  self.weight, sharded, operand="weight"))
         if self.delayed is not None:  # also where evaluation made the cached copy
             self.delayed.record("weight", q.amax)
         return q
