@@ -322,9 +322,13 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
             finish_trace(trace, t)
             consumed_train += gbs
             history.append(losses)  # on the device: the logger reads them at --log-interval
+            # --log-params-norm: the main params' norm where a line is printed (a collective)
+            params_norm = optimizer.params_norm() \
+                if t.log_params_norm and iteration % t.log_interval == 0 else None
             logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
                                 optimizer.get_loss_scale(), skipped_iter=skipped,
                                 grad_norm=grad_norm, num_zeros=num_zeros,
+                                params_norm=params_norm,
                                 consumed_samples=consumed_train,
                                 max_attention_logit=None if qk_clip is None
                                 else qk_clip.max_logit)

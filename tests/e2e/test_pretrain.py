@@ -5,6 +5,7 @@ The pipelined runs also trace iteration 2 (--pipeline-trace-dir): every rank's t
 the schedule's pure order, and tools/plot_pipeline.py draws the directory."""
 import json
 import os
+import re
 
 import pytest
 
@@ -89,13 +90,19 @@ def test_tensorboard_holds_the_logged_values(tmp_path):
 
     flags = TINY + LLAMA + ["--tensorboard-dir", str(tmp_path),
                             "--log-validation-ppl-to-tensorboard",
-                            "--log-batch-size-to-tensorboard"]
-    losses, valid = parse_losses(run_script("pretrain_llama.py", flags))
+                            "--log-batch-size-to-tensorboard", "--log-params-norm"]
+    proc = run_script("pretrain_llama.py", flags)
+    losses, valid = parse_losses(proc)
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm",
+    assert {"lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm", "params-norm",
             "lm loss validation", "lm loss validation ppl"} <= tags, tags
+    # --log-params-norm: on every logged line (3 decimals) and in TensorBoard
+    printed = [float(x) for x in re.findall(r"\| params norm: ([0-9.]+) \|", proc.stdout)]
+    assert len(printed) == 6
+    for event, value in zip(events.Scalars("params-norm"), printed, strict=True):
+        assert abs(event.value - value) <= 5e-4
     logged = [e.value for e in events.Scalars("lm loss")]
     assert [e.step for e in events.Scalars("lm loss")] == list(range(1, 7))
     for got, printed in zip(logged, losses, strict=True):

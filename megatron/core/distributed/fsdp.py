@@ -346,6 +346,9 @@ class FSDP2Optimizer(FP32Optimizer):
     def _reduction_group(self):
         return dist.group.WORLD
 
+    def _local_value(self, main: torch.nn.Parameter) -> torch.Tensor:
+        return _local(main.detach())
+
     def _main_ranges(self):
         # This rank's rows of each parameter (QK-clip scales them; the next forward's
         # all-gather spreads them).

@@ -77,15 +77,32 @@ class MegatronOptimizer:
         return [(p, p.grad) for group in self.optimizer.param_groups
                 for p in group["params"] if p.grad is not None]
 
-    def _grads_for_norm(self) -> List[torch.Tensor]:
+    def _counted_in_norm(self, pairs):
+        """The values of (main param, value) ``pairs`` that a global norm counts: every
+        element of the model once."""
         if optimizer_instances.instance_rank() > 0:
             # HSDP (a sharded optimizer's, the only kind with instances): every instance
             # holds the same shards, instance 0's are counted
             return []
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         replicas = self._replica_ranks()
-        return [grad for param, grad in self._main_params_and_grads()
+        return [value for param, value in pairs
                 if is_counted_in_norm(self._model_param(param), tp_rank, replicas)]
+
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        return self._counted_in_norm(self._main_params_and_grads())
+
+    def _local_value(self, main: torch.nn.Parameter) -> torch.Tensor:
+        """The values of ``main`` this rank holds (FSDP2: its rows)."""
+        return main.detach()
+
+    def params_norm(self) -> torch.Tensor:
+        """The L2 norm of the model's main (fp32) parameters, every element once, summed as
+        the gradient norm is (--log-params-norm; Megatron's calc_params_l2_norm): a
+        one-element device tensor, unread. Collective over the norm's group."""
+        return get_grad_norm_fp32(self._counted_in_norm(
+            (main, self._local_value(main)) for main in self._main_params()),
+            self._reduction_group())
 
     def _replica_ranks(self):
         """(DP rank, expert-DP rank) when the reductions run over DP replicas, else None."""

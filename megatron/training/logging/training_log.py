@@ -285,13 +285,15 @@ class TrainingLogger:
         values at the same steps."""
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = DeviceScalar(grad_norm)
+        if isinstance(params_norm, torch.Tensor):
+            params_norm = DeviceScalar(params_norm)
         if isinstance(max_attention_logit, torch.Tensor):
             max_attention_logit = DeviceScalar(max_attention_logit)
         self._waiting.append(_Step(iteration, losses, learning_rate, loss_scale, skipped_iter,
                                    grad_norm, num_zeros, params_norm, consumed_samples,
                                    max_attention_logit))
         on_device = any(isinstance(v, DeviceReport)
-                        for v in (losses, grad_norm, max_attention_logit))
+                        for v in (losses, grad_norm, params_norm, max_attention_logit))
         if on_device and not self._is_log_point(iteration):
             return None
         return self._log_waiting(interval_seconds)
@@ -299,12 +301,12 @@ class TrainingLogger:
     def _log_waiting(self, interval_seconds: Optional[float]) -> Optional[str]:
         steps, self._waiting = self._waiting, []
         resolve_reports([s.losses for s in steps] + [s.grad_norm for s in steps] +
-                        [s.max_attention_logit for s in steps])
+                        [s.params_norm for s in steps] + [s.max_attention_logit for s in steps])
         line = None
         for s in steps:
             line = self._log_step(
                 s.iteration, _read(s.losses), s.learning_rate, s.loss_scale, s.skipped_iter,
-                _read(s.grad_norm), s.num_zeros, s.params_norm, s.consumed_samples,
+                _read(s.grad_norm), s.num_zeros, _read(s.params_norm), s.consumed_samples,
                 interval_seconds, _read(s.max_attention_logit))
         return line
 
