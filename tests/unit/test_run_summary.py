@@ -33,9 +33,10 @@ def test_start_block_counts_the_model_once_at_any_layout():
                       nproc=4)
     assert _total(four.stdout) == tiny_llama_parameters(256)
     assert "run: 4 processes = TP 2 x CP 1 x PP 2 (1F1B) x DP 1" in four.stdout
-    two = run_script("pretrain_llama.py", FLAGS + ["--use-distributed-optimizer"], nproc=2)
+    two = run_script("pretrain_llama.py", FLAGS + ["--use-distributed-optimizer",
+                                                    "--job-name", "tiny-dp2"], nproc=2)
     assert _total(two.stdout) == tiny_llama_parameters(128)  # replicas counted once
-    assert "run: 2 processes = TP 1 x CP 1 x PP 1 x DP 2" in two.stdout
+    assert "job: tiny-dp2; run: 2 processes = TP 1 x CP 1 x PP 1 x DP 2" in two.stdout
 
 
 def test_first_iteration_validation_and_closing_line(tmp_path):

@@ -357,7 +357,8 @@ def _add_training_args(parser):
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="How long a collective waits for the other ranks before the job fails "
                         "(also how long ranks wait for rank 0 to build dataset indices).")
-    g.add_argument("--job-name", default=None)
+    g.add_argument("--job-name", default=None,
+                   help="A name for the run, printed at the head of its summary (so in its log)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="Per-device peak for MFU, in TFLOP/s. Default: 989 (H100 SXM dense "
                         "BF16) on CUDA; on CPU none, and MFU is not printed.")

@@ -102,8 +102,9 @@ def start_block(args, configs, counts: Tuple[int, int, int], datasets: Sequence,
     saves = f"{t.save} every {t.save_interval} iterations" if t.save and t.save_interval \
         else t.save or "nowhere (no --save)"
     lines = [
-        f"run: {world_size} process{'es' if world_size > 1 else ''} = TP {tp} x CP {cp} x {pipeline} x DP "
-        f"{t.data_parallel_size}" + (f"; EP {ep}" if ep > 1 else ""),
+        (f"job: {t.job_name}; " if t.job_name else "")
+        + f"run: {world_size} process{'es' if world_size > 1 else ''} = TP {tp} x CP {cp} x "
+        f"{pipeline} x DP {t.data_parallel_size}" + (f"; EP {ep}" if ep > 1 else ""),
         f"model: {_count(total)} parameters (this rank {_count(mine)}, the largest "
         f"{_count(largest)}); {tc.num_layers} layers, hidden {tc.hidden_size}, "
         f"{tc.num_attention_heads} heads / {tc.num_query_groups} query groups, vocabulary "
