@@ -147,7 +147,8 @@ def test_fp8_delayed_resume_is_bitwise(tmp_path, ckpt_format):
     from iteration 2 at TP 2 x DP 2 (evaluation at 2 and 4 too), iterations 3 and 4 print the
     uninterrupted run's losses to the digit and save the same tensors (without them the
     resumed step 3 casts with first-step current scales: measured, its loss differs by
-    3e-5). The checkpoint also loads without FP8."""
+    3e-5). The checkpoint also loads without FP8, and (the sharded format) with its
+    histories at another layout."""
     from tests.e2e.test_checkpoint_resume import (
         _assert_bitwise,
         _flags,
@@ -169,6 +170,13 @@ def test_fp8_delayed_resume_is_bitwise(tmp_path, ckpt_format):
     third = run_script("pretrain_llama.py", plain + ["--load", straight, "--ckpt-step", "2"],
                        nproc=4)
     assert "loaded checkpoint" in third.stdout and len(_iteration_losses(third)) == 2
+    # at another layout (TP 1 x PP 2): the sharded format's histories are found by name
+    # (tests/unit/test_fp8_delayed.py checks the values); the torch format's only at its own
+    other = without(flags, "--tensor-model-parallel-size") + [
+        "--pipeline-model-parallel-size", "2", "--load", straight, "--ckpt-step", "2"]
+    fourth = run_script("pretrain_llama.py", other, nproc=2)
+    assert "resharded from" in fourth.stdout or ckpt_format == "torch"
+    assert ("FP8 amax histories not restored" in fourth.stdout) == (ckpt_format == "torch")
 
 
 def test_fp8_param_gather_trains_saves_and_resumes_as_the_plain_gather(tmp_path):

@@ -192,3 +192,42 @@ def test_a_delayed_linear_scales_from_earlier_steps_and_tp2_matches_tp1(kind, fp
                                            want_mb):
                     assert _close(got, want), (name, ((got - want).abs().max()
                                                       / want.abs().max()).item())
+
+
+def _histories_across_a_pipeline_cut():
+    """A 4-layer model's histories, saved by name from one process, restored into the two
+    stages of PP 2 (layers 1-2 and 3-4: built here in one process): every stage finds its own
+    layers' histories, by global layer number, and no other."""
+    from megatron.core.fp8.delayed import capture_histories, named_states, restore_histories
+    from megatron.core.models import LlamaModel, llama_config
+
+    config = llama_config(num_layers=4, hidden_size=64, num_attention_heads=4,
+                          ffn_hidden_size=128,
+                          fp8=Fp8Config(recipe="delayed", amax_history_len=2))
+    whole = LlamaModel(config, 128)
+    for i, state in enumerate(named_states([whole]).values()):  # distinct histories
+        state.history.fill_(float(i + 1))
+        state.steps = 3
+    saved = capture_histories([whole])
+    stages = [LlamaModel(config, 128, pre_process=s == 0, post_process=s == 1,
+                         layer_range=(2 * s, 2 * s + 2)) for s in range(2)]
+    restored = [restore_histories([stage], saved) for stage in stages]
+    names = [sorted(named_states([stage])) for stage in stages]
+    values = [{n: s.history[0, 0].item() for n, s in named_states([stage]).items()}
+              for stage in stages]
+    steps = {s.steps for stage in stages for s in named_states([stage]).values()}
+    return saved, restored, names, values, steps
+
+
+def test_histories_are_saved_by_name_and_restored_at_another_pipeline_cut():
+    from tests.distributed import run_distributed
+
+    (saved, restored, names, values, steps), = run_distributed(
+        _histories_across_a_pipeline_cut, world_size=1, tp=1)
+    assert restored == [True, True] and steps == {3}
+    assert len(saved) == 16 and sorted(names[0] + names[1]) == sorted(saved)
+    assert all("decoder.layers[1]." in n or "decoder.layers[2]." in n for n in names[0])
+    assert all("decoder.layers[3]." in n or "decoder.layers[4]." in n for n in names[1])
+    for stage in values:
+        for name, value in stage.items():
+            assert value == saved[name]["history"][0][0]

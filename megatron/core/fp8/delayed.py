@@ -32,13 +32,16 @@ column 0 the most recent step (TE's ``amax_history`` rotates the same way):
   amax buffers are not initialized, initializes them" from the tensor, with a distributed
   reduction "to match numerics between single GPU and multi GPU").
 
-The histories are training state, saved in checkpoints as plain data
-(``capture_histories``: both formats, in each rank's own record) and restored on a resume at
-the same layout, so a resumed run scales exactly as the uninterrupted one; at another layout,
-or from a checkpoint without them, they restart with the first-step rule (a note says so).
+The histories are training state, saved in checkpoints as plain data by a name every layout
+gives a linear (``named_states``: its layer's global number and its path in the layer;
+``capture_histories``: both formats, in each rank's own record) and restored on a resume, so
+a resumed run scales exactly as the uninterrupted one: at the same layout from the rank's
+own record, at another (the sharded format) from every saved pipeline stage's records merged
+by name. From the torch format at another layout, or a checkpoint without them, they restart
+with the first-step rule (a note says so).
 They are not model state: a checkpoint with them loads without FP8 and the reverse.
 """
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,27 +130,55 @@ def delayed_states(modules: Iterable[torch.nn.Module]) -> List[DelayedScaling]:
     return states
 
 
-def capture_histories(modules: Iterable[torch.nn.Module]) -> Optional[List[dict]]:
-    """What a checkpoint saves: each delayed-scaling linear's state in module order (the
-    same on every TP and DP rank of a pipeline stage); None without delayed scaling."""
-    states = delayed_states(modules)
-    return [s.state_dict() for s in states] if states else None
+def named_states(modules: Iterable[torch.nn.Module]) -> Dict[str, DelayedScaling]:
+    """Each delayed-scaling linear's state by a name every layout gives it: the path of its
+    transformer layer's list, the layer's global number (``layer_number``, the outermost
+    module on the path that has one) and the path inside the layer, e.g.
+    ``decoder.layers[3].self_attention.linear_qkv``."""
+    named = {}
+    for module in modules:
+        for path, layer in module.named_modules():
+            state = getattr(getattr(layer, "fp8", None), "delayed", None)
+            if not isinstance(state, DelayedScaling):
+                continue
+            parts, key = path.split("."), path
+            for end in range(1, len(parts)):
+                number = getattr(module.get_submodule(".".join(parts[:end])), "layer_number",
+                                 None)
+                if number is not None:
+                    key = ".".join(parts[:end - 1]) + f"[{number}]." + ".".join(parts[end:])
+                    break
+            named[key] = state
+    return named
 
 
-def restore_histories(modules: Iterable[torch.nn.Module], saved: Optional[list]) -> bool:
-    """Put ``capture_histories``'s list back; False (nothing changed: the histories restart
-    with the first-step rule) where there is none or it is another model's. True where this
-    run has no delayed scaling (a checkpoint's histories are then ignored)."""
-    states = delayed_states(modules)
-    if not states:
+def capture_histories(modules: Iterable[torch.nn.Module]) -> Optional[Dict[str, dict]]:
+    """What a checkpoint saves: each delayed-scaling linear's state by name (the same on
+    every TP and DP rank of a pipeline stage); None without delayed scaling."""
+    named = named_states(modules)
+    return {name: s.state_dict() for name, s in named.items()} if named else None
+
+
+def restore_histories(modules: Iterable[torch.nn.Module], saved) -> bool:
+    """Put the histories of this rank's linears back from ``saved``: ``capture_histories``'s
+    dict, by name, from any layout (every stage's merged), or an older checkpoint's list in
+    module order (the same layout only). False (nothing changed: the histories restart with
+    the first-step rule) where one is missing or another model's. True where this run has no
+    delayed scaling (a checkpoint's histories are then ignored)."""
+    named = named_states(modules)
+    if not named:
         return True
-    if not saved or len(saved) != len(states):
+    if isinstance(saved, dict):
+        pairs = [(state, saved.get(name)) for name, state in named.items()]
+    elif isinstance(saved, list) and len(saved) == len(named):
+        pairs = list(zip(named.values(), saved))
+    else:
         return False
     try:
-        for state, entry in zip(states, saved):
-            if torch.tensor(entry["history"]).shape != state.history.shape:
+        for state, entry in pairs:
+            if entry is None or torch.tensor(entry["history"]).shape != state.history.shape:
                 return False
-        for state, entry in zip(states, saved):
+        for state, entry in pairs:
             state.load_state_dict(entry)
     except (KeyError, TypeError, ValueError):
         return False

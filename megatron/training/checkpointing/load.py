@@ -4,7 +4,6 @@ Reading and checking happen first, with no collective calls, and every rank lear
 any rank failed before anything is applied; so a bad checkpoint stops every rank with the
 same message instead of leaving some of them waiting in a collective.
 """
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -43,6 +42,7 @@ from megatron.training.checkpointing.sharded_load import (
     ShardedReader,
     read_optimizer,
     read_rng_state,
+    saved_histories,
 )
 from megatron.training.checkpointing.vocab_check import check_vocabulary
 from megatron.training.tokenizer.fingerprint import FINGERPRINT_ARG
@@ -285,9 +285,7 @@ def _read_sharded(model_chunks, configs, iteration_dir: str, iteration: int,
             notes.append("random-generator state not restored (another layout, or none saved)")
     read = _result(t, release, meta, iteration, iteration_dir, notes, rng, models, optimizer,
                    load_optim)
-    text = reader.file(shard_file_name(dist.get_rank())).metadata.get(CHECKPOINT_KEY) \
-        if same_ranks else None
-    read.result.fp8_histories = json.loads(text) if text is not None else None
+    read.result.fp8_histories = saved_histories(reader, saved_layout, same_ranks)
     return read
 
 

@@ -8,9 +8,11 @@ import os
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.fsdp_checkpoint import is_sharded, local_rows
+from megatron.core.fp8.delayed import CHECKPOINT_KEY
 from megatron.core.optimizer.named_state import SavedTensor
 from megatron.core.pipeline_parallel.model_chunks import unwrap_model
 from megatron.training.checkpointing.boxes import Placement, copy_overlap
@@ -224,3 +226,25 @@ def read_rng_state(reader: ShardedReader, rank: int) -> Optional[Dict]:
     except (ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{shard.path}: its RNG state is damaged ({exc}); resume with "
                               f"--no-load-rng or load another iteration.") from None
+
+
+def saved_histories(reader: ShardedReader, saved_layout: Dict, same_ranks: bool):
+    """FP8 delayed scaling's saved histories (fp8/delayed.py) for this rank: its own file's
+    at the same layout; at another, every saved pipeline stage's merged by name (they are
+    the same on every TP, CP and DP rank of a stage: one file a stage, its first rank's, is
+    read), so each linear finds its own whatever the new cut. None where none were saved."""
+    def of(rank: int):
+        text = reader.file(shard_file_name(rank)).metadata.get(CHECKPOINT_KEY)
+        return json.loads(text) if text is not None else None
+    if same_ranks:
+        return of(dist.get_rank())
+    stride = 1
+    for key in ("tensor_model_parallel_size", "context_parallel_size", "data_parallel_size"):
+        stride *= saved_layout.get(key) or 1
+    merged = {}
+    for stage in range(saved_layout.get("pipeline_model_parallel_size") or 1):
+        saved = of(stage * stride)
+        if not isinstance(saved, dict):  # an older checkpoint's list: its own layout only
+            return None
+        merged.update(saved)
+    return merged
