@@ -20,7 +20,8 @@ What stays high precision: the optimizer's main params (fp32) and its state, and
 shard of the model's weights (written from the main params each step). The rest of an FP8
 weight's high-precision copy is not gathered (that would be the bytes saved): it is stale
 until ``gather_high_precision_params`` all-gathers it, which checkpoint saves do first, so a
-checkpoint holds the exact weights whether the flag was on or not.
+checkpoint holds the exact weights whether the flag was on or not; and an FP8 layer that
+lost its copy of the step refuses to quantize a stale weight (fp8/linear.py's ``_current``).
 
 The routed experts' stacked [E, N, K] weights are E matrices, each scaled on its own as
 fp8/experts.py quantizes them (tensorwise one scale an expert; blockwise the stack's rows cut
