@@ -161,7 +161,7 @@ CASES = {
     "experts-blockwise": (("blockwise", False, torch.float32, True), [2, 4, 4, 4]),
     "delayed": (("delayed", True, torch.float32, False), [1] * 8),
 }
-QUICK = ("tensorwise", "blockwise", "delayed")
+QUICK = ("tensorwise",)
 
 
 @pytest.mark.parametrize("case,groups", [

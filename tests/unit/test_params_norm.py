@@ -53,8 +53,10 @@ def _norms(kind, tensor, pipeline):
     return norms, whole
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("distributed", 2, 1), ("plain", 2, 1),
-                                        ("fsdp2", 2, 1), ("distributed", 1, 2)])
+# the other layouts in the full suite only (the quick tier's time)
+@pytest.mark.parametrize("kind,tp,pp", [
+    ("distributed", 2, 1), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("plain", 2, 1), ("fsdp2", 2, 1), ("distributed", 1, 2)))])
 def test_every_layout_gives_the_one_process_norm(kind, tp, pp):
     (reference, whole), = run_distributed(_norms, world_size=1, kind="plain", tensor=1,
                                          pipeline=1)

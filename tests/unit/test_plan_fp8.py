@@ -10,8 +10,9 @@ from megatron.training.planner.step_time import sharded_collective_seconds
 from tests.unit.test_plan_parallelism import LLAMA2_7B, configs_of
 
 
-@pytest.mark.parametrize("recipe,gathered", [("tensorwise", True), ("delayed", True),
-                                             ("rowwise", False)])
+@pytest.mark.parametrize("recipe,gathered", [  # two of them in the full suite only
+    ("tensorwise", True), pytest.param("delayed", True, marks=pytest.mark.slow),
+    pytest.param("rowwise", False, marks=pytest.mark.slow)])
 def test_fp8_rows_with_the_distributed_optimizer_gather_in_fp8(recipe, gathered):
     cluster = Cluster(num_gpus=16, gpus_per_node=8)
     workload = workload_from_flags(LLAMA2_7B + ["--fp8-format", "e4m3", "--fp8-recipe", recipe],
