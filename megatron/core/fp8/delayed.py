@@ -137,14 +137,14 @@ def named_states(modules: Iterable[torch.nn.Module]) -> Dict[str, DelayedScaling
     ``decoder.layers[3].self_attention.linear_qkv``."""
     named = {}
     for module in modules:
-        for path, layer in module.named_modules():
+        submodules = dict(module.named_modules())
+        for path, layer in submodules.items():
             state = getattr(getattr(layer, "fp8", None), "delayed", None)
             if not isinstance(state, DelayedScaling):
                 continue
             parts, key = path.split("."), path
             for end in range(1, len(parts)):
-                number = getattr(module.get_submodule(".".join(parts[:end])), "layer_number",
-                                 None)
+                number = getattr(submodules[".".join(parts[:end])], "layer_number", None)
                 if number is not None:
                     key = ".".join(parts[:end - 1]) + f"[{number}]." + ".".join(parts[end:])
                     break

@@ -96,16 +96,16 @@ def _cached_weight(weight: torch.Tensor, key: str, make) -> Quantized:
     return cache[key]
 
 
-def _current(weight: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``source`` (``weight`` or one expert's of it) to quantize, refused where
-    --fp8-param-gather left the high-precision weight stale (param_and_grad_buffer.py):
-    its FP8 copy of the step was dropped, and quantizing the stale values would train on
-    other ranks' older weights without a word."""
+def _current(weight: torch.Tensor, expert: Optional[int]) -> torch.Tensor:
+    """The values to quantize, detached: ``weight``, or ``weight[expert]`` of the experts'
+    stacked one; refused where --fp8-param-gather left the high-precision weight stale
+    (param_and_grad_buffer.py): its FP8 copy of the step was dropped, and quantizing the stale
+    values would train on other ranks' older weights without a word."""
     if getattr(weight, "fp8_high_precision_stale", False):
         raise RuntimeError("an FP8 weight gathered in FP8 (--fp8-param-gather) lost its FP8 "
                            "copy of this step while its high-precision copy is stale: call "
                            "the model's gather_high_precision_params() first.")
-    return source.detach()
+    return (weight if expert is None else weight[expert]).detach()
 
 
 def weight_cache_bytes(rows: int, cols: int, recipe: str) -> int:
@@ -172,9 +172,8 @@ class Fp8Gemms:
         experts' stacked weight, cached on it (fp8/experts.py)."""
         dtype = self.config.forward_dtype
         sharded = self._tensorwise or self.kind == "row"
-        source = weight if expert is None else weight[expert]
         q = _cached_weight(weight, self._key("forward", expert),
-                           lambda: self._quantize(_current(weight, source), dtype,
+                           lambda: self._quantize(_current(weight, expert), dtype,
                                                   self.weight, sharded, operand="weight"))
         if self.delayed is not None:  # also where evaluation made the cached copy
             self.delayed.record("weight", q.amax)
@@ -187,9 +186,8 @@ class Fp8Gemms:
             return _cached_weight(weight, key,
                                   lambda: _transposed(self._weight(weight, expert)))
         dtype = self.config.forward_dtype
-        source = weight if expert is None else weight[expert]
         return _cached_weight(weight, key, lambda: self._quantize(
-            source.detach().t(), dtype, self.weight, self.kind == "column"))
+            _current(weight, expert).t(), dtype, self.weight, self.kind == "column"))
 
     def _input(self, x: torch.Tensor, transpose: bool = False) -> Quantized:
         """x [M, K]: K is the row-parallel layer's shard."""

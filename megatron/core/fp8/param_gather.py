@@ -52,6 +52,7 @@ from megatron.core.fp8.quantize import (
     TENSORWISE,
     Quantized,
     _scale_and_cast,
+    _tiles,
     encode_scale,
     group_amax,
 )
@@ -113,7 +114,7 @@ class Fp8ShardGather:
         for param in self.params:
             experts, rows, cols = _matrices(param)
             self.grids.append((experts,) if self.scaling == TENSORWISE else
-                              (-(-experts * rows // TILE), -(-cols // TILE)))
+                              (_tiles(experts * rows), _tiles(cols)))
         self.offsets = [0]
         for grid in self.grids:
             self.offsets.append(self.offsets[-1] + math.prod(grid))
@@ -201,7 +202,7 @@ class Fp8ShardGather:
             experts, rows, cols = _matrices(param)
             begin = self.ranges[param][0]
             grid = self._grid(self.scales, i)
-            blocks = -(-rows // TILE)
+            blocks = _tiles(rows)
             for e in range(experts):
                 at = begin + e * rows * cols
                 data = self.data[at:at + rows * cols].view(self.dtype).view(rows, cols)

@@ -19,15 +19,13 @@ _EXPERT_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.weight([12]
 
 
 def _expert_cache(config, shape: ParamShape, which: str, recipe: str) -> int:
-    """weight1 [E, 2f, h] or weight2 [E, h, f] (f this expert-TP rank's). Rowwise, stacked:
-    one byte an element twice, and an fp32 scale per row of each copy (E x (N + K)); the
-    other recipes: each expert's [N, K] as a dense weight's."""
+    """weight1 [E, 2f, h] or weight2 [E, h, f] (f this expert-TP rank's): each expert's
+    [N, K] as a dense weight's (rowwise's stacked copies hold the same bytes and E x (N + K)
+    row scales)."""
     h = config.hidden_size
     f = config.moe.moe_ffn_hidden_size // expert_sizes(config)[1]
     rows, cols = (2 * f, h) if which == "1" else (h, f)
-    if recipe != "rowwise":
-        return shape.dim0 * weight_cache_bytes(rows, cols, recipe)
-    return 2 * shape.numel + 4 * shape.dim0 * (rows + cols)
+    return shape.dim0 * weight_cache_bytes(rows, cols, recipe)
 
 
 def fp8_weight_cache_bytes(config, shapes: List[ParamShape]) -> int:
