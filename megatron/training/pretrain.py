@@ -322,9 +322,9 @@ def _pretrain(train_valid_test_datasets_provider: Callable, model_provider: Call
             finish_trace(trace, t)
             consumed_train += gbs
             history.append(losses)  # on the device: the logger reads them at --log-interval
-            # --log-params-norm: the main params' norm where a line is printed (a collective)
+            # --log-params-norm: the main params' norm where it is logged (a collective)
             params_norm = optimizer.params_norm() \
-                if t.log_params_norm and iteration % t.log_interval == 0 else None
+                if t.log_params_norm and logger.reports(iteration) else None
             logger.training_log(iteration, losses, optimizer.param_groups[0]["lr"],
                                 optimizer.get_loss_scale(), skipped_iter=skipped,
                                 grad_norm=grad_norm, num_zeros=num_zeros,

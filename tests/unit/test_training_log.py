@@ -478,3 +478,44 @@ def test_multi_latent_attention_flops_count_its_projections_and_head_dims():
                                qk_pos_emb_head_dim=4, v_head_dim=6)
     assert latent_attention_of(config) == LatentAttention(16, 8, 8, 4, 6)
     assert latent_attention_of(TransformerConfig()) is None
+
+
+class _Recorder:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_reports_is_where_a_value_computed_for_the_log_appears():
+    """--log-params-norm is computed (a collective) where ``reports`` says: the run's first
+    iteration, every --log-interval and every scalar write; the same on a rank that opens no
+    writer, so every rank joins the same collectives."""
+    recorder = _Recorder()
+    logger, printed, clock = _logger(log_interval=3, tensorboard_log_interval=2,
+                                     writers=[recorder])
+    other_rank, _, _ = _logger(log_interval=3, tensorboard_log_interval=2,
+                               tensorboard_dir="/nonexistent", should_log=lambda: False)
+    for each in (logger, other_rank):
+        each.start(first_iteration=1)
+    reported = [i for i in range(1, 9) if logger.reports(i)]
+    assert reported == [1, 2, 3, 4, 6, 8]
+    assert [i for i in range(1, 9) if other_rank.reports(i)] == reported
+    for iteration in range(1, 9):
+        clock.t += 1.0
+        logger.training_log(iteration, {"lm loss": 2.0}, 1e-4, 1.0,
+                            params_norm=float(iteration) if iteration in reported else None)
+    assert len(printed) == 3  # iterations 1, 3, 6
+    assert all(" params norm: " in line for line in printed), printed
+    assert [(v, s) for tag, v, s in recorder.scalars if tag == "params-norm"] == \
+        [(2.0, 2), (4.0, 4), (6.0, 6), (8.0, 8)]
+    quiet, _, _ = _logger(log_interval=3, tensorboard_log_interval=2)  # no scalars written
+    quiet.start(first_iteration=1)
+    assert [i for i in range(1, 9) if quiet.reports(i)] == [1, 3, 6]

@@ -204,6 +204,9 @@ class TrainingLogger:
         self.timestamps, self.should_log, self.print_fn = timestamps, should_log, print_fn
         self.clock, self.now, self.memory_fn = clock, now, memory_fn
         writers = list(writers)
+        # Whether scalars are written anywhere, the same on every rank (``self.writer`` is
+        # opened on the logging rank only): ``reports`` must agree across ranks.
+        self._writes_scalars = bool(writers or tensorboard_dir or wandb_project)
         if tensorboard_dir and should_log():
             from torch.utils.tensorboard import SummaryWriter
             writers.append(SummaryWriter(log_dir=tensorboard_dir,
@@ -231,6 +234,13 @@ class TrainingLogger:
 
     def _is_log_point(self, iteration: int) -> bool:
         return iteration % self.log_interval == 0 or iteration == self._first_iteration
+
+    def reports(self, iteration: int) -> bool:
+        """Whether ``iteration``'s values are printed or written as scalars (TensorBoard,
+        W&B): where a value computed only for the log is needed (--log-params-norm, a
+        collective: the answer is the same on every rank)."""
+        return self._is_log_point(iteration) or (
+            self._writes_scalars and iteration % self.tensorboard_log_interval == 0)
 
     def _print(self, line: str) -> None:
         if self.should_log():
