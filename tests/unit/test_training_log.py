@@ -480,25 +480,13 @@ def test_multi_latent_attention_flops_count_its_projections_and_head_dims():
     assert latent_attention_of(TransformerConfig()) is None
 
 
-class _Recorder:
-    def __init__(self):
-        self.scalars = []
-
-    def add_scalar(self, tag, value, step):
-        self.scalars.append((tag, value, step))
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-
 def test_reports_is_where_a_value_computed_for_the_log_appears():
     """--log-params-norm is computed (a collective) where ``reports`` says: the run's first
     iteration, every --log-interval and every scalar write; the same on a rank that opens no
     writer, so every rank joins the same collectives."""
-    recorder = _Recorder()
+    from tests.unit.test_host_syncs_per_iteration import Recorder
+
+    recorder = Recorder()
     logger, printed, clock = _logger(log_interval=3, tensorboard_log_interval=2,
                                      writers=[recorder])
     other_rank, _, _ = _logger(log_interval=3, tensorboard_log_interval=2,
