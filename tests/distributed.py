@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch.multiprocessing as mp
 
+from tests import nccl_faithful
+
 _HOST = "127.0.0.1"
 _GRACE_AFTER_FAILURE_S = 10.0
 _DEFAULT_TIMEOUT_S = 180.0
@@ -52,8 +54,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: Dict[str
     torch.set_num_threads(1)  # N ranks share 2 cores
     store = dist.TCPStore(_HOST, port, world_size, is_master=False)
     device.set_device(rank)
-    dist.init_process_group(device.dist_backend(), store=store, rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(_backend(env), store=store, rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
         if task is None:
@@ -99,11 +100,24 @@ def _rank_env(world_size: int) -> Dict[str, str]:
 
 def _device_and_backend(env: Dict[str, str]) -> tuple:
     """What a rank's process group was made for: its device and collective backend, as
-    megatron.core.device resolves them from ``env`` (unset means the default)."""
+    megatron.core.device resolves them from ``env`` (unset means the default), or the
+    nccl-faithful test group (tests/nccl_faithful.py) when ``env`` asks for it."""
     import torch
 
     device = env.get("MEGATRON_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if env.get(nccl_faithful.ENV) == "1":
+        return device, nccl_faithful.BACKEND
     return device, env.get("MEGATRON_DIST_BACKEND") or ("nccl" if device == "cuda" else "gloo")
+
+
+def _backend(env: Dict[str, str]) -> str:
+    """The backend a new rank's default group is made with."""
+    from megatron.core import device
+
+    if _device_and_backend(env)[1] == nccl_faithful.BACKEND:
+        nccl_faithful.register()
+        return nccl_faithful.BACKEND
+    return device.dist_backend()
 
 
 class _Pool:

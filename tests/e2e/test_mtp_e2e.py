@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script
+from tests import nccl_faithful
+from tests.e2e.runner import LLAMA, TINY, parse_losses, run_script, without
 
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 TIED = [f for f in LLAMA if f != "--untie-embeddings-and-output-weights"]
@@ -69,3 +70,30 @@ def test_mtp_with_packed_documents_under_cp_all_gather_equals_one_process():
     assert len(_mtp_losses(single)) == 12
     assert _mtp_losses(proc) == pytest.approx(_mtp_losses(single), rel=1e-5)
     assert _grad_norms(proc) == pytest.approx(_grad_norms(single), abs=NORM_UNIT)
+
+
+@pytest.fixture
+def nccl_faithful_ranks(monkeypatch):
+    """The rank pool's groups poison an async collective's output until wait()
+    (tests/nccl_faithful.py): a read before the wait is NaN, not last step's value."""
+    monkeypatch.setenv(nccl_faithful.ENV, "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [LLAMA, TIED], ids=["untied", "tied"])
+def test_mtp_under_the_overlapped_param_gather_equals_the_plain_gather(nccl_faithful_ranks,
+                                                                        model):
+    """The last stage's embedding copy is read outside its owner's forward (MTP's lookups):
+    without param_sync.gathered() its rows were one step stale on gloo (a race on nccl)."""
+    flags = without(TINY, "--train-iters", "--eval-interval") + model + MTP + [
+        "--train-iters", "3", "--eval-interval", "100",
+        "--pipeline-model-parallel-size", "2"]
+    plain = run_script("pretrain_llama.py", flags + [
+        "--use-distributed-optimizer", "--ddp-bucket-size", "1000"], nproc=4)
+    want = (parse_losses(plain)[0], _mtp_losses(plain))
+    assert len(want[0]) == 3 and len(want[1]) == 6
+    for overlapped in (["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
+                        "--overlap-param-gather"],
+                       ["--overlapped-distributed-optimizer", "--reduce-bucket-size", "1000"]):
+        proc = run_script("pretrain_llama.py", flags + overlapped, nproc=4)
+        assert (parse_losses(proc)[0], _mtp_losses(proc)) == want, overlapped

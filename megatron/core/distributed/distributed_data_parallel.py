@@ -15,6 +15,7 @@ is complete, also without overlap (then synchronously, in the backward hook), an
 all coexist at the end of backward.
 """
 import contextlib
+import functools
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +27,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 )
 from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
 from megatron.core.fp8.param_gather import gathers_in_fp8
+from megatron.core.param_sync import WAIT_ATTR
 from megatron.core.utils import weak_hook
 
 
@@ -139,8 +141,13 @@ class DistributedDataParallel(torch.nn.Module):
         return [bucket for buffer in self.buffers for bucket in buffer.buckets]
 
     def _register_param_gather_waits(self) -> None:
-        """Before a module runs forward, wait for the all-gather of its own parameters only."""
+        """Before a module runs forward, wait for the all-gather of its own parameters only;
+        a parameter read outside its owner's forward waits through param_sync.gathered()."""
         index = {id(b): i for i, b in enumerate(self._gather_order)}
+        wait = weak_hook(self._wait_param_gather)
+        for i, bucket in enumerate(self._gather_order):
+            for param in bucket.params:
+                setattr(param, WAIT_ATTR, functools.partial(wait, i))
         for module in self.module.modules():
             buckets = {index[id(self._bucket_of[p])] for p in module.parameters(recurse=False)
                        if p in self._bucket_of}

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.embedding import LanguageModelEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.param_sync import gathered
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -116,13 +117,17 @@ class GPTModel(torch.nn.Module):
                                        device=hidden.device)
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """This stage's copy of the word embedding, read outside its owner's forward (the
+        tied head, multi-token prediction's lookups): current once returned (gathered())."""
         if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process and self.share_embeddings_and_output_weights:
-            return self.output_layer.weight
-        if self.mtp is not None and self.mtp.word_embeddings is not None:
-            return self.mtp.word_embeddings.weight
-        return None
+            weight = self.embedding.word_embeddings.weight
+        elif self.post_process and self.share_embeddings_and_output_weights:
+            weight = self.output_layer.weight
+        elif self.mtp is not None and self.mtp.word_embeddings is not None:
+            weight = self.mtp.word_embeddings.weight
+        else:
+            return None
+        return gathered(weight)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -161,8 +166,9 @@ class GPTModel(torch.nn.Module):
         return self._per_token_loss(hidden, labels)
 
     def _output_weight(self):
+        """The tied head's weight: the embedding's, another module's parameter."""
         if self.share_embeddings_and_output_weights and self.pre_process:
-            return self.embedding.word_embeddings.weight
+            return gathered(self.embedding.word_embeddings.weight)
         return None
 
     def _logits(self, hidden):
