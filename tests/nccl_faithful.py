@@ -107,8 +107,10 @@ class NcclFaithfulGroup(dist.ProcessGroup):
     def _issue(self, name, launch, outputs, inputs, keep=()):
         """Run ``launch(private_outputs, private_inputs)`` on copies; poison ``outputs`` (but
         ``keep``, what nccl does not write) until wait(); watch inputs not in outputs."""
-        outputs = [t.detach() for t in outputs]  # a parameter's data may be a collective's
-        keep = [t.detach() for t in keep]
+        # .data: written as a collective writes, without autograd's version counter (a saved
+        # tensor written by an all-gather is not "modified in place" on gloo or nccl)
+        outputs = [t.data for t in outputs]
+        keep = [t.data for t in keep]
         private_in = _private(inputs)
         private_out = [torch.empty(t.shape, dtype=t.dtype) for t in outputs]
         works = launch(private_out, private_in)

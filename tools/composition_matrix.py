@@ -40,6 +40,20 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-group
 # Mock data draws ids from the tokenizer's whole vocabulary, end-of-document (64) included:
 # about two documents end in each step's 136 tokens.
 PACKED = "--reset-position-ids --reset-attention-mask --eod-mask-loss".split()
+# DeepSeek-V3's attention (both latents, YaRN) with one depth of multi-token prediction.
+MLA_MTP = ("--multi-latent-attention --q-lora-rank 12 --kv-lora-rank 16 --qk-head-dim 8 "
+           "--qk-pos-emb-head-dim 4 --v-head-dim 6 --rope-type yarn --rotary-scaling-factor 4 "
+           "--original-max-position-embeddings 4 --mtp-num-layers 1").split()
+# What a feature changes in the computation itself: its reference (one process) has it too.
+# The order is the model's name: "dense", "moe+packed", "dense+fp8+muon"...
+MODEL_PARTS = {
+    "moe": MOE,
+    "packed": PACKED,
+    "fp8": "--fp8-format e4m3 --fp8-recipe tensorwise".split(),
+    "muon": "--optimizer muon --muon-use-nesterov --muon-extra-scale-factor 0.2".split(),
+    "mla+mtp": MLA_MTP,
+    "window": "--window-size 5,0 --window-attn-skip-freq 2".split(),
+}
 SHARDED_OPTIMIZER = "--use-distributed-optimizer"
 
 
@@ -52,7 +66,7 @@ class Feature:
     pp: int = 1
     dp: int = 1  # the data-parallel size it needs to mean anything
     ep: int = 1
-    model: str = ""  # "moe" or "packed": the model (and reference) it needs
+    model: str = ""  # a MODEL_PARTS key: the model (and reference) it needs
     shards_optimizer: bool = False  # it chooses how the optimizer state is sharded
     needs_sharding: bool = False  # it needs one of those (the distributed optimizer if none)
     note: str = ""
@@ -79,6 +93,13 @@ FEATURES = (
     _f("recomputation", "--recompute-granularity full --recompute-method uniform "
        "--recompute-num-layers 1"),
     _f("packed documents", " ".join(PACKED), model="packed"),
+    _f("overlapped distributed optimizer", f"{SHARDED_OPTIMIZER} --overlap-grad-reduce "
+       "--overlap-param-gather --ddp-bucket-size 1000", dp=2, shards_optimizer=True,
+       note="buckets of 1000 elements: several reductions and gathers in flight"),
+    _f("FP8", " ".join(MODEL_PARTS["fp8"]), model="fp8", note="tensorwise"),
+    _f("Muon", " ".join(MODEL_PARTS["muon"]), model="muon"),
+    _f("MTP with MLA", " ".join(MLA_MTP), model="mla+mtp"),
+    _f("sliding windows", " ".join(MODEL_PARTS["window"]), model="window"),
 )
 BY_NAME = {f.name: f for f in FEATURES}
 
@@ -89,15 +110,20 @@ class Case:
     features: Tuple[str, ...]
     flags: Tuple[str, ...]
     world: int
-    model: str  # "dense", "dense+packed", "moe" or "moe+packed"
+    model: str  # "dense" or "moe", then its other MODEL_PARTS: "moe+packed", "dense+fp8"...
 
     @property
     def name(self) -> str:
         return " x ".join(self.features)
 
     def model_flags(self) -> List[str]:
-        return BASE + (MOE if "moe" in self.model else []) + \
-            (PACKED if "packed" in self.model else [])
+        parts = self.model.split("+")
+        return BASE + [f for part, flags in MODEL_PARTS.items()
+                       if set(part.split("+")) <= set(parts) for f in flags]
+
+    def reference(self) -> "Case":
+        """One process of the same model: what this case must equal."""
+        return Case((), (), 1, self.model)
 
     def run_key(self):
         """Equal for the same run: distributed optimizer x ZeRO-2 is ZeRO-2 alone."""
@@ -136,7 +162,8 @@ def case_of(*names: str) -> Case:
     ep = max(f.ep for f in features)
     dp = max([f.dp for f in features] + [-(-ep // cp)])  # EP cuts DP x CP
     models = {f.model for f in features}
-    model = ("moe" if "moe" in models else "dense") + ("+packed" if "packed" in models else "")
+    model = "+".join(["moe" if "moe" in models else "dense"] +
+                     [part for part in MODEL_PARTS if part != "moe" and part in models])
     flags = tuple(t for flag, values in merged.items() for t in (flag, *values))
     return Case(tuple(f.name for f in features), flags, tp * cp * pp * dp, model)
 
