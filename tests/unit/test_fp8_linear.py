@@ -215,6 +215,36 @@ def test_the_weight_is_quantized_once_per_optimizer_step():
         quantize(weight.detach(), torch.float8_e4m3fn, ROWWISE).data.view(torch.uint8))
 
 
+def _gather_again_elsewhere(weight):
+    """FSDP2's free_storage and alloc_storage of ``weight``'s bytes in the same storage,
+    until the allocator puts them at another address (each freed address held meanwhile)."""
+    storage, address, nbytes = weight.untyped_storage(), weight.data_ptr(), weight.nbytes
+    held = []
+    for _ in range(8):
+        storage.resize_(0)
+        held.append(torch.empty(nbytes, dtype=torch.uint8))
+        storage.resize_(nbytes)
+        if weight.data_ptr() != address:
+            return
+
+
+def test_the_cached_weight_outlives_fsdp2s_free_and_gather_of_its_bytes():
+    """FSDP2 frees a gathered weight's bytes after use and gathers them again into the same
+    storage, at an address each rank's allocator picks: the cache holds (a miss quantizes and,
+    under TP, all-reduces amaxes, so every rank must hit or miss alike); a ``.data`` swap to
+    another storage quantizes anew."""
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    gemms = Fp8Gemms(Fp8Config(recipe="tensorwise"))
+    first = gemms._weight(weight)
+    values, address = weight.detach().clone(), weight.data_ptr()
+    _gather_again_elsewhere(weight)
+    weight.data.copy_(values)
+    assert weight.data_ptr() != address  # what the cache keyed on before
+    assert gemms._weight(weight) is first
+    weight.data = weight.detach().clone()
+    assert gemms._weight(weight) is not first
+
+
 def _optimizer_step_invalidates():
     """A real optimizer step through MegatronOptimizer (bf16 params, fp32 main params: the
     copy back goes through .data) leaves no stale quantized weight behind."""

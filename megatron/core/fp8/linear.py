@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron.core.fp8.config import TILE, Fp8Config
 from megatron.core.fp8.delayed import DelayedScaling
@@ -76,11 +77,20 @@ def weights_changed() -> None:
     _GENERATION[0] += 1
 
 
+def _storage(weight: torch.Tensor) -> StorageWeakRef:
+    """Which storage ``weight`` lives in (a ``.data`` swap changes it), not where its bytes
+    are: FSDP2 frees an unsharded weight's bytes after use and gathers it again into the same
+    storage at an address that differs from rank to rank, and a cache miss quantizes, which
+    all-reduces amaxes over TP, so every rank must miss alike. The weak reference keeps a
+    dropped storage's identity from being reused while the cache holds it."""
+    return StorageWeakRef(weight.untyped_storage())
+
+
 def _weight_cache(weight: torch.Tensor) -> dict:
     """``weight``'s cache of this optimizer step: valid while no step has happened
     (``weights_changed``), the parameter's version counter (in-place writes through
-    autograd-visible tensors) and its storage are the same."""
-    stamp = (_GENERATION[0], weight._version, weight.data_ptr())
+    autograd-visible tensors) and its storage (``_storage``) are the same."""
+    stamp = (_GENERATION[0], weight._version, _storage(weight))
     cache = getattr(weight, "_fp8_cache", None)
     if cache is None or cache[0] != stamp:
         cache = (stamp, {})
