@@ -16,8 +16,10 @@ considered for sequences of 8192 tokens and more, or when nothing fits without i
 The model comes from Megatron flags after ``--``, a shtools/configs/*.sh file (its
 CONFIG_FLAGS, sourced in bash), or a Hugging Face config.json (LLaMA, Mistral, GPT-2). Their
 parallelism, batch, recomputation, optimizer-sharding and precision flags are ignored: those
-are what the planner chooses. Memory per GPU is ``megatron.training.memory.estimate``'s
-estimate; the step-time model and its assumptions are in
+are what the planner chooses, and so are the flags that mean something only with one of them
+(``--reduce-bucket-size`` with ``--overlapped-distributed-optimizer``: the dependency table,
+megatron/training/arguments/dependencies.py). Memory per GPU is
+``megatron.training.memory.estimate``'s estimate; the step-time model and its assumptions are in
 ``megatron/training/planner/step_time.py``. Prints a ranked table with the flags of each row,
 or the same rows as JSON with --json. Bad input: one message on stderr, exit 1. A Hugging
 Face config's context longer than 4096 (the conversion's default --seq-length cap) is planned

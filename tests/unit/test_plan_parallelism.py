@@ -266,7 +266,13 @@ def test_config_file_and_layout_flags_are_replaced():
     kept = without_layout_flags(shlex.split(
         "--recompute-activations --micro-batch-size=4 --overlapped-distributed-optimizer "
         "--reduce-bucket-size=2e8 --pipeline-model-parallel-size 2 --num-layers 8 --bf16"))
-    assert kept == ["--reduce-bucket-size=2e8", "--num-layers", "8"]
+    # The flags that mean something only with a dropped one go too (dependencies.py's
+    # table); one that did nothing in the input either stays, for parse_args to refuse.
+    assert kept == ["--num-layers", "8"]
+    assert without_layout_flags(shlex.split(
+        "--fp16 --loss-scale 1024 --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b "
+        "--reduce-bucket-size 100 --num-layers 8")) == ["--reduce-bucket-size", "100",
+                                                         "--num-layers", "8"]
 
 
 def error_of(argv, capsys):

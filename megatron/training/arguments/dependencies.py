@@ -13,7 +13,7 @@ constant weight decay (parse.py), the zbv and interleaved schedules at PP=1 (par
 """
 import argparse
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Sequence, Tuple
 
 from megatron.training.training_config import ConfigError
 
@@ -196,11 +196,33 @@ def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str],
     return frozenset(d for d in dests if getattr(args, d, None) != parser.get_default(d))
 
 
+def unmet_dependencies(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       given: FrozenSet[str]) -> List[Dependency]:
+    """Every row, in order, whose flag is ``given`` (dests) and would do nothing."""
+    # The parser knows the dest (--no-reshard-after-forward sets reshard_after_forward).
+    return [row for row in DEPENDENCIES
+            if parser._option_string_actions[row.flag].dest in given and not row.applies(args)]
+
+
 def check_flag_dependencies(parser: argparse.ArgumentParser, args: argparse.Namespace,
                             given: FrozenSet[str]) -> None:
     """ConfigError for the first row whose flag is ``given`` (dests) and would do nothing."""
-    for row in DEPENDENCIES:
-        # The parser knows the dest (--no-reshard-after-forward sets reshard_after_forward).
-        dest = parser._option_string_actions[row.flag].dest
-        if dest in given and not row.applies(args):
-            raise ConfigError(row.message())
+    unmet = unmet_dependencies(parser, args, given)
+    if unmet:
+        raise ConfigError(unmet[0].message())
+
+
+def left_without_partner(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                         given: FrozenSet[str], removed: Mapping[str, object]) -> FrozenSet[str]:
+    """The ``given`` dests that do nothing in ``args`` only because flags were removed from
+    the command line: with the removed flags' values put back (``removed``: dest -> value),
+    every row of theirs is met. A tool that replaces some flags by its own (the planner's
+    layout flags) drops these too, so the rest still parses: ``--reduce-bucket-size`` goes
+    with ``--overlapped-distributed-optimizer``. Flags that do nothing either way stay, for
+    ``check_flag_dependencies`` to refuse."""
+    restored = argparse.Namespace(**{**vars(args), **removed})
+    unmet: Dict[str, List[Dependency]] = {}
+    for row in unmet_dependencies(parser, args, given):
+        unmet.setdefault(parser._option_string_actions[row.flag].dest, []).append(row)
+    return frozenset(dest for dest, rows in unmet.items()
+                     if all(row.applies(restored) for row in rows))

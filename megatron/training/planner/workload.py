@@ -1,11 +1,13 @@
 """What to plan for: a model given as Megatron flags, its sequence length, global batch and
 vocabulary. The flags are parsed by ``arguments.parse_args`` (so any command line that trains
-also plans) after dropping every flag the planner chooses itself (``LAYOUT_DESTS``)."""
+also plans) after dropping every flag the planner chooses itself (``LAYOUT_DESTS``) and those
+that mean something only with one of them (``without_layout_flags``)."""
 import argparse
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from megatron.training.arguments import get_parser, parse_args
+from megatron.training.arguments.dependencies import given_dests, left_without_partner
 from megatron.training.training_config import ConfigError
 
 # The parsed fields the planner decides: parallel layout (CP included), batch split,
@@ -26,20 +28,50 @@ LAYOUT_DESTS = frozenset({
     "num_distributed_optimizer_instances", "fsdp2_reduce_gradients_once"})
 
 
-def without_layout_flags(flags: Sequence[str]) -> List[str]:
-    """``flags`` minus the planner's own (``--flag value``, ``--flag=value`` and switches)."""
-    actions = get_parser()._option_string_actions
+def _without_dests(flags: Sequence[str], dests, parser) -> List[str]:
+    """``flags`` minus those setting ``dests`` (``--flag value``, ``--flag=value``, switches)."""
+    actions = parser._option_string_actions
     kept, i = [], 0
     while i < len(flags):
         token = flags[i]
         action = actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
-        if action is not None and action.dest in LAYOUT_DESTS:
+        if action is not None and action.dest in dests:
             takes_value = action.nargs != 0 and "=" not in token
             i += 2 if takes_value else 1
             continue
         kept.append(token)
         i += 1
     return kept
+
+
+def _parser_for(flags: Sequence[str]) -> argparse.ArgumentParser:
+    """The Megatron parser with what parse_args requires but the plan does not use filled in:
+    defaults that any flag in ``flags`` replaces."""
+    parser = get_parser()
+    parser.set_defaults(micro_batch_size=1, lr=1e-4)
+    if not any(t.split("=", 1)[0] in ("--train-iters", "--train-samples") for t in flags):
+        parser.set_defaults(train_iters=1)
+    return parser
+
+
+def without_layout_flags(flags: Sequence[str]) -> List[str]:
+    """``flags`` minus the planner's own (``LAYOUT_DESTS``), and minus the flags that only
+    those gave a meaning (dependencies.py's table, ``left_without_partner``):
+    ``--reduce-bucket-size`` goes with ``--overlapped-distributed-optimizer``, ``--loss-scale``
+    with ``--fp16``, ``--pipeline-schedule`` with ``--pipeline-model-parallel-size``. A flag
+    that did nothing in the input either stays, for parse_args to refuse."""
+    kept = _without_dests(flags, LAYOUT_DESTS, get_parser())
+    parser = _parser_for(kept)
+    try:
+        given_args, _ = parser.parse_known_args(list(flags))
+        args, _ = parser.parse_known_args(kept)
+    except ConfigError:  # a malformed value: parse_args names it
+        return kept
+    # Unfolded values (no validate_args): the two differ only in the layout dests, and the
+    # rows are compared between them.
+    removed = {dest: getattr(given_args, dest) for dest in LAYOUT_DESTS}
+    dead = left_without_partner(parser, args, given_dests(parser, kept, args), removed)
+    return _without_dests(kept, dead, parser)
 
 
 def _given_global_batch(flags: Sequence[str]) -> Optional[int]:
@@ -100,11 +132,7 @@ def workload_from_flags(flags: Sequence[str], *, seq_length: Optional[int] = Non
         kept += ["--vocab-size", str(vocab_size)]
     if not any(t in ("--torch-compile", "--no-torch-compile") for t in kept):
         kept.append("--torch-compile")  # what the GPUs planned for run by default
-    parser = get_parser()
-    # Required by parse_args, unused by the plan: defaults that any flag in the input replaces.
-    parser.set_defaults(micro_batch_size=1, lr=1e-4)
-    if not any(t.split("=", 1)[0] in ("--train-iters", "--train-samples") for t in kept):
-        parser.set_defaults(train_iters=1)
+    parser = _parser_for(kept)
     try:
         args = parse_args(kept, parser)
     except ConfigError as exc:
