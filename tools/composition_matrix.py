@@ -102,6 +102,12 @@ FEATURES = (
     _f("sliding windows", " ".join(MODEL_PARTS["window"]), model="window"),
 )
 BY_NAME = {f.name: f for f in FEATURES}
+# Beyond the pairs: triples whose three features meet on one code path that no pair reaches
+# (each once trained wrong or crashed): the last stage's embedding copy read by multi-token
+# prediction under the overlapped all-gather; the row-parallel reduce-scatter of FP8 GEMMs
+# under FSDP2 with sequence parallelism.
+TRIPLES = (("PP 1F1B", "overlapped distributed optimizer", "MTP with MLA"),
+           ("TP+SP", "FSDP2", "FP8"))
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,13 @@ def cases() -> Dict[Tuple[str, str], object]:
 
 
 def accepted_cases() -> List[Case]:
-    return [c for c in cases().values() if isinstance(c, Case)]
+    """The pairs the code accepts, then TRIPLES (which it must accept)."""
+    triples = [case_of(*names) for names in TRIPLES]
+    for case in triples:
+        reason = refusal(case)
+        if reason is not None:
+            raise ValueError(f"the triple {case.name} is refused at start: {reason}")
+    return [c for c in cases().values() if isinstance(c, Case)] + triples
 
 
 def render(detail: bool = True, matrix=None) -> str:
@@ -234,6 +246,8 @@ def render(detail: bool = True, matrix=None) -> str:
                     "(the diagonal: the feature alone), ✗n is refused at start with footnote "
                     "n's message, — is not a pair (both set the same option)."), "", *lines, ""]
     out += [_wrapped(note, f"{n + 1}. ") for n, note in enumerate(notes)]
+    out += ["", _wrapped("Also run against one process: " + "; ".join(
+        " x ".join(names) for names in TRIPLES) + ".")]
     if detail:
         out += ["", _wrapped("Each run: a tiny LLaMA (4 layers, hidden 32), micro batch 1, 8 "
                              "sequences a step, 3 steps; EP runs on a 4-expert top-2 MoE of it. "
