@@ -11,6 +11,7 @@ from megatron.training.checkpointing.disk_space import (
     free_bytes,
     looks_like_disk_full,
 )
+from megatron.training.checkpointing.preflight import output_path_problem
 
 
 class ConversionError(Exception):
@@ -18,8 +19,12 @@ class ConversionError(Exception):
 
 
 def check_output_dir(path: str) -> str:
-    """The absolute path of a new (or empty) output directory; nothing is ever overwritten."""
+    """The absolute path of a new (or empty) output directory; nothing is ever overwritten.
+    A path that is a file or lies under one is refused by pretrain's own --save check."""
     path = os.path.abspath(path)
+    problem = output_path_problem(path, "--save", "the converted checkpoint")
+    if problem is not None:
+        raise ConversionError(problem)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise ConversionError(f"output directory {path} exists and is not empty; give a new "
                               f"or empty directory (nothing is overwritten).")

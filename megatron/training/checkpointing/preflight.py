@@ -31,21 +31,32 @@ def _missing_ancestors(path: str) -> List[str]:
 _SAVE_CONTENTS = "the checkpoints (a new one, or one holding earlier checkpoints)"
 
 
-def create_output_directory(path: str, flag: str = "--save",
-                          contents: str = _SAVE_CONTENTS) -> Optional[str]:
-    """Create ``path`` as the writer would; the problem as one line (what and the fix), or
-    None. ``flag`` names the flag, ``contents`` what the directory will hold."""
+def output_path_problem(path: str, flag: str = "--save",
+                        contents: str = _SAVE_CONTENTS) -> Optional[str]:
+    """What stops ``path`` from ever being a directory, found without touching the file
+    system: it is a file, or one of its parents is; the problem as one line, or None. Also
+    the conversion tool's check of its --save (tools/checkpoint/conversion_utils.py)."""
     if os.path.isfile(path):
         return (f"{flag} {path} is a file, not a directory; give a directory path for "
                 f"{contents}.")
+    blocker = next((p for p in _parents(path) if os.path.exists(p) and not os.path.isdir(p)),
+                   None)
+    if blocker is not None:
+        return (f"{flag} {path} cannot be created: {blocker} is a file, not a directory; "
+                f"choose a {flag} path whose parents are directories.")
+    return None
+
+
+def create_output_directory(path: str, flag: str = "--save",
+                            contents: str = _SAVE_CONTENTS) -> Optional[str]:
+    """Create ``path`` as the writer would; the problem as one line (what and the fix), or
+    None. ``flag`` names the flag, ``contents`` what the directory will hold."""
+    problem = output_path_problem(path, flag, contents)
+    if problem is not None:
+        return problem
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        blocker = next((p for p in _parents(path) if os.path.exists(p) and not
-                        os.path.isdir(p)), None)
-        if blocker is not None:
-            return (f"{flag} {path} cannot be created: {blocker} is a file, not a directory; "
-                    f"choose a {flag} path whose parents are directories.")
         return (f"{flag} {path} cannot be created ({_reason(exc)}); choose a {flag} directory "
                 f"you can write to, or create it first.")
     return None

@@ -1,7 +1,8 @@
-"""Bad inputs around checkpoints and conversion: an unusable --save found before iteration 1,
-a full disk during a save or a conversion (a real tiny tmpfs), damaged or incomplete
-checkpoints, and a checkpoint loaded with another tokenizer. Each case: the exit code, one
-``error:`` line saying what and the fix, no traceback, and nothing half-written left."""
+"""Bad inputs around checkpoints and conversion: an unusable --save found before iteration 1
+(converting: before the checkpoint is read), a full disk during a save or a conversion (a real
+tiny tmpfs), damaged or incomplete checkpoints, and a checkpoint loaded with another tokenizer.
+Each case: the exit code, one ``error:`` line saying what and the fix, no traceback, and
+nothing half-written left."""
 import shutil
 import uuid
 
@@ -146,6 +147,20 @@ def test_skip_disk_space_check_warns_then_the_save_fails_cleanly(tmp_path):
         warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: --save")]
         assert len(warning) == 1 and "the save will fail" in warning[0], proc.stderr[-2000:]
         assert listing(mount) == {}
+
+
+@pytest.mark.parametrize("command", ["megatron-to-hf", "megatron-to-megatron"])
+def test_conversion_save_under_a_file_is_an_error_before_converting(tmp_path, saved, command):
+    """The same check as pretrain's --save (preflight.output_path_problem), before the
+    checkpoint is read: no NotADirectoryError from the staging directory."""
+    (tmp_path / "file.txt").write_text("x")
+    before = listing(tmp_path)
+    out = tmp_path / "file.txt" / "ckpt"
+    proc = run(CONVERT, [command, "--load", saved / "tp1", "--save", out])
+    assert_clean_error(proc, 1, f"--save {out} cannot be created",
+                       f"{tmp_path / 'file.txt'} is a file, not a directory",
+                       "choose a --save path whose parents are directories")
+    assert listing(tmp_path) == before
 
 
 def test_disk_full_at_conversion_removes_the_partial_output(tmp_path, saved):
