@@ -4,6 +4,9 @@ import contextlib
 import os
 import shutil
 import sys
+from typing import Dict
+
+import torch
 
 from megatron.training.checkpointing.disk_space import (
     DiskFullError,
@@ -16,6 +19,26 @@ from megatron.training.checkpointing.preflight import output_path_problem
 
 class ConversionError(Exception):
     """A problem the user can act on; convert.py prints it on one line and exits 1."""
+
+
+def _shape_text(tensor: torch.Tensor) -> str:
+    return str(list(tensor.shape))
+
+
+def check_shapes(tensors: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor],
+                 problem: str, source: str, fix: str) -> None:
+    """ConversionError naming the first tensor of ``tensors`` (in ``expected``'s order) whose
+    shape is not the one ``expected`` gives it, its shape and the expected one: ``problem``
+    says what does not fit, ``source`` what implies the expected shapes, ``fix`` what to do.
+    Names only one side has are left to the callers' name checks."""
+    wrong = [name for name, want in expected.items()
+             if name in tensors and tensors[name].shape != want.shape]
+    if not wrong:
+        return
+    first = wrong[0]
+    others = f" (and {len(wrong) - 1} more tensor(s))" if len(wrong) > 1 else ""
+    raise ConversionError(f"{problem}: {first} has shape {_shape_text(tensors[first])} but "
+                          f"{source} implies {_shape_text(expected[first])}{others}; {fix}")
 
 
 def check_output_dir(path: str) -> str:

@@ -38,6 +38,29 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # Block-quantized FP8 weights (DeepSeek-V3's release) carry a ``weight_scale_inv`` each.
 _FP8_SCALE = "_scale_inv"
 
+# The config.json fields that size each family's tensors or route its experts. transformers
+# fills a missing one with its own default (hidden_size 4096, ...), a model other than the
+# weights; a missing field that has a derived meaning (head_dim: hidden / heads,
+# num_key_value_heads: the heads) is not listed.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads")
+_ROUTING = ("num_experts_per_tok",)
+REQUIRED_FIELDS = {
+    "llama": _SIZES, "mistral": _SIZES, "qwen2": _SIZES,
+    "qwen3": _SIZES + ("head_dim",),  # Qwen3Config's default is 128, not hidden / heads
+    "gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
+    "mixtral": _SIZES + _ROUTING + ("num_local_experts",),
+    "qwen2_moe": _SIZES + _ROUTING + ("num_experts", "moe_intermediate_size",
+                                      "shared_expert_intermediate_size"),
+    "qwen3_moe": _SIZES + _ROUTING + ("num_experts", "moe_intermediate_size"),
+    "gpt_oss": _SIZES + _ROUTING + ("num_local_experts", "head_dim"),
+    "deepseek_v3": _SIZES + _ROUTING + (
+        "n_routed_experts", "moe_intermediate_size", "n_shared_experts",
+        "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+}
+_NULLABLE_FIELDS = {"q_lora_rank"}  # DeepSeek-V3 without the query latent: null
+
 
 def read_config(hf_dir: str):
     """The transformers config of ``hf_dir``, after checking it is a supported architecture."""
@@ -71,12 +94,29 @@ def read_config_file(path: str):
                                            "quantization_config fp8 in config.json"))
     import transformers  # deferred: seconds to import
 
-    config = getattr(transformers, _CONFIG_CLASSES[model_type]).from_dict(raw)
+    config_class = getattr(transformers, _CONFIG_CLASSES[model_type])
+    _check_required_fields(raw, model_type, config_class.attribute_map, path)
+    config = config_class.from_dict(raw)
     # gpt-oss's hidden_act is unused (its experts' clamped quick-GeGLU is fixed)
     if model_type not in ("gpt2", "gpt_oss") and getattr(config, "hidden_act", "silu") != "silu":
         raise ConversionError(f"{path}: hidden_act {config.hidden_act!r} is not supported "
                               f"(LLaMA's MLP is SwiGLU: 'silu').")
     return config
+
+
+def _check_required_fields(raw: Dict, model_type: str, aliases: Dict[str, str],
+                           path: str) -> None:
+    """ConversionError naming the fields of REQUIRED_FIELDS that ``raw`` (config.json's own
+    keys, before transformers fills in defaults) lacks; ``aliases`` (the config class's
+    attribute_map: other name -> field) count as the field."""
+    given = {aliases.get(k, k) for k, v in raw.items() if v is not None or k in _NULLABLE_FIELDS}
+    missing = [f for f in REQUIRED_FIELDS[model_type] if aliases.get(f, f) not in given]
+    if missing:
+        raise ConversionError(
+            f"{path} lacks {', '.join(missing)}, which a {model_type} model needs: add "
+            f"{'it' if len(missing) == 1 else 'them'} with the value(s) of the model's weights; "
+            f"no default is assumed (transformers' own, e.g. hidden_size 4096, would describe "
+            f"another model).")
 
 
 def _fp8_message(where: str, evidence: str) -> str:
@@ -127,10 +167,16 @@ def _load_bin(path: str) -> Dict[str, torch.Tensor]:
 
 
 def _load_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         return load_file(path, device="cpu")
+    except SafetensorError:  # its header or data do not add up: the bytes are incomplete
+        raise ConversionError(f"{path} is damaged or truncated (not a complete safetensors "
+                              f"file, as an interrupted download or copy leaves it); "
+                              f"re-download it, or re-save the model with "
+                              f"save_pretrained.") from None
     except Exception as exc:
         raise ConversionError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
 
@@ -165,6 +211,24 @@ def read_weights(hf_dir: str, progress: bool = True) -> Dict[str, torch.Tensor]:
                      else _load_bin(path))
         if bar:
             bar(i + 1, note=os.path.basename(path))
+    return state
+
+
+def expected_tensors(config, source: str) -> Dict[str, torch.Tensor]:
+    """Shape-only (meta device) tensors of every weight of ``config``'s model, as
+    transformers builds it, under the names checkpoints on disk use (experts per expert);
+    ``source`` names where ``config`` came from, for the error."""
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # sizes transformers cannot build (e.g. negative)
+        raise ConversionError(f"transformers cannot build the model {source} describes "
+                              f"({type(exc).__name__}: {exc}); correct it.") from None
+    state = dict(model.state_dict())
+    if hf_moe_io.is_moe(config.model_type):  # transformers >= 5 holds them stacked
+        state = hf_moe_io.per_expert_weights(state, config)
     return state
 
 
