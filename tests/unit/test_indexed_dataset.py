@@ -239,24 +239,27 @@ def test_index_shorter_than_header(tmp_path):
     prefix = write_raw(str(tmp_path / "ds"))
     with open(prefix + ".idx", "r+b") as f:
         f.truncate(20)
-    expect_error(prefix, ".idx", "index truncated: 20 bytes, shorter than the 34-byte header")
+    expect_error(prefix, ".idx", "index file truncated or damaged: 20 bytes, shorter than the "
+                 "34-byte header; re-run tools/preprocess_data.py")
 
 
 def test_index_truncated(tmp_path):
     # 4 sequences and 4 document indices need 34 + 12*4 + 8*4 = 114 bytes.
     prefix = write_raw(str(tmp_path / "ds"), idx_cut=8)
-    expect_error(prefix, ".idx", "index truncated: 106 bytes, but 4 sequences and 4 document "
-                 "indices need 114")
+    expect_error(prefix, ".idx", "index file truncated or damaged: 106 bytes, but its header's "
+                 "4 sequences and 4 document indices need 114; re-run "
+                 "tools/preprocess_data.py to rewrite the .bin/.idx pair")
 
 
 def test_index_count_larger_than_data(tmp_path):
     prefix = write_raw(str(tmp_path / "ds"), n_seq=1000)
-    expect_error(prefix, ".idx", "index truncated: .* 1000 sequences")
+    expect_error(prefix, ".idx", "index file truncated or damaged: .* 1000 sequences")
 
 
 def test_index_with_extra_bytes(tmp_path):
     prefix = write_raw(str(tmp_path / "ds"), idx_extra=b"\x00" * 3)
-    expect_error(prefix, ".idx", "3 unexpected bytes after the document indices")
+    expect_error(prefix, ".idx", "index file damaged: 3 unexpected bytes after the "
+                 "document indices.*re-run tools/preprocess_data.py")
 
 
 def test_data_file_truncated(tmp_path):

@@ -43,6 +43,8 @@ _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 
 # The fix for a damaged or mismatched pair, in every message about one.
 REWRITE = "re-run tools/preprocess_data.py to rewrite the .bin/.idx pair"
+# An .idx shorter than its header says (an interrupted write or copy, a full disk).
+_DAMAGED = "index file truncated or damaged"
 
 # Vectorized checks walk the data in blocks of this many elements to bound temporary memory.
 _BLOCK = 1 << 24
@@ -110,8 +112,8 @@ class IndexedDataset:
     def _read_index(self, idx_path):
         buf = _map_file(idx_path)
         if len(buf) < _HEADER.size:
-            raise IndexedDatasetError(f"{idx_path}: index truncated: {len(buf)} bytes, shorter "
-                                      f"than the {_HEADER.size}-byte header")
+            raise IndexedDatasetError(f"{idx_path}: {_DAMAGED}: {len(buf)} bytes, shorter than "
+                                      f"the {_HEADER.size}-byte header; {REWRITE}")
         magic, version, code, n_seq, n_doc = _HEADER.unpack_from(buf, 0)
         if magic != _MAGIC:
             raise IndexedDatasetError(f"{idx_path}: not a Megatron indexed dataset index (magic "
@@ -126,13 +128,14 @@ class IndexedDataset:
         expected = _HEADER.size + 12 * n_seq + 8 * n_doc
         if len(buf) < expected:
             raise IndexedDatasetError(
-                f"{idx_path}: index truncated: {len(buf)} bytes, but {n_seq} sequences and "
-                f"{n_doc} document indices need {expected}")
+                f"{idx_path}: {_DAMAGED}: {len(buf)} bytes, but its header's {n_seq} sequences "
+                f"and {n_doc} document indices need {expected}; {REWRITE}")
         # Megatron's multimodal variant appends one int8 mode per sequence; tolerate (ignore) it.
         if len(buf) not in (expected, expected + n_seq):
-            raise IndexedDatasetError(f"{idx_path}: {len(buf) - expected} unexpected bytes after "
-                                      f"the document indices (file is {len(buf)} bytes, the "
-                                      f"counts in its header say {expected})")
+            raise IndexedDatasetError(f"{idx_path}: index file damaged: {len(buf) - expected} "
+                                      f"unexpected bytes after the document indices (file is "
+                                      f"{len(buf)} bytes, the counts in its header say "
+                                      f"{expected}); {REWRITE}")
         offset = _HEADER.size
         self._lengths = np.frombuffer(buf, np.int32, n_seq, offset)
         offset += 4 * n_seq

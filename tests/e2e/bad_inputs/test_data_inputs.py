@@ -187,10 +187,17 @@ def _missing_idx(prefix):
     return [f"missing data file(s) {prefix}.idx", "tools/preprocess_data.py"]
 
 
+def _truncated_idx(prefix):
+    with open(prefix + ".idx", "r+b") as f:  # an interrupted copy: the header, half the rest
+        f.truncate(os.path.getsize(prefix + ".idx") // 2)
+    return [f"{prefix}.idx: index file truncated or damaged",
+            "re-run tools/preprocess_data.py to rewrite the .bin/.idx pair"]
+
+
 @pytest.mark.parametrize("damage", [_truncated_bin, _bin_of_another_dtype, _float_dataset,
-                                    _missing_idx],
+                                    _missing_idx, _truncated_idx],
                          ids=["data-truncated-bin", "data-idx-of-another-dtype",
-                              "data-float-values", "data-missing-idx"])
+                              "data-float-values", "data-missing-idx", "data-truncated-idx"])
 def test_damaged_data_files(tmp_path, damage):
     prefix = write_dataset(tmp_path / "data", 30, dtype=np.int32)
     fragments = damage(prefix)
