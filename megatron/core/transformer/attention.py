@@ -180,12 +180,18 @@ def _learned_sinks(config, local_heads: int) -> torch.nn.Parameter:
 
 
 class SelfAttention(torch.nn.Module):
-    def __init__(self, config, layer_number: int):
+    def __init__(self, config, layer_number: int, kernel_device_type: Optional[str] = None):
+        """``kernel_device_type``: whose kernel rules pick the attention path, fixed here
+        (``kernel_device``): None, the device each call's tensors are on; "cuda" on CPU runs
+        the branches CUDA takes (the memory-efficient kernel's K/V expansion, the math kernel
+        where CUDA falls back to it, the variable-length kernel, the CUDA flash block kernel)
+        with CPU kernels or stand-ins (tests/unit/test_attention_kernel_branches.py)."""
         super().__init__()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         check_attention_partition(config, tp_size)
         self.config = config
         self.layer_number = layer_number
+        self.kernel_device_type = kernel_device_type
         self.apply_rotary = rotary_function(config)  # compiled under --torch-compile
         self.window = layer_window(config, layer_number)  # None: full causal attention
         self.softmax_scale = None  # None: 1 / sqrt(the query head dim), SDPA's default
@@ -301,11 +307,16 @@ class SelfAttention(torch.nn.Module):
             comm_type=self.config.cp_comm_type, dropout_p=dropout, dropout_seed=seed,
             head_offset=parallel_state.get_tensor_model_parallel_rank() * self.local_heads,
             document_ids=None if packed_seq_params is None else packed_seq_params.document_ids,
-            softmax_scale=self.softmax_scale, window=self.window, sinks=self.sinks)
+            softmax_scale=self.softmax_scale, window=self.window, sinks=self.sinks,
+            kernel_device_type=self.kernel_device(query))
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def kernel_device(self, query) -> str:
+        """The device type whose kernel rules apply to this call (see ``__init__``)."""
+        return self.kernel_device_type or query.device.type
+
     def _kernel(self, query, attention_mask, dropout: float) -> Tuple[str, bool]:
-        return sdpa_kernel_for(query.device.type, query.dtype, self.head_dim,
+        return sdpa_kernel_for(self.kernel_device(query), query.dtype, self.head_dim,
                                self.heads_per_group > 1, attention_mask is not None, dropout > 0)
 
     def _core_attention(self, query, key, value, attention_mask, packed_seq_params=None):
@@ -345,7 +356,8 @@ class SelfAttention(torch.nn.Module):
                                               **kwargs)
 
     def _varlen_applies(self, query, dropout: float) -> bool:
-        return (query.is_cuda and varlen_kernel() is not None and dropout == 0
+        return (self.kernel_device(query) == "cuda" and varlen_kernel() is not None
+                and dropout == 0
                 and query.dtype in HALF_DTYPES and self.head_dim <= FLASH_MAX_HEAD_DIM
                 and (self.window is None or "window_size" in _VARLEN_PARAMS))
 

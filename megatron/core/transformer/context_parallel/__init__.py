@@ -125,7 +125,8 @@ def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2
                                head_offset: int = 0, document_ids=None,
                                softmax_scale: Optional[float] = None,
                                window: Optional[int] = None,
-                               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               sinks: Optional[torch.Tensor] = None,
+                               kernel_device_type: Optional[str] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, which is sharded over
     the CP ``group`` in the load-balanced layout (see load_balanced_positions).
 
@@ -139,7 +140,9 @@ def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2
     attention_dropout_keep. ``window`` W: each query sees only the keys at most W positions
     before it (blocks wholly outside are skipped). ``sinks`` [hq] (gpt-oss): one learned
     logit per local head added to every softmax's denominator, differentiable. ``group`` None
-    (or one rank) is plain causal attention, in query blocks when masked (never s x s)."""
+    (or one rank) is plain causal attention, in query blocks when masked (never s x s).
+    ``kernel_device_type``: whose block kernels to choose from (choose_block_kernel; default
+    the query's device; "cuda" on CPU in tests, with a stand-in for the CUDA flash op)."""
     _check_inputs(query, key, value, comm_type, dropout_p, dropout_seed, document_ids)
     layout = _group_layout(group, query.shape[2], query.device)
     if document_ids is not None and document_ids.shape[1] != query.shape[2] * layout.size:
@@ -147,7 +150,8 @@ def context_parallel_attention(query, key, value, *, group, comm_type: str = "p2
                          f"sequence has {query.shape[2] * layout.size}")
     if sinks is not None and sinks.shape != (query.shape[1],):
         raise ValueError(f"sinks must be [hq] = [{query.shape[1]}], got {tuple(sinks.shape)}")
-    kernel = choose_block_kernel(query.device.type, query.dtype, query.shape[3],
+    kernel = choose_block_kernel(kernel_device_type or query.device.type, query.dtype,
+                                 query.shape[3],
                                  document_ids is not None or window is not None, dropout_p > 0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[3])
     settings = BlockSettings(scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
