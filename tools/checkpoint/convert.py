@@ -48,11 +48,11 @@ from tokenizer_files import TOKENIZER_DIR  # noqa: E402
 import hf_moe_io  # noqa: E402
 import megatron_args  # noqa: E402
 import megatron_moe_args  # noqa: E402
+import shape_checks  # noqa: E402
 from conversion_utils import (  # noqa: E402
     ConversionError,
     Progress,
     check_output_dir,
-    check_shapes,
     say,
     staged_output_dir,
 )
@@ -81,7 +81,7 @@ from megatron.training.tokenizer.fingerprint import (  # noqa: E402
 )
 
 FLAGS_FILE = "megatron_flags.txt"
-_EMBEDDING = "embedding.word_embeddings.weight"
+_EMBEDDING = shape_checks.EMBEDDING
 
 
 def _dtype_note(dtype) -> str:
@@ -142,7 +142,7 @@ def hf_to_megatron_cmd(a) -> str:
     if rows != vocab:
         raise ConversionError(f"the embedding of {a.load} has {rows} rows but config.json's "
                               f"vocab_size is {vocab}; fix config.json.")
-    _check_hf_shapes(hf_state, config, a.load)
+    shape_checks.check_hf(hf_state, config, a.load)
     try:
         full = hf_to_megatron(hf_state, config)
     except (ValueError, RuntimeError) as exc:
@@ -188,26 +188,6 @@ def hf_to_megatron_cmd(a) -> str:
     layout = _layout_text(a.ckpt_format, tp, pp, vpp, args)
     return (f"wrote a release checkpoint ({layout}) of {config.model_type} to {save}; "
             f"training flags in {os.path.join(save, FLAGS_FILE)}")
-
-
-def _check_hf_shapes(hf_state, config, hf_dir: str) -> None:
-    """Every HF tensor has the shape config.json gives it: the weights are the truth, and a
-    size config.json gets wrong would otherwise be written into the flags and args."""
-    config_path = os.path.join(hf_dir, "config.json")
-    check_shapes(hf_state, hf_io.expected_tensors(config, config_path),
-                 f"the weights in {hf_dir} do not fit {config_path}", "config.json",
-                 "correct config.json to describe the weights, or re-download the model if a "
-                 "weight file is damaged.")
-
-
-def _check_megatron_shapes(full, hf_config, iteration_dir: str) -> None:
-    """Every tensor of our checkpoint has the shape its saved args give it: transformers'
-    model of the args' HF equivalent, its tensors mapped to ours by the converter."""
-    expected = hf_to_megatron(hf_io.expected_tensors(hf_config, f"{iteration_dir}'s args"),
-                              hf_config)
-    check_shapes(full, expected, f"the checkpoint {iteration_dir} does not fit the args it "
-                 f"records", "its args", "the checkpoint is damaged or was not written with "
-                 "these args: convert another iteration (--ckpt-step) or re-save it.")
 
 
 def _files(a, tp: int, pp: int) -> int:
@@ -266,7 +246,7 @@ def megatron_to_hf_cmd(a) -> str:
     dtype = full[_EMBEDDING].dtype
     hf_config = megatron_args.hf_config_from_args(args, layout["vocab_size"], dtype,
                                                   hf_io.special_token_ids(tokenizer_dir))
-    _check_megatron_shapes(full, hf_config, iteration_dir)
+    shape_checks.check_megatron(full, hf_config, iteration_dir)
     try:
         state = megatron_to_hf(full, hf_config)
         # transformers >= 5 holds MoE experts stacked: check the names it would have
@@ -310,7 +290,7 @@ def megatron_to_megatron_cmd(a) -> str:
         raise ConversionError("--save must differ from --load.")
     save = check_output_dir(a.save)
     iteration_dir, full, layout, args = _read_checkpoint(a.load, a.ckpt_step)
-    _check_resharded_shapes(full, layout, args, iteration_dir)
+    shape_checks.check_resharded(full, layout, args, iteration_dir)
     tokenizer_src = os.path.join(a.load, TOKENIZER_DIR)
     if os.path.isdir(tokenizer_src) and args.get("tokenizer_name_or_path") and \
             os.path.abspath(args["tokenizer_name_or_path"]) == os.path.abspath(tokenizer_src):
@@ -347,17 +327,6 @@ def megatron_to_megatron_cmd(a) -> str:
                      os.path.abspath(iteration_dir), iteration is None, full[_EMBEDDING].dtype)
     return (f"wrote {'release' if iteration is None else f'iteration {iteration}'} "
             f"({_layout_text(a.ckpt_format, tp, pp, vpp, args)}, model weights only) to {save}")
-
-
-def _check_resharded_shapes(full, layout, args, iteration_dir: str) -> None:
-    """_check_megatron_shapes for a checkpoint whose model has a Hugging Face equivalent (the
-    shapes come through it); one without (no HF config for its args) is copied unchecked."""
-    try:
-        hf_config = megatron_args.hf_config_from_args(args, layout["vocab_size"],
-                                                      full[_EMBEDDING].dtype, {})
-    except ConversionError:
-        return
-    _check_megatron_shapes(full, hf_config, iteration_dir)
 
 
 def _convert_format(a, save: str, iteration_dir: str, args, tokenizer_src: str) -> str:
